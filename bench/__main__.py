@@ -1,0 +1,63 @@
+"""`python -m bench`: time every op with every implementation this machine has.
+
+On a GPU or TPU: the platform's kernel (natively) and `xla`, at realistic sizes. On a CPU:
+`xla` at CPU-sized shapes, then small interpreted rows for the Triton and Mosaic kernels; those
+rows check that the kernels' code runs and agrees with the reference, they are not speed
+figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import jax
+
+from bench import harness
+from bench import matmul as matmul_bench
+from kernels import _dispatch
+
+BENCHES = {"matmul": matmul_bench}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    parser.add_argument("--ops", default=",".join(BENCHES),
+                        help="comma-separated ops (default: all)")
+    parser.add_argument("--repeats", type=int, default=10, help="timed runs per row")
+    parser.add_argument("--json", metavar="PATH", help="also write all rows to PATH")
+    parser.add_argument("--no-interpret", action="store_true",
+                        help="skip the interpreted correctness rows on a CPU")
+    args = parser.parse_args(argv)
+    ops = [op.strip() for op in args.ops.split(",")]
+    unknown = [op for op in ops if op not in BENCHES]
+    if unknown:
+        parser.error(f"unknown ops {unknown}; choose from {list(BENCHES)}")
+
+    defaults = _dispatch.implementations(None)
+    native = [(name, False) for name in defaults if name != "xla"] + [("xla", False)]
+    on_accelerator = len(native) > 1
+    print(f"jax {jax.__version__}, backend {jax.default_backend()}, "
+          f"devices {[d.device_kind for d in jax.devices()]}; default implementations "
+          f"{defaults}", flush=True)
+    rows = []
+    for op in ops:
+        for case in BENCHES[op].cases("native" if on_accelerator else "cpu"):
+            rows += harness.measure(case, native, args.repeats)
+        if not on_accelerator and not args.no_interpret:
+            for case in BENCHES[op].cases("interpret"):
+                rows += harness.measure(case, [("triton", True), ("mosaic", True), ("xla", False)],
+                                        repeats=3)
+    print(harness.table(rows))
+    print("floor_*_us: roofline floor on that device from the op's flop and byte counts "
+          "(max of compute time and memory time).\nRows marked (interpret) run the GPU/TPU "
+          "kernel code in Pallas interpret mode on this CPU: correctness rows, not speed.")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

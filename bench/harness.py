@@ -1,0 +1,120 @@
+"""The one benchmark harness: a timer, a row per (case, implementation), a table and JSON.
+
+Every op's bench module returns `Case`s; the harness times each case with every implementation
+available here, next to the `xla` reference measured in the same run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+# Peak figures for the roofline floor: dense matrix throughput per input dtype (FLOP/s; float32
+# at each platform's default matmul precision: TF32 on H100, one bfloat16 pass on TPU) and HBM
+# bandwidth (B/s). H100 SXM5 and TPU v5e data sheets.
+DEVICES = {
+    "H100": {"flops": {"bfloat16": 989e12, "float16": 989e12, "float32": 495e12,
+                       "float64": 67e12}, "bandwidth": 3.35e12},
+    "TPU v5e": {"flops": {"bfloat16": 197e12, "float16": 197e12, "float32": 197e12},
+                "bandwidth": 0.819e12},
+}
+
+
+@dataclasses.dataclass
+class Case:
+    """One benchmark problem.
+
+    run(implementation, interpret) returns the op as a function of `args`; `expected` is the
+    reference result in float32 or wider, for the error column; `baselines` are other
+    programs (NumPy, SciPy) timed on the same inputs.
+    """
+
+    op: str
+    shape: str
+    dtype: str
+    args: tuple[Any, ...]
+    run: Callable[[str, bool], Callable[..., Any]]
+    expected: Any
+    flops: int
+    bytes: int
+    baselines: dict[str, Callable[..., Any]] = dataclasses.field(default_factory=dict)
+
+
+def median_seconds(fn: Callable[..., Any], *args: Any, repeats: int, warmup: int = 2) -> float:
+    """Median wall time of `fn(*args)`, waiting for the result (JAX dispatches asynchronously:
+    without the wait a benchmark times only the dispatch)."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def max_relative_error(actual: Any, expected: Any) -> float:
+    actual = np.asarray(actual, np.float64)
+    expected = np.asarray(expected, np.float64)
+    scale = np.max(np.abs(expected), initial=0.0)
+    error = np.max(np.abs(actual - expected), initial=0.0)
+    return float(error / scale) if scale else float(error)
+
+
+def roofline_floor_us(case: Case, device: str) -> float | None:
+    spec = DEVICES[device]
+    peak = spec["flops"].get(case.dtype)
+    if peak is None:
+        return None
+    return max(case.flops / peak, case.bytes / spec["bandwidth"]) * 1e6
+
+
+def measure(case: Case, implementations: Sequence[tuple[str, bool]], repeats: int) -> list[dict]:
+    """Rows for `case`: each (implementation, interpret) pair, then the baselines."""
+    rows, xla_seconds = [], None
+    programs = [(name, interpret, jax.jit(case.run(name, interpret)))
+                for name, interpret in implementations]
+    programs += [(name, False, fn) for name, fn in case.baselines.items()]
+    for name, interpret, fn in programs:
+        seconds = median_seconds(fn, *case.args, repeats=repeats)
+        if name == "xla":
+            xla_seconds = seconds
+        rows.append({
+            "op": case.op, "shape": case.shape, "dtype": case.dtype,
+            "implementation": name + (" (interpret)" if interpret else ""),
+            "kind": "correctness only" if interpret else "speed",
+            "median_ms": seconds * 1e3,
+            # Interpreted rows are correctness rows: throughput figures would mislead.
+            "GB/s": None if interpret else case.bytes / seconds / 1e9,
+            "TFLOP/s": None if interpret else case.flops / seconds / 1e12,
+            "max_rel_err": max_relative_error(fn(*case.args), case.expected),
+            **{f"floor_{d}_us": roofline_floor_us(case, d) for d in DEVICES},
+        })
+    for row in rows:
+        row["vs_xla"] = (row["median_ms"] / (xla_seconds * 1e3)
+                         if xla_seconds and row["kind"] == "speed" else None)
+    return rows
+
+
+_COLUMNS = [("op", "{}"), ("shape", "{}"), ("dtype", "{}"), ("implementation", "{}"),
+            ("median_ms", "{:.3f}"), ("vs_xla", "{:.2f}x"), ("GB/s", "{:.1f}"),
+            ("TFLOP/s", "{:.3f}"), ("max_rel_err", "{:.1e}"), ("floor_H100_us", "{:.1f}"),
+            ("floor_TPU v5e_us", "{:.1f}")]
+
+
+def table(rows: list[dict]) -> str:
+    """Rows as an aligned text table; '-' where a figure does not apply."""
+    cells = [[name for name, _ in _COLUMNS]]
+    for row in rows:
+        cells.append([("-" if row[name] is None else fmt.format(row[name]))
+                      for name, fmt in _COLUMNS])
+    widths = [max(len(line[i]) for line in cells) for i in range(len(_COLUMNS))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in cells]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)

@@ -1,0 +1,10 @@
+"""Custom JAX kernels written in Pallas, each with the exact meaning of its `reference` op.
+
+Every op takes keyword-only `implementation=None` ("xla", "triton", "mosaic" or a sequence to
+try in order) and `interpret=None` (run a Pallas kernel interpreted exactly when its platform is
+absent), see DESIGN.md.
+"""
+
+from kernels.matmul import MatmulConfig, matmul
+
+__all__ = ["matmul", "MatmulConfig"]

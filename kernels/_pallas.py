@@ -1,0 +1,136 @@
+"""The one module that imports Pallas backend modules.
+
+Everything that differs between the supported jax versions (0.10.2 on Python 3.11, the newest on
+Python 3.12+) is hidden here, so a version difference is fixed in one place: compiler-parameter
+classes, Triton's masked load/store, TPU interpret parameters, and the abstract device that lets
+jax 0.11+ lower a kernel for a platform this machine does not have.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as plt
+
+__all__ = [
+    "pl",
+    "pltpu",
+    "triton_load",
+    "triton_store",
+    "triton_call",
+    "mosaic_call",
+    "lowered_text",
+    "TRITON_CALL_MARKER",
+    "MOSAIC_CALL_MARKER",
+]
+
+TRITON_CALL_MARKER = "__gpu$xla.gpu.triton"
+MOSAIC_CALL_MARKER = "tpu_custom_call"
+
+triton_load = plt.load
+triton_store = plt.store
+
+
+def _tpu_interpret_params() -> pltpu.InterpretParams:
+    # Strict by default: an out-of-bounds read raises instead of being clamped, and memory a
+    # kernel reads before writing is NaN, so a kernel that relies on either fails loudly here.
+    return pltpu.InterpretParams(out_of_bounds_reads="raise", uninitialized_memory="nan")
+
+
+def triton_call(
+    kernel: Callable[..., None],
+    *,
+    out_shape: Any,
+    grid: tuple[int, ...],
+    in_specs: Sequence[Any] | None = None,
+    out_specs: Any = None,
+    num_warps: int,
+    num_stages: int,
+    interpret: bool,
+    cost_estimate: pl.CostEstimate | None = None,
+    name: str | None = None,
+) -> Callable[..., Any]:
+    """`pl.pallas_call` for a Triton kernel.
+
+    Always passes Triton compiler params: without them Pallas (jax >= 0.9) routes a GPU kernel
+    to Mosaic GPU.
+    """
+    specs = {} if in_specs is None else {"in_specs": in_specs, "out_specs": out_specs}
+    return pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=grid,
+        **specs,
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        cost_estimate=cost_estimate,
+        name=name,
+    )
+
+
+def mosaic_call(
+    kernel: Callable[..., None],
+    *,
+    out_shape: Any,
+    grid_spec: Any,
+    dimension_semantics: Sequence[str],
+    interpret: bool,
+    cost_estimate: pl.CostEstimate | None = None,
+    vmem_limit_bytes: int | None = None,
+    name: str | None = None,
+) -> Callable[..., Any]:
+    """`pl.pallas_call` for a Mosaic (TPU) kernel; `interpret=True` means TPU interpret mode."""
+    return pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid_spec=grid_spec,
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=tuple(dimension_semantics), vmem_limit_bytes=vmem_limit_bytes
+        ),
+        interpret=_tpu_interpret_params() if interpret else False,
+        cost_estimate=cost_estimate,
+        name=name,
+    )
+
+
+def reset_tpu_interpret_state() -> None:
+    """Clears TPU interpret mode's simulated memory after a kernel raised inside it."""
+    pltpu.reset_tpu_interpret_mode_state()
+
+
+_ABSTRACT_DEVICES = {
+    "cuda": dict(device_kind="NVIDIA H100 80GB HBM3", num_cores=None, platform="gpu"),
+    "tpu": dict(device_kind="TPU v5 lite", num_cores=1, platform="tpu"),
+}
+
+
+@contextlib.contextmanager
+def _abstract_device(platform: str) -> Iterator[None]:
+    """Puts an abstract `platform` device in scope (jax 0.11+ needs one to lower without it)."""
+    device = jax.sharding.AbstractDevice(**_ABSTRACT_DEVICES[platform])
+    mesh = jax.sharding.AbstractMesh((), (), abstract_device=device)
+    with jax.sharding.use_abstract_mesh(mesh):
+        yield
+
+
+def lowered_text(fn: Callable[..., Any], *args: Any, platform: str) -> str:
+    """Lowers `jax.jit(fn)(*args)` for `platform` ("cuda" or "tpu") on any machine.
+
+    Kernels must be called with `interpret=False` inside `fn`. Returns the StableHLO text, in
+    which a Triton kernel appears as `TRITON_CALL_MARKER` and a Mosaic one as
+    `MOSAIC_CALL_MARKER`.
+    """
+    if platform not in _ABSTRACT_DEVICES:
+        raise ValueError(f"platform must be 'cuda' or 'tpu', got {platform!r}")
+    with warnings.catch_warnings(), _abstract_device(platform):
+        # jax 0.11+ warns that Triton lowering is deprecated in favour of Mosaic GPU; this
+        # library uses Triton on purpose, so the warning says nothing to its users.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        traced = jax.jit(fn).trace(*args)
+        return traced.lower(lowering_platforms=(platform,)).as_text()

@@ -1,0 +1,160 @@
+"""`kernels.matmul`: `jnp.matmul` as tiled Pallas kernels, with kernel-computed gradients.
+
+The public function validates its inputs, normalizes ranks (rank-1 operands become matrices;
+batch dims of `a` fold into M when `b` is a plain matrix, the `x @ W` of every dense layer) and
+routes to `_product`, a `custom_vjp` over batched products whose backward runs the same
+implementation's kernel on transposed operand views: dA = dC @ Bᵀ and dB = Aᵀ @ dC.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import reference
+from kernels import _dispatch
+from kernels.matmul import mosaic, triton
+from kernels.matmul.common import MatmulConfig, Problem, make_problem
+
+__all__ = ["matmul", "MatmulConfig"]
+
+_KERNELS = {"triton": triton, "mosaic": mosaic}
+
+
+class _Static(NamedTuple):
+    """The hashable, non-differentiable arguments of `_product`."""
+
+    implementation: str
+    interpret: bool
+    config: MatmulConfig | None
+    precision: lax.PrecisionLike
+    transpose_a: bool
+    transpose_b: bool
+    out_dtype: jnp.dtype
+
+
+def _run(a: jax.Array, b: jax.Array, s: _Static) -> jax.Array:
+    p = make_problem(a, b, s.transpose_a, s.transpose_b, s.out_dtype)
+    if p.num_batches * p.m * p.n == 0 or p.k == 0:
+        return jnp.zeros((*p.out_batch, p.m, p.n), p.out_dtype)
+    return _KERNELS[s.implementation].matmul(a, b, p, config=s.config, precision=s.precision,
+                                             interpret=s.interpret)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _product(a: jax.Array, b: jax.Array, s: _Static) -> jax.Array:
+    return _run(a, b, s)
+
+
+def _product_fwd(a, b, s):
+    return _run(a, b, s), (a, b)
+
+
+def _sum_to_batch(x: jax.Array, batch: tuple[int, ...], dtype: jnp.dtype) -> jax.Array:
+    """Sums `x` over the batch dims that `batch` broadcast from 1 (a gradient's reduction)."""
+    axes = tuple(d for d, size in enumerate(batch) if size == 1 and x.shape[d] != 1)
+    return jnp.sum(x, axis=axes, keepdims=True).astype(dtype) if axes else x.astype(dtype)
+
+
+def _gradient(lhs, rhs, transpose_lhs, transpose_rhs, s: _Static, like: jax.Array):
+    """One backward product, summed over broadcast batch dims to the shape of `like`."""
+    batch = like.shape[:-2]
+    out_batch = np.broadcast_shapes(lhs.shape[:-2], rhs.shape[:-2])
+    reduced = tuple(out_batch) != tuple(batch)
+    # Broadcast batches are summed in the accumulator dtype, then rounded once.
+    out_dtype = jnp.promote_types(like.dtype, jnp.float32) if reduced else like.dtype
+    static = s._replace(config=None, transpose_a=transpose_lhs, transpose_b=transpose_rhs,
+                        out_dtype=out_dtype)
+    return _sum_to_batch(_product(lhs, rhs, static), batch, like.dtype)
+
+
+def _product_bwd(s: _Static, residuals, g):
+    a, b = residuals
+    if s.transpose_a:  # A is stored (K, M): dA = op(B) @ gᵀ
+        da = _gradient(b, g, s.transpose_b, True, s, a)
+    else:  # dA = g @ op(B)ᵀ
+        da = _gradient(g, b, False, not s.transpose_b, s, a)
+    if s.transpose_b:  # B is stored (N, K): dB = gᵀ @ op(A)
+        db = _gradient(g, a, True, s.transpose_a, s, b)
+    else:  # dB = op(A)ᵀ @ g
+        db = _gradient(a, g, not s.transpose_a, False, s, b)
+    return da, db
+
+
+_product.defvjp(_product_fwd, _product_bwd)
+
+
+def _validate(a: jax.Array, b: jax.Array, config: MatmulConfig | None) -> None:
+    for name, x in (("a", a), ("b", b)):
+        if x.ndim < 1:
+            raise ValueError(f"matmul: {name} must have rank >= 1, got shape {x.shape}")
+        if not (jnp.issubdtype(x.dtype, jnp.number) or x.dtype == jnp.bool_):
+            raise TypeError(f"matmul: {name} must have a numeric dtype, got {x.dtype}")
+    k_a, k_b = a.shape[-1], b.shape[0] if b.ndim == 1 else b.shape[-2]
+    if k_a != k_b:
+        raise ValueError(f"matmul: contracting dims differ: a has shape {a.shape} (K={k_a}), "
+                         f"b has shape {b.shape} (K={k_b})")
+    try:
+        np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    except ValueError:
+        raise ValueError(f"matmul: batch dims of a {a.shape[:-2]} and b {b.shape[:-2]} do not "
+                         "broadcast") from None
+    if config is not None and not isinstance(config, MatmulConfig):
+        raise TypeError(f"matmul: config must be a MatmulConfig or None, got {config!r}")
+
+
+def _as_batched_matrices(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array, tuple]:
+    """Reshapes (never copies) the operands to equal-rank batched matrices.
+
+    Returns them and the shape the product must be reshaped to for `jnp.matmul`'s result.
+    """
+    a2 = a[None, :] if a.ndim == 1 else a
+    b2 = b[:, None] if b.ndim == 1 else b
+    batch = np.broadcast_shapes(a2.shape[:-2], b2.shape[:-2])
+    out_shape = (*batch, *([a2.shape[-2]] if a.ndim > 1 else []),
+                 *([b2.shape[-1]] if b.ndim > 1 else []))
+    if b2.ndim == 2 and a2.ndim > 2:  # x @ W: fold a's batch into M.
+        return a2.reshape(-1, a2.shape[-1]), b2, out_shape
+    rank = max(a2.ndim, b2.ndim)
+    a2 = a2.reshape((1,) * (rank - a2.ndim) + a2.shape)
+    b2 = b2.reshape((1,) * (rank - b2.ndim) + b2.shape)
+    return a2, b2, out_shape
+
+
+def matmul(
+    a: jax.Array,
+    b: jax.Array,
+    *,
+    precision: lax.PrecisionLike = None,
+    preferred_element_type: jnp.dtype | None = None,
+    implementation: str | tuple[str, ...] | None = None,
+    interpret: bool | None = None,
+    config: MatmulConfig | None = None,
+) -> jax.Array:
+    """`jnp.matmul(a, b, precision=..., preferred_element_type=...)` as a Pallas kernel.
+
+    Operands of rank >= 1 with broadcasting batch dims, any M, N, K, any float dtype (16-bit
+    inputs accumulate in float32). `implementation` and `interpret` choose the kernel as in
+    DESIGN.md; `config` sets block sizes (`None` picks them from the shapes).
+    """
+    a, b = jnp.asarray(a), jnp.asarray(b)
+    _validate(a, b, config)
+    if isinstance(precision, list):
+        precision = tuple(precision)
+    out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(a, b))
+    a2, b2, out_shape = _as_batched_matrices(a, b)
+    problem = make_problem(a2, b2, False, False, out_dtype)
+    name, interpret = _dispatch.choose(
+        "matmul", implementation, interpret,
+        {kernel: functools.partial(module.check, problem, config)
+         for kernel, module in _KERNELS.items()})
+    if name == "xla":
+        return reference.matmul(a, b, precision=precision,
+                                preferred_element_type=preferred_element_type)
+    static = _Static(name, interpret, config, precision, False, False, out_dtype)
+    return _product(a2, b2, static).reshape(out_shape)

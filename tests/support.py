@@ -1,0 +1,74 @@
+"""What every op's test suite shares: implementations, the tolerance rule, x64, lowering."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kernels._pallas import MOSAIC_CALL_MARKER, TRITON_CALL_MARKER, lowered_text
+
+IMPLEMENTATIONS = ("xla", "triton", "mosaic")
+KERNELS = ("triton", "mosaic")
+PLATFORM = {"triton": "cuda", "mosaic": "tpu"}
+MARKER = {"triton": TRITON_CALL_MARKER, "mosaic": MOSAIC_CALL_MARKER}
+# Capability flags: what an implementation declines (and must decline with a reason).
+SUPPORTS_FLOAT64 = {"xla": True, "triton": True, "mosaic": False}
+
+FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def tolerance(dtype: Any, reduction_length: int = 1) -> dict[str, float]:
+    """The one tolerance rule, for a result in `dtype` against float64 ground truth.
+
+    Relative: a few roundings of `dtype`. Absolute: grows with the number of terms summed into
+    each output element, since each term's rounding error adds (and, for unit-scale inputs, the
+    sums' magnitude grows too).
+    """
+    eps = float(jnp.finfo(dtype).eps)
+    return {"rtol": 8 * eps, "atol": 2 * eps * max(1, reduction_length)}
+
+
+def assert_close(actual: jax.Array, expected: Any, dtype: Any, reduction_length: int = 1) -> None:
+    """`actual` (computed in `dtype`) equals float64 `expected` within `tolerance`."""
+    chex.assert_trees_all_close(np.asarray(actual, np.float64), np.asarray(expected, np.float64),
+                                **tolerance(dtype, reduction_length))
+
+
+@contextlib.contextmanager
+def x64() -> Iterator[None]:
+    """64-bit types enabled for the block (float64 inputs, int64 indices)."""
+    with jax.enable_x64(True):
+        yield
+
+
+def random(shape: tuple[int, ...], dtype: Any, seed: int = 0, scale: float = 1.0) -> jax.Array:
+    """Standard normal values rounded to `dtype`, drawn in NumPy so they are the same on every
+    jax version."""
+    values = np.random.default_rng(seed).standard_normal(shape) * scale
+    return jnp.asarray(values.astype(np.dtype(jnp.dtype(dtype))))
+
+
+def as_f64(x: jax.Array) -> np.ndarray:
+    return np.asarray(x, dtype=np.float64)
+
+
+def assert_lowers(fn: Callable[..., Any], *args: Any, implementation: str,
+                  min_kernels: int = 1) -> str:
+    """Lowers `fn(*args)` for `implementation`'s platform on this CPU machine and asserts that
+    at least `min_kernels` of its kernel calls are in the text."""
+    text = lowered_text(fn, *args, platform=PLATFORM[implementation])
+    count = text.count(MARKER[implementation])
+    assert count >= min_kernels, (
+        f"expected >= {min_kernels} {MARKER[implementation]} calls, found {count}")
+    return text
+
+
+def reduction_length(*dims: int) -> int:
+    return math.prod(dims)
