@@ -86,17 +86,46 @@ def mosaic_call(
     name: str | None = None,
 ) -> Callable[..., Any]:
     """`pl.pallas_call` for a Mosaic (TPU) kernel; `interpret=True` means TPU interpret mode."""
-    return pl.pallas_call(
-        kernel,
-        out_shape=out_shape,
-        grid_spec=grid_spec,
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=tuple(dimension_semantics), vmem_limit_bytes=vmem_limit_bytes
-        ),
-        interpret=_tpu_interpret_params() if interpret else False,
-        cost_estimate=cost_estimate,
-        name=name,
-    )
+
+    def build(semantics: tuple[str, ...]) -> Callable[..., Any]:
+        return pl.pallas_call(
+            kernel,
+            out_shape=out_shape,
+            grid_spec=grid_spec,
+            compiler_params=pltpu.CompilerParams(dimension_semantics=semantics,
+                                                 vmem_limit_bytes=vmem_limit_bytes),
+            interpret=_tpu_interpret_params() if interpret else False,
+            cost_estimate=cost_estimate,
+            name=name,
+        )
+
+    semantics = tuple(dimension_semantics)
+    return _vmappable_tpu_interpret(build, semantics) if interpret else build(semantics)
+
+
+def _vmappable_tpu_interpret(build: Callable[[tuple[str, ...]], Callable[..., Any]],
+                             semantics: tuple[str, ...]) -> Callable[..., Any]:
+    """A TPU-interpreted pallas_call, `build(semantics)`, that survives `jax.vmap`.
+
+    Pallas batches a kernel by adding a leading grid dim. Mosaic lowering knows to skip it when
+    it reads `dimension_semantics`; TPU interpret mode does not and fails on the length
+    mismatch. So each vmap level rebuilds the call with one more "parallel" semantic.
+    """
+
+    @jax.custom_batching.custom_vmap
+    def call(*args):
+        return build(semantics)(*args)
+
+    @call.def_vmap
+    def _batched(axis_size, in_batched, *args):
+        del axis_size
+        in_axes = tuple(0 if batched else None for batched in in_batched)
+        batched_call = _vmappable_tpu_interpret(
+            lambda inner: jax.vmap(build(inner), in_axes=in_axes), ("parallel", *semantics))
+        out = batched_call(*args)
+        return out, jax.tree_util.tree_map(lambda _: True, out)
+
+    return call
 
 
 def reset_tpu_interpret_state() -> None:

@@ -27,12 +27,15 @@ FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 def tolerance(dtype: Any, reduction_length: int = 1) -> dict[str, float]:
     """The one tolerance rule, for a result in `dtype` against float64 ground truth.
 
-    Relative: a few roundings of `dtype`. Absolute: grows with the number of terms summed into
-    each output element, since each term's rounding error adds (and, for unit-scale inputs, the
-    sums' magnitude grows too).
+    Relative: a few roundings of `dtype` (the output's own rounding). Absolute: the rounding of
+    the accumulator, float32 for 16-bit and 32-bit data, float64 for float64, growing with the
+    number of terms summed into each output element (each term's rounding error adds, and for
+    unit-scale inputs so does the sums' magnitude).
     """
     eps = float(jnp.finfo(dtype).eps)
-    return {"rtol": 8 * eps, "atol": 2 * eps * max(1, reduction_length)}
+    accumulator = jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
+    accumulator_eps = float(jnp.finfo(accumulator).eps)
+    return {"rtol": 4 * eps, "atol": 4 * accumulator_eps * max(1, reduction_length)}
 
 
 def assert_close(actual: jax.Array, expected: Any, dtype: Any, reduction_length: int = 1) -> None:

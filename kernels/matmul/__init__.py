@@ -9,6 +9,7 @@ implementation's kernel on transposed operand views: dA = dC @ Báµ€ and dB = Aáµ
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -40,7 +41,7 @@ class _Static(NamedTuple):
 
 def _run(a: jax.Array, b: jax.Array, s: _Static) -> jax.Array:
     p = make_problem(a, b, s.transpose_a, s.transpose_b, s.out_dtype)
-    if p.num_batches * p.m * p.n == 0 or p.k == 0:
+    if p.is_empty:
         return jnp.zeros((*p.out_batch, p.m, p.n), p.out_dtype)
     return _KERNELS[s.implementation].matmul(a, b, p, config=s.config, precision=s.precision,
                                              interpret=s.interpret)
@@ -52,7 +53,9 @@ def _product(a: jax.Array, b: jax.Array, s: _Static) -> jax.Array:
 
 
 def _product_fwd(a, b, s):
-    return _run(a, b, s), (a, b)
+    # Calls `_product`, not `_run`: higher-order differentiation goes through the forward too,
+    # and it must meet this custom_vjp there, not a raw pallas_call.
+    return _product(a, b, s), (a, b)
 
 
 def _sum_to_batch(x: jax.Array, batch: tuple[int, ...], dtype: jnp.dtype) -> jax.Array:
@@ -93,8 +96,6 @@ def _validate(a: jax.Array, b: jax.Array, config: MatmulConfig | None) -> None:
     for name, x in (("a", a), ("b", b)):
         if x.ndim < 1:
             raise ValueError(f"matmul: {name} must have rank >= 1, got shape {x.shape}")
-        if not (jnp.issubdtype(x.dtype, jnp.number) or x.dtype == jnp.bool_):
-            raise TypeError(f"matmul: {name} must have a numeric dtype, got {x.dtype}")
     k_a, k_b = a.shape[-1], b.shape[0] if b.ndim == 1 else b.shape[-2]
     if k_a != k_b:
         raise ValueError(f"matmul: contracting dims differ: a has shape {a.shape} (K={k_a}), "
@@ -119,7 +120,7 @@ def _as_batched_matrices(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Arr
     out_shape = (*batch, *([a2.shape[-2]] if a.ndim > 1 else []),
                  *([b2.shape[-1]] if b.ndim > 1 else []))
     if b2.ndim == 2 and a2.ndim > 2:  # x @ W: fold a's batch into M.
-        return a2.reshape(-1, a2.shape[-1]), b2, out_shape
+        return a2.reshape(math.prod(a2.shape[:-1]), a2.shape[-1]), b2, out_shape
     rank = max(a2.ndim, b2.ndim)
     a2 = a2.reshape((1,) * (rank - a2.ndim) + a2.shape)
     b2 = b2.reshape((1,) * (rank - b2.ndim) + b2.shape)
@@ -142,6 +143,10 @@ def matmul(
     inputs accumulate in float32). `implementation` and `interpret` choose the kernel as in
     DESIGN.md; `config` sets block sizes (`None` picks them from the shapes).
     """
+    for name, x in (("a", a), ("b", b)):
+        dtype = getattr(x, "dtype", None)
+        if dtype is not None and not jnp.issubdtype(dtype, jnp.number):
+            raise TypeError(f"matmul: {name} must have a numeric dtype, got {dtype}")
     a, b = jnp.asarray(a), jnp.asarray(b)
     _validate(a, b, config)
     if isinstance(precision, list):

@@ -61,6 +61,11 @@ class Problem(NamedTuple):
         return math.prod(self.out_batch)
 
     @property
+    def is_empty(self) -> bool:
+        """No kernel runs: the output has no elements, or K = 0 makes it all zeros."""
+        return self.num_batches * self.m * self.n * self.k == 0
+
+    @property
     def compute_dtype(self) -> jnp.dtype:
         """Both operands are cast to this inside the kernel before the dot."""
         return jnp.result_type(self.a_dtype, self.b_dtype)

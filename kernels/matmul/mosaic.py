@@ -81,6 +81,8 @@ def check(p: Problem, config: MatmulConfig | None) -> None:
     check_floating(p)
     if jnp.float64 in (p.a_dtype, p.b_dtype, p.out_dtype):
         raise NotImplementedError("float64 is not supported on TPU")
+    if p.is_empty:
+        return
     config = resolve_config(p, config)
     for dtype, dims in _layouts(p):
         for (field, dim), multiple in zip(dims, (sublanes(dtype), _LANES)):

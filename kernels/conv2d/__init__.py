@@ -1,0 +1,205 @@
+"""`kernels.conv2d`: `lax.conv_general_dilated` on images as Pallas kernels, with
+kernel-computed gradients.
+
+The public function validates its arguments (through `reference.conv2d.geometry`, the one
+normalization of stride, dilation and padding), converts NCHW/OIHW to NHWC/HWIO in the wrapper
+(XLA transposes; the kernels work in NHWC), and routes to `_conv`, a `custom_vjp` over a grouped
+convolution with general window arithmetic. Its backward pass runs kernels of the same
+implementation:
+- the input gradient is a forward convolution of the output gradient with the spatially flipped
+  kernel whose in/out channels are swapped within each group; the forward stride becomes that
+  convolution's input (lhs) dilation and the forward lhs dilation its stride, with padding
+  chosen so the result has the input's shape (`_input_gradient`);
+- the weight gradient is a correlation of the input with the output gradient, reduced over
+  pixels: the `weight_grad` kernels (`_weight_gradient`, itself a `custom_vjp`).
+Both are bilinear, and the backward of each is expressed through `_conv` and
+`_weight_gradient`, so `grad` of `grad` runs kernels too, to any order.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import reference.conv2d as reference_conv2d
+from kernels import _dispatch
+from kernels.conv2d import mosaic, triton
+from kernels.conv2d.common import Conv2dConfig, ConvConfig, Problem, make_problem
+from reference.conv2d import Geometry, dilated_size
+
+__all__ = ["conv2d", "Conv2dConfig", "ConvConfig"]
+
+_KERNELS = {"triton": triton, "mosaic": mosaic}
+
+
+class _Static(NamedTuple):
+    """The hashable, non-differentiable arguments of `_conv` and `_weight_gradient`."""
+
+    implementation: str
+    interpret: bool
+    config: Conv2dConfig | None
+    precision: Any
+    geometry: Geometry
+    out_dtype: jnp.dtype
+
+
+def _run(x: jax.Array, w: jax.Array, s: _Static) -> jax.Array:
+    p = make_problem(x.shape, w.shape, x.dtype, w.dtype, s.geometry, s.out_dtype)
+    if p.is_empty:
+        return jnp.zeros((p.n, p.oh, p.ow, p.o), p.out_dtype)
+    return _KERNELS[s.implementation].conv(x, w, p, config=s.config, precision=s.precision,
+                                           interpret=s.interpret)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _conv(x: jax.Array, w: jax.Array, s: _Static) -> jax.Array:
+    """Grouped NHWC/HWIO convolution of geometry `s.geometry`, in `s.out_dtype`."""
+    return _run(x, w, s)
+
+
+def _conv_fwd(x, w, s):
+    # The primal goes through `_conv` itself, not `_run`: a higher-order derivative of this
+    # rule then differentiates it with these rules rather than tracing into the kernel.
+    return _conv(x, w, s), (x, w)
+
+
+def _conv_bwd(s: _Static, residuals, dy):
+    x, w = residuals
+    return (_input_gradient(dy, w, s, x.shape[1:3], x.dtype),
+            _weight_gradient(x, dy, s._replace(out_dtype=jnp.dtype(w.dtype)), w.shape[:2]))
+
+
+_conv.defvjp(_conv_fwd, _conv_bwd)
+
+
+def _flip_and_swap(w: jax.Array, groups: int) -> jax.Array:
+    """(KH, KW, C/G, O) -> (KH, KW, O/G, C): spatially flipped, in/out swapped per group."""
+    kh, kw, cg, o = w.shape
+    w = w.reshape(kh, kw, cg, groups, o // groups).transpose(0, 1, 4, 3, 2)
+    return w.reshape(kh, kw, o // groups, groups * cg)[::-1, ::-1]
+
+
+def _transposed_geometry(g: Geometry, in_hw, kernel_hw, out_hw) -> Geometry:
+    """The geometry of the input gradient as a convolution of the output gradient.
+
+    Output gradient position o sits at o·stride in the forward's padded input; dilating it by
+    the stride (lhs dilation), padding by (dilated window - 1 - pad_lo) in front and what makes
+    the result as long as the lhs-dilated input behind, and striding by the forward lhs dilation
+    gives exactly the input positions (`jax`'s own conv transpose rule)."""
+    padding = []
+    for axis in range(2):
+        window = dilated_size(kernel_hw[axis], g.rhs_dilation[axis])
+        before = window - 1 - g.padding[axis][0]
+        after = (dilated_size(in_hw[axis], g.lhs_dilation[axis]) + window - 1
+                 - dilated_size(out_hw[axis], g.stride[axis]) - before)
+        padding.append((before, after))
+    return Geometry(g.lhs_dilation, tuple(padding), g.stride, g.rhs_dilation, g.groups)
+
+
+def _input_gradient(dy, w, s: _Static, in_hw, dtype) -> jax.Array:
+    """dX of `_conv(x, w, s)` for output gradient dy, as a `_conv` of dy."""
+    geometry = _transposed_geometry(s.geometry, in_hw, w.shape[:2], dy.shape[1:3])
+    static = s._replace(config=None, geometry=geometry, out_dtype=jnp.dtype(dtype))
+    return _conv(dy, _flip_and_swap(w, s.geometry.groups), static)
+
+
+def _run_weight_gradient(x, dy, s: _Static, kernel_hw) -> jax.Array:
+    kh, kw = kernel_hw
+    # The weight-gradient kernels multiply x by dy: dy's dtype takes w's place in the problem.
+    p = make_problem(x.shape, (kh, kw, x.shape[3] // s.geometry.groups, dy.shape[3]), x.dtype,
+                     dy.dtype, s.geometry, dy.dtype)
+    shape = (kh, kw, p.cg, p.o)
+    if p.is_empty:
+        return jnp.zeros(shape, s.out_dtype)
+    if (p.oh, p.ow) != dy.shape[1:3]:
+        raise AssertionError(f"output gradient shape {dy.shape} does not match {p}")
+    return _KERNELS[s.implementation].weight_grad(x, dy, p, precision=s.precision,
+                                                  interpret=s.interpret, dtype=s.out_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _weight_gradient(x: jax.Array, dy: jax.Array, s: _Static, kernel_hw) -> jax.Array:
+    """dW of `_conv(x, w, s)` with w of spatial shape `kernel_hw`, in `s.out_dtype`."""
+    return _run_weight_gradient(x, dy, s, kernel_hw)
+
+
+def _weight_gradient_fwd(x, dy, s, kernel_hw):
+    return _weight_gradient(x, dy, s, kernel_hw), (x, dy)
+
+
+def _weight_gradient_bwd(s: _Static, kernel_hw, residuals, ddw):
+    # dW(x, dy) is bilinear: its cotangent ddw acts as a kernel. Against x it is the input
+    # gradient of a convolution with kernel ddw; against dy, the convolution of x with ddw.
+    x, dy = residuals
+    dx = _input_gradient(dy, ddw, s, x.shape[1:3], x.dtype)
+    ddy = _conv(x, ddw.astype(s.out_dtype), s._replace(config=None, out_dtype=dy.dtype))
+    return dx, ddy
+
+
+_weight_gradient.defvjp(_weight_gradient_fwd, _weight_gradient_bwd)
+
+
+def _validate_arrays(x: jax.Array, w: jax.Array, config: Any) -> None:
+    for name, a in (("x", x), ("w", w)):
+        if not (jnp.issubdtype(a.dtype, jnp.number) or a.dtype == jnp.bool_):
+            raise TypeError(f"conv2d: {name} must have a numeric dtype, got {a.dtype}")
+    if config is not None and not isinstance(config, Conv2dConfig):
+        raise TypeError(f"conv2d: config must be a Conv2dConfig or None, got {config!r}")
+
+
+def conv2d(
+    x: jax.Array,
+    w: jax.Array,
+    *,
+    stride: int | tuple[int, int] = 1,
+    padding: Any = "SAME",
+    dilation: int | tuple[int, int] = 1,
+    feature_group_count: int = 1,
+    data_format: str = "NHWC",
+    precision: lax.PrecisionLike = None,
+    preferred_element_type: jnp.dtype | None = None,
+    implementation: str | tuple[str, ...] | None = None,
+    interpret: bool | None = None,
+    config: Conv2dConfig | None = None,
+) -> jax.Array:
+    """`lax.conv_general_dilated` on 2-D images as a Pallas kernel.
+
+    x is NHWC with kernel w in HWIO, or NCHW with w in OIHW (`data_format`); `stride` and
+    `dilation` (the kernel's) are ints or pairs; `padding` is "SAME", "VALID", an int, a pair
+    of ints or ((top, bottom), (left, right)). `feature_group_count` groups the channels
+    (depthwise: equal to the input channels). Mixed dtypes promote as `jnp.result_type`; the
+    result has `preferred_element_type` if given. 16-bit inputs accumulate in float32.
+
+    The kernels work in NHWC/HWIO: NCHW input is transposed in the wrapper (an XLA copy each
+    way). `implementation` and `interpret` choose the kernel as in DESIGN.md; `config` sets the
+    forward kernel's block sizes (`None` picks them from the shapes).
+    """
+    x, w = jnp.asarray(x), jnp.asarray(w)
+    geometry = reference_conv2d.geometry(
+        x.shape, w.shape, stride=stride, padding=padding, dilation=dilation,
+        feature_group_count=feature_group_count, data_format=data_format)
+    _validate_arrays(x, w, config)
+    if isinstance(precision, list):
+        precision = tuple(precision)
+    out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(x, w))
+    if data_format == "NCHW":
+        x_nhwc, w_hwio = x.transpose(0, 2, 3, 1), w.transpose(2, 3, 1, 0)
+    else:
+        x_nhwc, w_hwio = x, w
+    problem = make_problem(x_nhwc.shape, w_hwio.shape, x.dtype, w.dtype, geometry, out_dtype)
+    name, interpret = _dispatch.choose(
+        "conv2d", implementation, interpret,
+        {kernel: functools.partial(module.check, problem, config)
+         for kernel, module in _KERNELS.items()})
+    if name == "xla":
+        return reference_conv2d.conv2d(
+            x, w, stride=stride, padding=padding, dilation=dilation,
+            feature_group_count=feature_group_count, data_format=data_format,
+            precision=precision, preferred_element_type=preferred_element_type)
+    static = _Static(name, interpret, config, precision, geometry, out_dtype)
+    out = _conv(x_nhwc, w_hwio, static)
+    return out.transpose(0, 3, 1, 2) if data_format == "NCHW" else out

@@ -1,0 +1,145 @@
+"""What the conv2d kernels share: the problem they solve, its block config and its cost.
+
+Every kernel works in NHWC / HWIO. One problem is a grouped convolution with general window
+arithmetic (`reference.conv2d.Geometry`: stride, explicit possibly negative padding, input
+(lhs) and kernel (rhs) dilation): the forward pass and the input gradient are both such
+convolutions. Its size as a GEMM per group: M = N·OH·OW output pixels, N = O/G output channels,
+K = KH·KW·C/G taps times input channels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax.numpy as jnp
+
+from kernels._pallas import pl
+from reference.conv2d import Geometry, output_size
+
+
+@dataclasses.dataclass(frozen=True)
+class Conv2dConfig:
+    """Block sizes of the forward conv2d kernels; `None` fields are picked from the shapes.
+
+    block_m: Triton: output pixels (rows of the implicit GEMM) per program.
+    block_n: output channels per program (Triton, a power of 2) or grid step (Mosaic: all the
+        group's output channels, or a multiple of 128 that divides them).
+    block_k: Triton: slice of the KH·KW·C_in reduction loaded per loop step.
+    block_rows: Mosaic: output rows per grid step (the input tile is these rows plus the
+        kernel's halo).
+    num_warps, num_stages: Triton compiler params.
+    The backward kernels pick their own blocks.
+    """
+
+    block_m: int | None = None
+    block_n: int | None = None
+    block_k: int | None = None
+    block_rows: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+
+
+ConvConfig = Conv2dConfig
+
+
+class Problem(NamedTuple):
+    """One grouped convolution: x (N, H, W, C) * w (KH, KW, C/G, O) -> (N, OH, OW, O)."""
+
+    n: int
+    h: int
+    w: int
+    c: int
+    kh: int
+    kw: int
+    o: int
+    geometry: Geometry
+    x_dtype: jnp.dtype
+    w_dtype: jnp.dtype
+    out_dtype: jnp.dtype
+
+    @property
+    def groups(self) -> int:
+        return self.geometry.groups
+
+    @property
+    def cg(self) -> int:
+        """Input channels per group."""
+        return self.c // self.groups
+
+    @property
+    def og(self) -> int:
+        """Output channels per group."""
+        return self.o // self.groups
+
+    @property
+    def oh(self) -> int:
+        g = self.geometry
+        return output_size(self.h, self.kh, g.stride[0], g.padding[0], g.lhs_dilation[0],
+                           g.rhs_dilation[0])
+
+    @property
+    def ow(self) -> int:
+        g = self.geometry
+        return output_size(self.w, self.kw, g.stride[1], g.padding[1], g.lhs_dilation[1],
+                           g.rhs_dilation[1])
+
+    @property
+    def m(self) -> int:
+        return self.n * self.oh * self.ow
+
+    @property
+    def k(self) -> int:
+        return self.kh * self.kw * self.cg
+
+    @property
+    def depthwise(self) -> bool:
+        """Each output channel reads one input channel: vector FMAs, not the matrix unit."""
+        return self.cg == 1
+
+    @property
+    def compute_dtype(self) -> jnp.dtype:
+        return jnp.result_type(self.x_dtype, self.w_dtype)
+
+    @property
+    def accumulator_dtype(self) -> jnp.dtype:
+        return jnp.dtype(jnp.float64 if self.compute_dtype == jnp.float64 else jnp.float32)
+
+    @property
+    def is_empty(self) -> bool:
+        """Nothing to compute (an empty output) or nothing to read (an empty input or
+        reduction): the result is zeros of its shape."""
+        return self.m * self.o * self.k * self.n * self.h * self.w * self.c == 0
+
+
+def make_problem(x_shape, w_shape, x_dtype, w_dtype, geometry: Geometry, out_dtype) -> Problem:
+    n, h, w, c = x_shape
+    kh, kw, _, o = w_shape
+    return Problem(n, h, w, c, kh, kw, o, geometry, jnp.dtype(x_dtype), jnp.dtype(w_dtype),
+                   jnp.dtype(out_dtype))
+
+
+def flops_and_bytes(p: Problem) -> tuple[int, int]:
+    """2·M·K·O flops (zeros of padding and dilation included: the kernels multiply them);
+    bytes if x and w are read once and the output written once.
+
+    The weight gradient reads x and the output gradient and writes w: the same arrays, so the
+    same count serves it.
+    """
+    flops = 2 * p.m * p.k * p.o
+    nbytes = (p.n * p.h * p.w * p.c * p.x_dtype.itemsize
+              + p.kh * p.kw * p.cg * p.o * p.w_dtype.itemsize
+              + p.m * p.o * p.out_dtype.itemsize)
+    return flops, nbytes
+
+
+def cost_estimate(p: Problem) -> pl.CostEstimate:
+    flops, nbytes = flops_and_bytes(p)
+    return pl.CostEstimate(flops=flops, transcendentals=0, bytes_accessed=nbytes)
+
+
+def check_floating(p: Problem) -> None:
+    for name, dtype in (("x", p.x_dtype), ("w", p.w_dtype)):
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise NotImplementedError(f"{name} has dtype {dtype.name}; the kernel convolves "
+                                      "floating-point operands only")

@@ -1,0 +1,295 @@
+"""conv2d as Pallas kernels lowered through Triton (GPU): implicit GEMM.
+
+The convolution is the GEMM out[M, O] = patches[M, K] @ w[K, O] per group, with M = N·OH·OW
+output pixels and K = KH·KW·C_in/G (taps times input channels, channel fastest). The patch
+matrix is never built in HBM: each program gathers its tile of it straight from the NHWC input
+with masked pointer loads, computing for every (pixel, k) the input position
+`oh·stride + kh·dilation - pad_lo` in the lhs-dilated input; positions in the padding, past an
+edge, or between the pixels of an lhs-dilated input (the input gradient's stride) are masked off
+and read as zero. So strides, dilations and every padding form (negative: a crop) cost nothing
+extra in HBM.
+
+Block schedules
+---------------
+Forward (`conv`), GEMM path (C_in/G > 1):
+  grid = (cdiv(M, block_m), cdiv(O/G, block_n), G). Program (i, j, g) owns the output tile of
+  block_m pixels x block_n channels of group g. It loops over cdiv(K, block_k) reduction slices:
+  gathers a (block_m, block_k) patch tile (masked), loads the (block_k, block_n) weight tile
+  (masked past K and past the group's channels), and accumulates their dot in float32 (float64
+  for float64) registers; 16-bit inputs are multiplied on the tensor cores with float32
+  accumulation. The tile is cast and stored once, masked to the array. Traffic: the output is
+  written once, the weights read cdiv(M, block_m) times, each input pixel about KH·KW/stride²
+  times per column block (mostly from L2/L1: neighbouring pixels share it).
+Forward, depthwise path (C_in/G == 1, each output channel reads one input channel):
+  grid = (cdiv(M, block_m), cdiv(O, block_n)). A program loops over the KH·KW taps; each step
+  gathers the (block_m, block_n) input values of that tap for its pixels and channels
+  (channel = out_channel // (O/G)) and FMAs them with the tap's weight row in float32. No dot:
+  a dot with K = 1 would leave the tensor cores multiplying padding.
+Weight gradient (`weight_grad`), GEMM path: dW[K, O/G] = patches[M, K]ᵀ @ dY[M, O/G] per group.
+  grid = (cdiv(K, block_k), cdiv(O/G, block_n), G); a program loops over cdiv(M, block_m) pixel
+  slices, gathering the (block_m, block_k) patch tile exactly as the forward does and loading
+  the (block_m, block_n) output-gradient tile; the transpose is folded into the dot.
+Weight gradient, depthwise path: grid = (KH·KW, cdiv(O, block_n)); a program owns one tap's
+  weight row, loops over pixel slices accumulating input·dY products elementwise in a
+  (block_m, block_n) float32 tile, and reduces it over pixels once at the end.
+The input gradient is the forward kernel run on the output gradient (see `kernels.conv2d`).
+
+All tiles are powers of 2 >= 16 (Triton's rule and its dot's minimum); offsets are int32, so
+arrays of 2³¹ elements or more are declined.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from kernels._pallas import pl, triton_call, triton_load, triton_store
+from kernels.conv2d.common import Conv2dConfig, Problem, check_floating, cost_estimate
+
+_MAX_OFFSET = 2**31 - 1
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _is_power_of_2(n: object) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n > 0 and n & (n - 1) == 0
+
+
+def _fit(dim: int, cap: int) -> int:
+    return min(cap, max(16, _next_power_of_2(dim)))
+
+
+def resolve_config(p: Problem, config: Conv2dConfig | None) -> Conv2dConfig:
+    """Fills unset fields: power-of-2 blocks >= 16 covering the dims up to a cap."""
+    config = config or Conv2dConfig()
+    wide = p.compute_dtype.itemsize >= 8
+    max_mn = 64 if wide else 128
+    max_k = 32 if wide or p.compute_dtype.itemsize >= 4 else 64
+    block_m = config.block_m or _fit(p.m, max_mn)
+    block_n = config.block_n or _fit(p.o if p.depthwise else p.og, max_mn)
+    block_k = config.block_k or _fit(p.k, max_k)
+    num_warps = config.num_warps or (8 if block_m * block_n >= 128 * 128 else 4)
+    return Conv2dConfig(block_m, block_n, block_k, config.block_rows, num_warps,
+                        config.num_stages or 3)
+
+
+def check(p: Problem, config: Conv2dConfig | None) -> None:
+    """Declines non-float operands and int32-overflowing sizes; rejects bad configs."""
+    check_floating(p)
+    sizes = {"x": p.n * p.h * p.w * p.c, "output": p.m * p.o, "w": p.k * p.o}
+    for name, size in sizes.items():
+        if size > _MAX_OFFSET:
+            raise NotImplementedError(f"{name} has {size} elements; the kernel's int32 offsets "
+                                      "cover fewer than 2**31")
+    config = resolve_config(p, config)
+    for field in ("block_m", "block_n", "block_k"):
+        value = getattr(config, field)
+        if not _is_power_of_2(value) or value < 16:
+            raise ValueError(f"config.{field} must be a power of 2 >= 16 for triton "
+                             f"(Triton tiles are powers of 2, its dot needs >= 16), got {value!r}")
+    if not _is_power_of_2(config.num_warps) or config.num_warps > 32:
+        raise ValueError(f"config.num_warps must be a power of 2 <= 32, got {config.num_warps!r}")
+    if not isinstance(config.num_stages, int) or config.num_stages < 1:
+        raise ValueError(f"config.num_stages must be a positive int, got {config.num_stages!r}")
+
+
+def _source(p: Problem, out_pos, tap, axis: int):
+    """Input index along `axis` read by output position `out_pos` at kernel tap `tap`, and
+    whether it is a real pixel (not padding, not a hole of the lhs dilation)."""
+    g = p.geometry
+    size = (p.h, p.w)[axis]
+    lhs_dilation = g.lhs_dilation[axis]
+    pos = out_pos * g.stride[axis] + tap * g.rhs_dilation[axis] - g.padding[axis][0]
+    if lhs_dilation == 1:
+        return pos, (pos >= 0) & (pos < size)
+    inside = pos >= 0
+    pos = jnp.where(inside, pos, 0)  # rem/div below see non-negative values only
+    index = lax.div(pos, jnp.int32(lhs_dilation))
+    on_pixel = lax.rem(pos, jnp.int32(lhs_dilation)) == 0
+    return index, inside & on_pixel & (index < size)
+
+
+def _pixels(p: Problem, start, size: int):
+    """Flat output pixels start..start+size-1 as (valid, n, oh, ow) vectors."""
+    m = start + jnp.arange(size, dtype=jnp.int32)
+    n = lax.div(m, jnp.int32(p.oh * p.ow))
+    rest = lax.rem(m, jnp.int32(p.oh * p.ow))
+    return m < p.m, n, lax.div(rest, jnp.int32(p.ow)), lax.rem(rest, jnp.int32(p.ow))
+
+
+def _gather_input(x_ref, p: Problem, n, oh, ow, kh, kw, channel, valid):
+    """Input values at (pixel, tap, channel) (broadcastable int32 arrays) of the flat NHWC
+    input; padding, edges, dilation holes and `~valid` read 0 and touch no memory."""
+    ih, valid_h = _source(p, oh, kh, 0)
+    iw, valid_w = _source(p, ow, kw, 1)
+    valid = valid & valid_h & valid_w
+    offset = ((n * p.h + ih) * p.w + iw) * p.c + channel
+    return triton_load(x_ref.at[jnp.where(valid, offset, 0)], mask=valid, other=0)
+
+
+def _patch_tile(x_ref, p: Problem, group, pixels, k_start, block_k: int):
+    """The (block_m, block_k) tile of the implicit im2col matrix of `group`."""
+    m_valid, n, oh, ow = pixels
+    k = k_start + jnp.arange(block_k, dtype=jnp.int32)
+    tap, channel = lax.div(k, jnp.int32(p.cg)), lax.rem(k, jnp.int32(p.cg))
+    kh, kw = lax.div(tap, jnp.int32(p.kw)), lax.rem(tap, jnp.int32(p.kw))
+    valid = m_valid[:, None] & (k < p.k)[None, :]
+    return _gather_input(x_ref, p, n[:, None], oh[:, None], ow[:, None], kh[None, :],
+                         kw[None, :], group * p.cg + channel[None, :], valid)
+
+
+def _load_2d(ref, row_start, rows_valid, col_start, cols_valid):
+    view = ref.at[pl.ds(row_start, rows_valid.shape[0]), pl.ds(col_start, cols_valid.shape[0])]
+    return triton_load(view, mask=rows_valid[:, None] & cols_valid[None, :], other=0)
+
+
+def _store_2d(ref, value, row_start, rows_valid, col_start, cols_valid):
+    view = ref.at[pl.ds(row_start, rows_valid.shape[0]), pl.ds(col_start, cols_valid.shape[0])]
+    triton_store(view, value.astype(ref.dtype), mask=rows_valid[:, None] & cols_valid[None, :])
+
+
+def _arange_valid(start, size: int, limit: int):
+    return start + jnp.arange(size, dtype=jnp.int32) < limit
+
+
+def _dot(a, b, p: Problem, precision, transpose_a: bool = False):
+    dims = (((0,) if transpose_a else (1,), (0,)), ((), ()))
+    return lax.dot_general(a.astype(p.compute_dtype), b.astype(p.compute_dtype), dims,
+                           precision=precision, preferred_element_type=p.accumulator_dtype)
+
+
+def _conv_kernel(x_ref, w_ref, out_ref, *, p: Problem, config: Conv2dConfig, precision):
+    block_m, block_n, block_k = config.block_m, config.block_n, config.block_k
+    row_start, group = pl.program_id(0) * block_m, pl.program_id(2)
+    col_start = group * p.og + pl.program_id(1) * block_n
+    pixels = _pixels(p, row_start, block_m)
+    cols_valid = _arange_valid(pl.program_id(1) * block_n, block_n, p.og)
+
+    def step(k_block, acc):
+        k_start = k_block * block_k
+        patches = _patch_tile(x_ref, p, group, pixels, k_start, block_k)
+        weights = _load_2d(w_ref, k_start, _arange_valid(k_start, block_k, p.k), col_start,
+                           cols_valid)
+        return acc + _dot(patches, weights, p, precision)
+
+    acc = lax.fori_loop(jnp.int32(0), jnp.int32(pl.cdiv(p.k, block_k)), step,
+                        jnp.zeros((block_m, block_n), p.accumulator_dtype))
+    _store_2d(out_ref, acc, row_start, pixels[0], col_start, cols_valid)
+
+
+def _depthwise_kernel(x_ref, w_ref, out_ref, *, p: Problem, config: Conv2dConfig):
+    block_m, block_n = config.block_m, config.block_n
+    row_start, col_start = pl.program_id(0) * block_m, pl.program_id(1) * block_n
+    m_valid, n, oh, ow = _pixels(p, row_start, block_m)
+    out_channel = col_start + jnp.arange(block_n, dtype=jnp.int32)
+    cols_valid = out_channel < p.o
+    in_channel = lax.div(out_channel, jnp.int32(p.og))
+    valid = m_valid[:, None] & cols_valid[None, :]
+
+    def step(tap, acc):
+        kh, kw = lax.div(tap, jnp.int32(p.kw)), lax.rem(tap, jnp.int32(p.kw))
+        values = _gather_input(x_ref, p, n[:, None], oh[:, None], ow[:, None], kh, kw,
+                               in_channel[None, :], valid)
+        weights = triton_load(w_ref.at[tap, pl.ds(col_start, block_n)], mask=cols_valid,
+                              other=0)
+        return acc + values.astype(acc.dtype) * weights.astype(acc.dtype)[None, :]
+
+    acc = lax.fori_loop(jnp.int32(0), jnp.int32(p.kh * p.kw), step,
+                        jnp.zeros((block_m, block_n), p.accumulator_dtype))
+    _store_2d(out_ref, acc, row_start, m_valid, col_start, cols_valid)
+
+
+def conv(x: jax.Array, w: jax.Array, p: Problem, *, config: Conv2dConfig | None, precision,
+         interpret: bool) -> jax.Array:
+    """The convolution of a problem that `check` accepted: (N, OH, OW, O) in p.out_dtype."""
+    config = resolve_config(p, config)
+    if p.depthwise:
+        kernel = functools.partial(_depthwise_kernel, p=p, config=config)
+        grid = (pl.cdiv(p.m, config.block_m), pl.cdiv(p.o, config.block_n))
+    else:
+        kernel = functools.partial(_conv_kernel, p=p, config=config, precision=precision)
+        grid = (pl.cdiv(p.m, config.block_m), pl.cdiv(p.og, config.block_n), p.groups)
+    out = triton_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((p.m, p.o), p.out_dtype),
+        grid=grid,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        interpret=interpret,
+        cost_estimate=cost_estimate(p),
+        name="conv2d_depthwise_triton" if p.depthwise else "conv2d_triton",
+    )(x.reshape(-1), w.reshape(p.k, p.o))
+    return out.reshape(p.n, p.oh, p.ow, p.o)
+
+
+def _weight_grad_kernel(x_ref, dy_ref, dw_ref, *, p: Problem, config: Conv2dConfig,
+                        precision):
+    block_m, block_n, block_k = config.block_m, config.block_n, config.block_k
+    k_start, group = pl.program_id(0) * block_k, pl.program_id(2)
+    col_start = group * p.og + pl.program_id(1) * block_n
+    cols_valid = _arange_valid(pl.program_id(1) * block_n, block_n, p.og)
+
+    def step(m_block, acc):
+        pixels = _pixels(p, m_block * block_m, block_m)
+        patches = _patch_tile(x_ref, p, group, pixels, k_start, block_k)
+        dy = _load_2d(dy_ref, m_block * block_m, pixels[0], col_start, cols_valid)
+        return acc + _dot(patches, dy, p, precision, transpose_a=True)
+
+    acc = lax.fori_loop(jnp.int32(0), jnp.int32(pl.cdiv(p.m, block_m)), step,
+                        jnp.zeros((block_k, block_n), p.accumulator_dtype))
+    _store_2d(dw_ref, acc, k_start, _arange_valid(k_start, block_k, p.k), col_start,
+              cols_valid)
+
+
+def _depthwise_weight_grad_kernel(x_ref, dy_ref, dw_ref, *, p: Problem, config: Conv2dConfig):
+    block_m, block_n = config.block_m, config.block_n
+    tap, col_start = pl.program_id(0), pl.program_id(1) * block_n
+    kh, kw = lax.div(tap, jnp.int32(p.kw)), lax.rem(tap, jnp.int32(p.kw))
+    out_channel = col_start + jnp.arange(block_n, dtype=jnp.int32)
+    cols_valid = out_channel < p.o
+    in_channel = lax.div(out_channel, jnp.int32(p.og))
+
+    def step(m_block, acc):
+        m_valid, n, oh, ow = _pixels(p, m_block * block_m, block_m)
+        values = _gather_input(x_ref, p, n[:, None], oh[:, None], ow[:, None], kh, kw,
+                               in_channel[None, :], m_valid[:, None] & cols_valid[None, :])
+        dy = _load_2d(dy_ref, m_block * block_m, m_valid, col_start, cols_valid)
+        return acc + values.astype(acc.dtype) * dy.astype(acc.dtype)
+
+    acc = lax.fori_loop(jnp.int32(0), jnp.int32(pl.cdiv(p.m, block_m)), step,
+                        jnp.zeros((block_m, block_n), p.accumulator_dtype))
+    triton_store(dw_ref.at[tap, pl.ds(col_start, block_n)], acc.sum(axis=0).astype(dw_ref.dtype),
+                 mask=cols_valid)
+
+
+def weight_grad(x: jax.Array, dy: jax.Array, p: Problem, *, precision, interpret: bool,
+                dtype: jnp.dtype) -> jax.Array:
+    """dW (KH, KW, C/G, O) in `dtype` of problem `p` from its input and output gradient."""
+    config = resolve_config(p, None)
+    wide = p.compute_dtype.itemsize >= 8
+    # The reduction now runs over pixels: a long slice per step; the dW tile's rows are K.
+    config = Conv2dConfig(_fit(p.m, 64 if wide else 128), config.block_n,
+                          _fit(p.k, 64 if wide else 128), None, config.num_warps,
+                          config.num_stages)
+    if p.depthwise:
+        kernel = functools.partial(_depthwise_weight_grad_kernel, p=p, config=config)
+        grid = (p.kh * p.kw, pl.cdiv(p.o, config.block_n))
+    else:
+        kernel = functools.partial(_weight_grad_kernel, p=p, config=config, precision=precision)
+        grid = (pl.cdiv(p.k, config.block_k), pl.cdiv(p.og, config.block_n), p.groups)
+    dw = triton_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((p.k, p.o), dtype),
+        grid=grid,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        interpret=interpret,
+        cost_estimate=cost_estimate(p._replace(out_dtype=jnp.dtype(dtype))),
+        name="conv2d_depthwise_weight_grad_triton" if p.depthwise else "conv2d_weight_grad_triton",
+    )(x.reshape(-1), dy.reshape(p.m, p.o))
+    return dw.reshape(p.kh, p.kw, p.cg, p.o)

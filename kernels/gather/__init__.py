@@ -1,0 +1,150 @@
+"""`kernels.gather`: `x[..., indices, ...]` with JAX's out-of-bounds modes, and its gradient.
+
+The public function validates, narrows the indices to int32 without changing any index's
+outcome (`reference.gather.bounded_indices`), views the table as `(batch, n, columns)` (a free
+reshape: the gather axis is never transposed) and routes to `_gather`, a `custom_vjp` whose
+backward is `_scatter_add`, a deterministic scatter-add kernel of the same implementation, whose
+own backward is `_gather` again, so `grad` of `grad` works.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import reference.gather as reference_gather
+from kernels import _dispatch
+from kernels.gather import mosaic, triton
+from kernels.gather.common import (FORWARD_MODE, SCATTER_MODE, TRANSPOSED_MODE, GatherConfig,
+                                   Problem, fill_bits, fill_scalar, scatter_plan,
+                                   table_view)
+
+__all__ = ["gather", "GatherConfig"]
+
+_KERNELS = {"triton": triton, "mosaic": mosaic}
+
+
+class _Static(NamedTuple):
+    """The hashable, non-differentiable arguments of `_gather` and `_scatter_add`."""
+
+    implementation: str
+    interpret: bool
+    config: GatherConfig | None
+    problem: Problem
+    scatter_mode: str  # the backward's rule: "drop", "clip" or "wrap"
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _gather(x3: jax.Array, indices: jax.Array, s: _Static) -> jax.Array:
+    return _KERNELS[s.implementation].gather(x3, indices, s.problem, config=s.config,
+                                             interpret=s.interpret)
+
+
+def _gather_fwd(x3, indices, s):
+    return _gather(x3, indices, s), indices
+
+
+def _float0_zeros(x: jax.Array) -> np.ndarray:
+    return np.zeros(x.shape, jax.dtypes.float0)
+
+
+def _gather_bwd(s: _Static, indices, g):
+    p = s.problem
+    if not jnp.issubdtype(p.dtype, jnp.inexact):  # integer tables have no gradient
+        return np.zeros((p.batch, p.n, p.columns), jax.dtypes.float0), _float0_zeros(indices)
+    return _scatter_add(g, indices, s), _float0_zeros(indices)
+
+
+_gather.defvjp(_gather_fwd, _gather_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _scatter_add(g: jax.Array, indices: jax.Array, s: _Static) -> jax.Array:
+    """The transpose of `_gather` in `s`: g (batch, m, columns) -> (batch, n, columns)."""
+    plan = scatter_plan(indices, s.problem.n, s.scatter_mode)
+    # The config was sized for the forward; the backward picks its own blocks.
+    return _KERNELS[s.implementation].scatter_add(g, plan, s.problem, config=None,
+                                                  interpret=s.interpret)
+
+
+def _scatter_add_fwd(g, indices, s):
+    return _scatter_add(g, indices, s), indices
+
+
+def _scatter_add_bwd(s: _Static, indices, ct):
+    # Its transpose is a gather with the matching forward rule (dropped rows gather zero).
+    transposed = s.problem._replace(mode=TRANSPOSED_MODE[s.scatter_mode],
+                                    fill=fill_bits(0, s.problem.dtype))
+    return _gather(ct, indices, s._replace(config=None, problem=transposed)), \
+        _float0_zeros(indices)
+
+
+_scatter_add.defvjp(_scatter_add_fwd, _scatter_add_bwd)
+
+
+def _validate(x: jax.Array, indices: jax.Array, axis: Any, mode: Any,
+              config: GatherConfig | None) -> int:
+    if not (jnp.issubdtype(x.dtype, jnp.number) or x.dtype == jnp.bool_):
+        raise TypeError(f"gather: x must have a numeric or boolean dtype, got {x.dtype}")
+    if config is not None and not isinstance(config, GatherConfig):
+        raise TypeError(f"gather: config must be a GatherConfig or None, got {config!r}")
+    return reference_gather.check_arguments(x, indices, axis, mode)
+
+
+def gather(
+    x: jax.Array,
+    indices: jax.Array,
+    *,
+    axis: int = 0,
+    mode: str | None = None,
+    fill_value: Any = None,
+    implementation: str | tuple[str, ...] | None = None,
+    interpret: bool | None = None,
+    config: GatherConfig | None = None,
+) -> jax.Array:
+    """`x.at[(slice(None),) * axis + (indices,)].get(mode=mode, fill_value=fill_value)`.
+
+    mode: None, "promise_in_bounds" or "clip" clamp out-of-range indices to the edge; "drop" or
+    "fill" give `fill_value` (default: NaN for inexact dtypes, the minimum for signed integers,
+    the maximum for unsigned, True for bool); "wrap" is `jnp.take(..., mode="wrap")`. Negative
+    indices count from the end first. Output shape: `x.shape[:axis] + indices.shape +
+    x.shape[axis + 1:]`. Any dtype of `x`, any integer dtype of `indices`, and NumPy's answer
+    for every index value (no narrow-dtype overflow). The gradient with respect to `x` is
+    JAX's: a scatter-add of the cotangent under the same mode (the default mode drops
+    out-of-range indices in the backward). `implementation` and `interpret` choose the kernel as
+    in DESIGN.md; `config` sets block sizes.
+    """
+    x, indices = jnp.asarray(x), jnp.asarray(indices)
+    axis = _validate(x, indices, axis, mode, config)
+    out_shape = x.shape[:axis] + indices.shape + x.shape[axis + 1:]
+    batch, n, columns = table_view(x.shape, axis)
+    # The kernels carry bool as uint8 (1 byte, the same values).
+    kernel_dtype = jnp.dtype(jnp.uint8) if x.dtype == jnp.bool_ else x.dtype
+    fill = None
+    if FORWARD_MODE[mode] == "fill":
+        value = reference_gather.default_fill_value(x.dtype) if fill_value is None else fill_value
+        # Converted to the table's dtype first, as JAX does (2 -> True for a bool table).
+        fill = fill_bits(fill_scalar(fill_bits(value, x.dtype), x.dtype), kernel_dtype)
+    problem = Problem(batch, n, columns, indices.size, kernel_dtype, FORWARD_MODE[mode], fill)
+    name, interpret = _dispatch.choose(
+        "gather", implementation, interpret,
+        {kernel: functools.partial(_check, module, problem, config, x.dtype)
+         for kernel, module in _KERNELS.items()})
+    if name == "xla":
+        return reference_gather.gather(x, indices, axis=axis, mode=mode, fill_value=fill_value)
+    if math.prod(out_shape) == 0:
+        return jnp.zeros(out_shape, x.dtype)
+    flat_indices = reference_gather.bounded_indices(indices, n, mode).reshape(-1)
+    static = _Static(name, interpret, config, problem, SCATTER_MODE[mode])
+    out = _gather(x.astype(kernel_dtype).reshape(batch, n, columns), flat_indices, static)
+    return out.astype(x.dtype).reshape(out_shape)
+
+
+def _check(module, problem: Problem, config: GatherConfig | None, dtype: Any) -> None:
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        raise NotImplementedError(f"{jnp.dtype(dtype).name} tables are not supported")
+    module.check(problem, config)

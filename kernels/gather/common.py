@@ -1,0 +1,173 @@
+"""What the gather kernels share: the problem, its config, its cost and the backward's plan.
+
+Every gather is seen through a free reshape of `x` to a 3-D table `(batch, n, columns)`:
+`batch` is the product of the dims before `axis`, `n` the gathered axis, `columns` the product
+of the dims after it. `axis=0` is `(1, n, columns)` (an embedding table), the last axis is
+`(batch, n, 1)`. No case transposes the table. The indices are flattened to `(m,)` int32 by
+`reference.gather.bounded_indices`, which keeps each index's outcome under the mode; the
+kernels then count negative indices from the end and apply the mode themselves.
+
+Kernel modes: the six public modes reduce to three rules a kernel implements.
+  forward "clip": out-of-range rows read the edge row   (None, "promise_in_bounds", "clip")
+  forward "fill": out-of-range rows read `fill`          ("drop", "fill")
+  forward "wrap": rows are taken modulo n                ("wrap")
+and the backward scatter-add follows JAX's transpose of each public mode:
+  scatter "drop": out-of-range rows add nothing          (None, "promise_in_bounds", "drop", "fill")
+  scatter "clip": out-of-range rows add into the edge row ("clip")
+  scatter "wrap": rows are taken modulo n                ("wrap")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kernels._pallas import pl
+
+FORWARD_MODE = {None: "clip", "promise_in_bounds": "clip", "clip": "clip", "drop": "fill",
+                "fill": "fill", "wrap": "wrap"}
+SCATTER_MODE = {None: "drop", "promise_in_bounds": "drop", "clip": "clip", "drop": "drop",
+                "fill": "drop", "wrap": "wrap"}
+# The transpose of a scatter-add is a gather with the matching forward rule; dropped rows
+# gather zero.
+TRANSPOSED_MODE = {"drop": "fill", "clip": "clip", "wrap": "wrap"}
+
+
+@dataclasses.dataclass(frozen=True)
+class GatherConfig:
+    """Block sizes of the gather and scatter-add kernels; `None` fields are picked from shapes.
+
+    block_indices: indices one program (Triton) or grid step (Mosaic) gathers in the forward.
+    block_columns: table columns one program handles (Triton, forward and backward: a power of
+      2) or one backward grid step accumulates (Mosaic: a multiple of 128 dividing the row
+      length, or the whole row).
+    block_batch: Mosaic forward only; leading slices (the dims before `axis`) one DMA copies.
+    block_rows: Mosaic backward only; table rows one grid step owns (a multiple of the dtype's
+      sublane tile, or all of them).
+    num_warps, num_stages: Triton only; compiler params.
+    """
+
+    block_indices: int | None = None
+    block_columns: int | None = None
+    block_batch: int | None = None
+    block_rows: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+
+
+class Problem(NamedTuple):
+    """One gather (or its scatter-add) on the `(batch, n, columns)` view of the table."""
+
+    batch: int
+    n: int
+    columns: int
+    num_indices: int
+    dtype: Any          # the table's dtype (bool is carried as uint8 inside the kernels)
+    mode: str           # forward rule: "clip", "fill" or "wrap"
+    fill: bytes | None  # mode "fill": the fill value's bytes in `dtype` (see `fill_bits`)
+
+    @property
+    def itemsize(self) -> int:
+        return jnp.dtype(self.dtype).itemsize
+
+    @property
+    def fill_value(self) -> np.generic:
+        """The fill for out-of-range rows (0 outside mode "fill": never read then)."""
+        return fill_scalar(self.fill, self.dtype) if self.fill else np.zeros((), self.dtype)[()]
+
+
+def fill_bits(fill_value: Any, dtype: Any) -> bytes:
+    """`fill_value` converted to `dtype` exactly as JAX's gather converts it, as raw bytes, so
+    that a NaN fill still compares equal and the static arguments hash consistently."""
+    with jax.ensure_compile_time_eval():
+        value = np.asarray(jax.lax.full((), fill_value, dtype))
+    return value.tobytes()
+
+
+def fill_scalar(fill: bytes, dtype: Any) -> np.generic:
+    """The value stored by `fill_bits`, as a NumPy scalar of `dtype`."""
+    return np.frombuffer(fill, np.dtype(dtype))[0]
+
+
+def table_view(shape: tuple[int, ...], axis: int) -> tuple[int, int, int]:
+    return math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1:])
+
+
+def gather_bytes(p: Problem) -> int:
+    """Minimum traffic: each gathered row read once, the output written once, the indices
+    read once."""
+    return 2 * p.batch * p.num_indices * p.columns * p.itemsize + 4 * p.num_indices
+
+
+def scatter_bytes(p: Problem) -> int:
+    """Minimum traffic: the cotangent read once, the table gradient written once, the sorted
+    indices, their order and the segment starts read once."""
+    return ((p.batch * p.num_indices + p.batch * p.n) * p.columns * p.itemsize
+            + 8 * p.num_indices + 4 * (p.n + 1))
+
+
+def gather_cost(p: Problem) -> pl.CostEstimate:
+    return pl.CostEstimate(flops=0, transcendentals=0, bytes_accessed=gather_bytes(p))
+
+
+def scatter_cost(p: Problem) -> pl.CostEstimate:
+    return pl.CostEstimate(flops=p.batch * p.num_indices * p.columns, transcendentals=0,
+                           bytes_accessed=scatter_bytes(p))
+
+
+def normalize_row(index: jax.Array, n: int, mode: str) -> tuple[jax.Array, jax.Array]:
+    """(row, in_range) for int32 `index` into n rows under a kernel rule; row is always in
+    [0, n). Works on scalars (Mosaic, SMEM) and vectors (Triton) alike; nothing overflows
+    because `bounded_indices` keeps |index| <= n + 1 <= 2**31 - 1 outside "wrap"."""
+    if mode == "wrap":
+        row = jax.lax.rem(index, jnp.int32(n))
+        row = jnp.where(row < 0, row + n, row)
+        return row, jnp.ones_like(index, dtype=jnp.bool_)
+    row = jnp.where(index < 0, index + n, index)
+    in_range = (row >= 0) & (row < n)
+    return jnp.clip(row, 0, n - 1), in_range
+
+
+class ScatterPlan(NamedTuple):
+    """The backward's schedule, computed in the wrapper with XLA (a sort of the small index
+    vector, not of the table): the positions of the indices in order of target row (stable, so
+    duplicates are summed in their original order and every run gives the same bits) and, per
+    table row r, where its segment starts: row r's cotangent rows are
+    `order[row_starts[r]:row_starts[r + 1]]`. Dropped indices sort past the last row."""
+
+    order: jax.Array       # (m,) int32
+    targets: jax.Array     # (m,) int32 sorted target rows, n for dropped ones
+    row_starts: jax.Array  # (n + 1,) int32
+
+
+def scatter_targets(indices: jax.Array, n: int, scatter_mode: str) -> jax.Array:
+    """Target row of each index under the scatter rule; n (past the table) when dropped."""
+    row, in_range = normalize_row(indices, n, "wrap" if scatter_mode == "wrap" else "clip")
+    if scatter_mode == "drop":
+        row = jnp.where(in_range, row, n)
+    return row.astype(jnp.int32)
+
+
+def scatter_plan(indices: jax.Array, n: int, scatter_mode: str) -> ScatterPlan:
+    targets = scatter_targets(indices, n, scatter_mode)
+    order = jnp.argsort(targets, stable=True).astype(jnp.int32)
+    sorted_targets = targets[order]
+    row_starts = jnp.searchsorted(sorted_targets, jnp.arange(n + 1, dtype=jnp.int32),
+                                  side="left").astype(jnp.int32)
+    return ScatterPlan(order, sorted_targets, row_starts)
+
+
+def accumulator_dtype(dtype: Any) -> Any:
+    return jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
+
+
+def check_int(config: GatherConfig, field: str) -> None:
+    value = getattr(config, field)
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                              or value < 1):
+        raise ValueError(f"config.{field} must be a positive int or None, got {value!r}")

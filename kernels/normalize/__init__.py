@@ -1,0 +1,178 @@
+"""`kernels.normalize` (and `layer_norm`, `rms_norm`): fused normalization kernels.
+
+The public function validates its inputs (with the reference's own checks, so both raise the
+same errors), views `x` as 3-D (`common.plan`: a free reshape, or a transpose when the
+normalized axes are not contiguous) and routes to `_forward`, a `custom_vjp` that returns
+(y, mean, 1/std). Its backward runs the same implementation's fused backward kernel through
+`_backward`, itself a `custom_vjp` whose derivative is JAX's derivative of the backward's jnp
+form (`common.backward_jnp`), so `grad` of `grad` works. The statistics are outputs of
+`_forward` (not hidden residuals) so that second-order gradients flow through them.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kernels import _dispatch
+from kernels.normalize import common, mosaic, triton
+from kernels.normalize.common import NormalizeConfig, Problem
+from reference.normalize import Axis, check_arguments
+from reference.normalize import normalize as reference_normalize
+
+__all__ = ["normalize", "layer_norm", "rms_norm", "NormalizeConfig"]
+
+_KERNELS = {"triton": triton, "mosaic": mosaic}
+
+
+class _Static(NamedTuple):
+    """The hashable, non-differentiable arguments of `_forward` and `_backward`."""
+
+    implementation: str
+    interpret: bool
+    config: NormalizeConfig | None
+    problem: Problem
+
+
+def _forward_kernel(x, scale, offset, s: _Static):
+    return _KERNELS[s.implementation].forward(x, scale, offset, s.problem, config=s.config,
+                                              interpret=s.interpret)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _forward(x, scale, offset, s: _Static):
+    """(y, mean, rstd) on the 3-D view."""
+    return _forward_kernel(x, scale, offset, s)
+
+
+def _forward_fwd(x, scale, offset, s):
+    y, mean, rstd = _forward_kernel(x, scale, offset, s)
+    return (y, mean, rstd), (x, scale, mean, rstd)
+
+
+def _forward_bwd(s, residuals, cotangents):
+    x, scale, mean, rstd = residuals
+    gy, gmean, grstd = cotangents
+    dx, dscale, doffset = _backward(x, scale, mean, rstd, gy, gmean, grstd, s)
+    return dx, dscale, doffset
+
+
+_forward.defvjp(_forward_fwd, _forward_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _backward(x, scale, mean, rstd, gy, gmean, grstd, s: _Static):
+    """(dx, dscale, doffset) by the fused backward kernel."""
+    return _KERNELS[s.implementation].backward(x, scale, mean, rstd, gy, gmean, grstd,
+                                               s.problem, config=s.config,
+                                               interpret=s.interpret)
+
+
+def _backward_fwd(x, scale, mean, rstd, gy, gmean, grstd, s):
+    out = _backward(x, scale, mean, rstd, gy, gmean, grstd, s)
+    return out, (x, scale, mean, rstd, gy, gmean, grstd)
+
+
+def _backward_bwd(s, residuals, cotangents):
+    # Second order: JAX's derivative of the backward's jnp form (the fused kernels compute
+    # first-order gradients only).
+    _, vjp = jax.vjp(functools.partial(common.backward_jnp, s.problem), *residuals)
+    return vjp(cotangents)
+
+
+_backward.defvjp(_backward_fwd, _backward_bwd)
+
+
+def _validate_options(subtract_mean: bool, config: NormalizeConfig | None, op: str) -> None:
+    if not isinstance(subtract_mean, (bool, np.bool_)):
+        raise TypeError(f"{op}: subtract_mean must be True or False, got {subtract_mean!r}")
+    if config is not None and not isinstance(config, NormalizeConfig):
+        raise TypeError(f"{op}: config must be a NormalizeConfig or None, got {config!r}")
+
+
+def _normalize(x, scale, offset, axis, epsilon, subtract_mean, implementation, interpret,
+               config, op):
+    x = jnp.asarray(x)
+    scale = None if scale is None else jnp.asarray(scale)
+    offset = None if offset is None else jnp.asarray(offset)
+    axes, epsilon = check_arguments(x, scale, offset, axis, epsilon, op)
+    _validate_options(subtract_mean, config, op)
+    perm, (outer, groups, reduced, rows) = common.plan(x.shape, axes)
+    problem = Problem(outer, groups, reduced, rows, jnp.dtype(x.dtype), bool(subtract_mean),
+                      epsilon, scale is not None, offset is not None)
+    name, interpret = _dispatch.choose(
+        op, implementation, interpret,
+        {kernel: functools.partial(module.check, problem, config)
+         for kernel, module in _KERNELS.items()})
+    if name == "xla" or x.size == 0:
+        # Size zero: an empty result of the right shape, nothing for a kernel to do.
+        return reference_normalize(x, scale, offset, axis=axis, epsilon=epsilon,
+                                   subtract_mean=bool(subtract_mean))
+    # The only copy: normalized axes that are not contiguous are moved last (see common.plan).
+    moved = x if perm is None else jnp.transpose(x, perm)
+    stat_dtype = problem.stat_dtype
+    params = [None if v is None else v.astype(stat_dtype).reshape(problem.param_shape)
+              for v in (scale, offset)]
+    static = _Static(name, interpret, config, problem)
+    y, _, _ = _forward(moved.reshape(problem.view_shape), *params, static)
+    y = y.reshape(moved.shape)
+    return y if perm is None else jnp.transpose(y, np.argsort(perm))
+
+
+def normalize(
+    x: jax.Array,
+    scale: jax.Array | None = None,
+    offset: jax.Array | None = None,
+    *,
+    axis: Axis = -1,
+    epsilon: float = 1e-5,
+    subtract_mean: bool = True,
+    implementation: str | tuple[str, ...] | None = None,
+    interpret: bool | None = None,
+    config: NormalizeConfig | None = None,
+) -> jax.Array:
+    """`(x - mean) / sqrt(var + epsilon) * scale + offset` over `axis`, as fused kernels.
+
+    `axis`: an int or a tuple of ints; `var` is the mean squared deviation. With
+    `subtract_mean=False`: `x / sqrt(mean(x²) + epsilon) * scale + offset` (RMS norm).
+    `scale`/`offset` have the shape of the normalized axes. Statistics in float32 (float64 for
+    float64 `x`); the result has `x.dtype` (see `reference.normalize`). `implementation` and
+    `interpret` choose the kernel as in DESIGN.md; `config` sets block sizes.
+    """
+    return _normalize(x, scale, offset, axis, epsilon, subtract_mean, implementation,
+                      interpret, config, "normalize")
+
+
+def layer_norm(
+    x: jax.Array,
+    scale: jax.Array | None = None,
+    offset: jax.Array | None = None,
+    *,
+    axis: Axis = -1,
+    epsilon: float = 1e-5,
+    implementation: str | tuple[str, ...] | None = None,
+    interpret: bool | None = None,
+    config: NormalizeConfig | None = None,
+) -> jax.Array:
+    """`normalize(x, scale, offset, axis=axis, epsilon=epsilon)`."""
+    return _normalize(x, scale, offset, axis, epsilon, True, implementation, interpret, config,
+                      "layer_norm")
+
+
+def rms_norm(
+    x: jax.Array,
+    scale: jax.Array | None = None,
+    *,
+    axis: Axis = -1,
+    epsilon: float = 1e-6,
+    implementation: str | tuple[str, ...] | None = None,
+    interpret: bool | None = None,
+    config: NormalizeConfig | None = None,
+) -> jax.Array:
+    """`normalize(x, scale, axis=axis, epsilon=epsilon, subtract_mean=False)`."""
+    return _normalize(x, scale, None, axis, epsilon, False, implementation, interpret, config,
+                      "rms_norm")

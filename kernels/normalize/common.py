@@ -1,0 +1,268 @@
+"""What the normalize kernels share: the 3-D view they work on, the block config, the per-tile
+maths (chunk moments and their merge, the backward formula) and the cost.
+
+The view
+--------
+Any `x` and any set of normalized axes become a 3-D array without copying when the normalized
+axes are contiguous in `x` (every case but e.g. `axis=(0, 2)`):
+
+- rows layout, `(1, groups, reduced)`: the normalized axes are the trailing ones (layer norm over
+  features). Each of the `groups` rows is normalized over its `reduced` contiguous elements.
+- columns layout, `(outer, reduced, groups)`: the normalized axes are followed by others (the
+  tutorial's `X.std(0)`). Each of the `groups` columns of each outer slab is normalized over
+  `reduced` elements strided by `groups`.
+
+Normalized axes that are not contiguous are moved to the end by `jnp.transpose` in the public
+wrapper (one HBM copy in and one out; the only case that copies), giving the rows layout.
+
+A kernel's 2-D tile is `(block_groups, block_reduced)` in the rows layout and
+`(block_reduced, block_groups)` in the columns layout; `reduce_axis` says which tile axis is
+reduced. Statistics (mean, 1/std) have the view's shape with the reduced dim set to 1, so they
+broadcast against a tile in both layouts; `scale`/`offset` are viewed as `(1, reduced)` or
+`(reduced, 1)` for the same reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from kernels._pallas import pl
+from reference.normalize import statistics_dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class NormalizeConfig:
+    """Block sizes of the normalize kernels; `None` fields are picked from the shapes.
+
+    block_groups: groups (rows in layer norm, columns in the axis-0 standardization) that one
+        program (Triton) or grid step (Mosaic) normalizes together.
+    block_reduced: elements of each group read per chunk; a group longer than this is looped
+        over in chunks (its statistics merged across chunks, Chan et al.'s parallel variance).
+    num_partials: Triton backward only: programs per outer slab, each accumulating one partial
+        sum of dscale/doffset over the row blocks it walks (reduced afterwards, no atomics).
+    num_warps, num_stages: Triton only; compiler params.
+    """
+
+    block_groups: int | None = None
+    block_reduced: int | None = None
+    num_partials: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+
+
+class Problem(NamedTuple):
+    """One normalization, in the 3-D view described in the module docstring."""
+
+    outer: int
+    groups: int
+    reduced: int
+    rows: bool
+    dtype: jnp.dtype
+    subtract_mean: bool
+    epsilon: float
+    has_scale: bool
+    has_offset: bool
+
+    @property
+    def stat_dtype(self) -> jnp.dtype:
+        return statistics_dtype(self.dtype)
+
+    @property
+    def view_shape(self) -> tuple[int, int, int]:
+        if self.rows:
+            return (self.outer, self.groups, self.reduced)
+        return (self.outer, self.reduced, self.groups)
+
+    @property
+    def stats_shape(self) -> tuple[int, int, int]:
+        return (self.outer, self.groups, 1) if self.rows else (self.outer, 1, self.groups)
+
+    @property
+    def param_shape(self) -> tuple[int, int]:
+        return (1, self.reduced) if self.rows else (self.reduced, 1)
+
+    @property
+    def reduce_axis(self) -> int:
+        """The reduced axis of a 2-D tile."""
+        return 1 if self.rows else 0
+
+    def tile_shape(self, block_groups: int, block_reduced: int) -> tuple[int, int]:
+        return (block_groups, block_reduced) if self.rows else (block_reduced, block_groups)
+
+    @property
+    def size(self) -> int:
+        return self.outer * self.groups * self.reduced
+
+
+def plan(shape: tuple[int, ...], axes: tuple[int, ...]) -> tuple[tuple[int, ...] | None,
+                                                                 tuple[int, int, int, bool]]:
+    """(transpose permutation or None, (outer, groups, reduced, rows)) for normalizing `axes`
+    (sorted, non-negative) of an array of `shape`."""
+    perm = None
+    if axes and axes != tuple(range(axes[0], axes[-1] + 1)):
+        kept = tuple(d for d in range(len(shape)) if d not in axes)
+        perm = kept + axes
+        shape = tuple(shape[d] for d in perm)
+        axes = tuple(range(len(kept), len(shape)))
+    first = axes[0] if axes else len(shape)
+    last = axes[-1] + 1 if axes else len(shape)
+    outer, reduced, inner = (math.prod(shape[:first]), math.prod(shape[first:last]),
+                             math.prod(shape[last:]))
+    if inner == 1:
+        return perm, (1, outer, reduced, True)
+    return perm, (outer, inner, reduced, False)
+
+
+# ----------------------------------------------------------------------------- tile maths
+# Shared by the Triton and Mosaic kernels: plain jnp on 2-D tiles in the statistics dtype.
+
+
+class Moments(NamedTuple):
+    """Per-group count, mean and sum of squared deviations (M2) of the elements seen so far.
+    With subtract_mean=False, `mean` stays 0 and M2 is the sum of squares."""
+
+    count: jax.Array
+    mean: jax.Array
+    m2: jax.Array
+
+
+def chunk_moments(x: jax.Array, valid: jax.Array, p: Problem) -> Moments:
+    """Moments of the valid elements of each group of tile `x` (invalid ones may hold garbage).
+
+    The mean is subtracted before squaring (two passes over the tile in registers/VMEM), so
+    data with a large mean and a small spread keeps its precision.
+    """
+    axis = p.reduce_axis
+    count = jnp.sum(valid.astype(x.dtype), axis=axis, keepdims=True)
+    zero = jnp.zeros_like(x)
+    if not p.subtract_mean:
+        m2 = jnp.sum(jnp.where(valid, x * x, zero), axis=axis, keepdims=True)
+        return Moments(count, jnp.zeros_like(count), m2)
+    mean = jnp.sum(jnp.where(valid, x, zero), axis=axis, keepdims=True) / count
+    deviation = jnp.where(valid, x - mean, zero)
+    return Moments(count, mean, jnp.sum(deviation * deviation, axis=axis, keepdims=True))
+
+
+def merge_moments(a: Moments, b: Moments, p: Problem) -> Moments:
+    """Moments of the union of two disjoint sets of elements (Chan, Golub and LeVeque)."""
+    count = a.count + b.count
+    if not p.subtract_mean:
+        return Moments(count, a.mean, a.m2 + b.m2)
+    delta = b.mean - a.mean
+    weight = b.count / count
+    return Moments(count, a.mean + delta * weight, a.m2 + b.m2 + delta * delta * a.count * weight)
+
+
+def mean_and_rstd(m: Moments, p: Problem) -> tuple[jax.Array, jax.Array]:
+    """The saved statistics: mean (0 for RMS) and 1 / sqrt(var + epsilon)."""
+    var = m.m2 / p.reduced
+    return m.mean, lax.rsqrt(var + jnp.asarray(p.epsilon, var.dtype))
+
+
+def normalized(x: jax.Array, mean: jax.Array, rstd: jax.Array, p: Problem) -> jax.Array:
+    return (x - mean) * rstd if p.subtract_mean else x * rstd
+
+
+def affine(xhat: jax.Array, scale: jax.Array | None, offset: jax.Array | None) -> jax.Array:
+    y = xhat if scale is None else xhat * scale
+    return y if offset is None else y + offset
+
+
+class RowSums(NamedTuple):
+    """Per-group sums the backward needs before it can write dx: sum(g·scale) and
+    sum(g·scale·x̂)."""
+
+    gs: jax.Array
+    gs_xhat: jax.Array
+
+
+def row_sums(gs: jax.Array, xhat: jax.Array, valid: jax.Array, p: Problem) -> RowSums:
+    zero = jnp.zeros_like(gs)
+    axis = p.reduce_axis
+    return RowSums(jnp.sum(jnp.where(valid, gs, zero), axis=axis, keepdims=True),
+                   jnp.sum(jnp.where(valid, gs * xhat, zero), axis=axis, keepdims=True))
+
+
+def input_gradient(gs: jax.Array, xhat: jax.Array, rstd: jax.Array, sums: RowSums,
+                   gmean: jax.Array, grstd: jax.Array, p: Problem) -> jax.Array:
+    """dx for one tile.
+
+    With x̂ = (x - mean)·rstd and gs = dy·scale:
+    dx = rstd·(gs - mean(gs) - x̂·mean(gs·x̂)) (no mean(gs) term for RMS), plus the paths through
+    the saved statistics when they have cotangents (second-order gradients):
+    d mean/dx = 1/n and d rstd/dx = -rstd²·x̂/n.
+    """
+    n = p.reduced
+    core = gs - xhat * (sums.gs_xhat / n)
+    if p.subtract_mean:
+        core = core - sums.gs / n
+    dx = rstd * core - grstd * (rstd * rstd) * xhat / n
+    return dx + gmean / n if p.subtract_mean else dx
+
+
+def backward_jnp(p: Problem, x, scale, mean, rstd, gy, gmean, grstd):
+    """The backward kernels' function in plain jnp, on the 3-D view.
+
+    Never used to compute a first-order gradient: JAX differentiates it for the gradient of the
+    backward kernel (grad of grad), where mean and rstd are independent inputs.
+    Returns (dx, dscale, doffset) as the kernels do; dscale/doffset are None when absent.
+    """
+    axis = 2 if p.rows else 1
+    dtype = p.stat_dtype
+    xhat = normalized(x.astype(dtype), mean, rstd, p)
+    g = gy.astype(dtype)
+    gs = g if scale is None else g * scale
+    sums = RowSums(jnp.sum(gs, axis=axis, keepdims=True),
+                   jnp.sum(gs * xhat, axis=axis, keepdims=True))
+    dx = input_gradient(gs, xhat, rstd, sums, gmean, grstd, p).astype(x.dtype)
+    over = (0, 1) if p.rows else (0, 2)
+    dscale = None if scale is None else jnp.sum(g * xhat, axis=over).reshape(p.param_shape)
+    doffset = jnp.sum(g, axis=over).reshape(p.param_shape) if p.has_offset else None
+    return dx, dscale, doffset
+
+
+# ----------------------------------------------------------------------------- cost
+
+
+def forward_flops_and_bytes(p: Problem) -> tuple[int, int]:
+    """About 8 flops an element (moments, normalize, affine); bytes: x read once, y written once,
+    scale/offset read, statistics written."""
+    item, stat = jnp.dtype(p.dtype).itemsize, jnp.dtype(p.stat_dtype).itemsize
+    params = (p.has_scale + p.has_offset) * p.reduced * stat
+    stats = 2 * p.outer * p.groups * stat
+    return 8 * p.size, 2 * p.size * item + params + stats
+
+
+def backward_flops_and_bytes(p: Problem, num_partials: int) -> tuple[int, int]:
+    """About 12 flops an element; bytes: x and dy read once, dx written once, statistics and
+    their cotangents read, and `num_partials` partial rows of dscale/doffset written."""
+    item, stat = jnp.dtype(p.dtype).itemsize, jnp.dtype(p.stat_dtype).itemsize
+    partials = (p.has_scale + p.has_offset) * num_partials * p.reduced * stat
+    stats = 4 * p.outer * p.groups * stat
+    return 12 * p.size, 3 * p.size * item + p.has_scale * p.reduced * stat + stats + partials
+
+
+def cost_estimate(flops_and_bytes: tuple[int, int], p: Problem) -> pl.CostEstimate:
+    flops, nbytes = flops_and_bytes
+    return pl.CostEstimate(flops=flops, transcendentals=p.outer * p.groups,
+                           bytes_accessed=nbytes)
+
+
+def minimum_bytes(p: Problem) -> int:
+    """One read of x and one write of y: the floor any forward implementation pays."""
+    return 2 * p.size * jnp.dtype(p.dtype).itemsize
+
+
+def check_dtype(p: Problem, allowed: tuple) -> None:
+    if jnp.dtype(p.dtype) not in tuple(jnp.dtype(d) for d in allowed):
+        name = jnp.dtype(p.dtype).name
+        if name == "float64":
+            raise NotImplementedError("float64 is not supported on TPU")
+        raise NotImplementedError(f"x has dtype {name}; the kernel takes "
+                                  f"{', '.join(jnp.dtype(d).name for d in allowed)}")

@@ -1,0 +1,311 @@
+"""normalize as Pallas kernels lowered through Mosaic (TPU): forward and fused backward.
+
+Both kernels work on the 3-D view of `common` (rows `(1, groups, reduced)` or columns
+`(outer, reduced, groups)`) with VMEM blocks of `block_groups` groups by `block_reduced`
+elements: `(block_groups, block_reduced)` for rows, `(block_reduced, block_groups)` for columns.
+Blocks respect TPU tiling: the sublane dim is a multiple of 8 (16 for 16-bit dtypes) or the
+whole array dim, the lane dim a multiple of 128 or the whole array dim. The defaults take the
+whole group (reduced <= 16384) and as many groups as keep a block near 128K elements.
+
+Block schedule (forward and backward alike)
+-------------------------------------------
+grid = (outer, cdiv(groups, block_groups), phases, num_chunks), semantics ("parallel",
+"parallel", "arbitrary", "arbitrary"), num_chunks = cdiv(reduced, block_reduced).
+- One chunk per group (phases = 1, the common case): step (o, b, 0, 0) receives the block of x
+  (and dy) in VMEM through the BlockSpec pipeline, computes the statistics (forward) or the two
+  per-group sums (backward) and writes y (or dx) in the same step: x is read from HBM once and y
+  written once.
+- Several chunks (phases = 2): phase 0 walks the chunks accumulating, in VMEM scratch, the
+  merged moments (forward; Chan et al.'s parallel variance) or the sums (backward); phase 1
+  walks them again and writes y (dx). The output's index map sends every phase-0 step to chunk
+  0, which phase 1 writes first, so each output block is written back once, after it is final.
+Statistics, their cotangents and the scale/offset chunks are small blocks: (block_groups, 1) or
+(1, block_groups), and (1, block_reduced) or (block_reduced, 1).
+
+Ragged edges: padding past `reduced` may hold anything (NaN in TPU interpret mode), so it is
+masked out of every sum; padding past `groups` computes garbage whose writes are dropped, and
+is masked out of the backward's dscale/doffset sums. Each (o, b) writes its own partial dscale
+and doffset row of shape (1, reduced) or (reduced, 1); XLA sums the rows afterwards (no
+atomics: the same result on every run).
+
+Memory traffic: one read of x and one write of y per forward when a group fits one block (two
+reads otherwise); backward: x and dy read once (twice for multi-chunk groups), dx written once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from kernels._pallas import mosaic_call, pl, pltpu
+from kernels.normalize import common
+from kernels.normalize.common import NormalizeConfig, Problem
+
+_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
+_LANES = 128
+_MAX_BLOCK_REDUCED = 16384
+_TARGET_BLOCK = 128 * 1024  # elements: ~0.5 MiB float32 per block, a few MiB with buffering.
+
+
+def sublanes(dtype: jnp.dtype) -> int:
+    """Rows of one TPU memory tile: 8 for 32-bit dtypes, 16 for 16-bit."""
+    return 8 * 4 // min(4, jnp.dtype(dtype).itemsize)
+
+
+def _tiling(p: Problem) -> dict[str, tuple[int, int]]:
+    """Per block field: (the multiple TPU tiling asks for, the array dim it may equal)."""
+    sub = sublanes(p.dtype)
+    if p.rows:
+        return {"block_groups": (sub, p.groups), "block_reduced": (_LANES, p.reduced)}
+    return {"block_groups": (_LANES, p.groups), "block_reduced": (sub, p.reduced)}
+
+
+def _fit(dim: int, limit: int, multiple: int) -> int:
+    """The whole dim if it is <= limit, else the largest multiple of `multiple` <= limit."""
+    return dim if dim <= limit else max(multiple, limit // multiple * multiple)
+
+
+def resolve_config(p: Problem, config: NormalizeConfig | None) -> NormalizeConfig:
+    config = config or NormalizeConfig()
+    tiling = _tiling(p)
+    block_reduced = config.block_reduced or _fit(p.reduced, _MAX_BLOCK_REDUCED,
+                                                 tiling["block_reduced"][0])
+    block_groups = config.block_groups or _fit(
+        p.groups, max(1, _TARGET_BLOCK // block_reduced), tiling["block_groups"][0])
+    return dataclasses.replace(config, block_groups=block_groups, block_reduced=block_reduced)
+
+
+def check(p: Problem, config: NormalizeConfig | None) -> None:
+    """Declines float64 (no float64 on TPU); rejects blocks that break TPU tiling."""
+    common.check_dtype(p, _DTYPES)
+    config = resolve_config(p, config)
+    for field, (multiple, dim) in _tiling(p).items():
+        size = getattr(config, field)
+        if (not isinstance(size, int) or isinstance(size, bool) or size < 1
+                or (size % multiple and size != dim)):
+            raise ValueError(f"config.{field}={size!r} breaks TPU tiling for mosaic: it must be "
+                             f"a multiple of {multiple} or equal the array dim {dim}")
+
+
+class _Schedule:
+    """Grid, block specs and in-kernel masks of one problem and config."""
+
+    def __init__(self, p: Problem, config: NormalizeConfig):
+        self.p, self.block_groups, self.block_reduced = p, config.block_groups, config.block_reduced
+        self.num_blocks = pl.cdiv(p.groups, config.block_groups)
+        self.num_chunks = pl.cdiv(p.reduced, config.block_reduced)
+        self.phases = 1 if self.num_chunks == 1 else 2
+        self.grid = (p.outer, self.num_blocks, self.phases, self.num_chunks)
+
+    def _orient(self, group_part, reduced_part):
+        return (group_part, reduced_part) if self.p.rows else (reduced_part, group_part)
+
+    def tile_spec(self, written: bool = False) -> pl.BlockSpec:
+        """x, dy, y, dx. An output (`written`) stays on chunk 0 during phase 0."""
+        def index(o, b, phase, c):
+            chunk = c * phase if written and self.phases == 2 else c
+            return (o, *self._orient(b, chunk))
+        return pl.BlockSpec((None, *self._orient(self.block_groups, self.block_reduced)), index)
+
+    def stats_spec(self) -> pl.BlockSpec:
+        return pl.BlockSpec((None, *self._orient(self.block_groups, 1)),
+                            lambda o, b, phase, c: (o, *self._orient(b, 0)))
+
+    def param_spec(self) -> pl.BlockSpec:
+        return pl.BlockSpec(self._orient(1, self.block_reduced),
+                            lambda o, b, phase, c: self._orient(0, c))
+
+    def partial_spec(self) -> pl.BlockSpec:
+        """One (1, block_reduced) or (block_reduced, 1) partial row per group block."""
+        def index(o, b, phase, c):
+            chunk = c * phase if self.phases == 2 else c
+            return (o * self.num_blocks + b, *self._orient(0, chunk))
+        return pl.BlockSpec((None, *self._orient(1, self.block_reduced)), index)
+
+    def reduced_valid(self, shape) -> jax.Array | None:
+        """Mask of the elements of this step's chunk inside `reduced`; None if all are."""
+        if self.p.reduced % self.block_reduced == 0:
+            return None
+        axis = self.p.reduce_axis
+        index = pl.program_id(3) * self.block_reduced + lax.broadcasted_iota(jnp.int32, shape,
+                                                                             axis)
+        return index < self.p.reduced
+
+    def group_valid(self, shape) -> jax.Array | None:
+        if self.p.groups % self.block_groups == 0:
+            return None
+        axis = 1 - self.p.reduce_axis
+        index = pl.program_id(1) * self.block_groups + lax.broadcasted_iota(jnp.int32, shape,
+                                                                            axis)
+        return index < self.p.groups
+
+
+def _all_valid(shape) -> jax.Array:
+    return jnp.ones(shape, jnp.bool_)
+
+
+def _and(*masks):
+    masks = [m for m in masks if m is not None]
+    if not masks:
+        return None
+    out = masks[0]
+    for m in masks[1:]:
+        out = out & m
+    return out
+
+
+def _zero_invalid(x: jax.Array, valid: jax.Array | None) -> jax.Array:
+    return x if valid is None else jnp.where(valid, x, jnp.zeros_like(x))
+
+
+def _unpack(refs, has_scale: bool, has_offset: bool):
+    x_ref, rest = refs[0], list(refs[1:])
+    scale_ref = rest.pop(0) if has_scale else None
+    offset_ref = rest.pop(0) if has_offset else None
+    return x_ref, scale_ref, offset_ref, rest
+
+
+def _forward_kernel(*refs, p: Problem, s: _Schedule):
+    x_ref, scale_ref, offset_ref, rest = _unpack(refs, p.has_scale, p.has_offset)
+    y_ref, mean_ref, rstd_ref, *scratch = rest
+    dtype = p.stat_dtype
+    x = x_ref[...].astype(dtype)
+    valid = s.reduced_valid(x.shape)
+    # Padding may be NaN: zero it before it meets any arithmetic.
+    x = _zero_invalid(x, valid)
+    moments = common.chunk_moments(x, _all_valid(x.shape) if valid is None else valid, p)
+
+    def write(mean, rstd):
+        scale = None if scale_ref is None else scale_ref[...].astype(dtype)
+        offset = None if offset_ref is None else offset_ref[...].astype(dtype)
+        y_ref[...] = common.affine(common.normalized(x, mean, rstd, p), scale,
+                                   offset).astype(y_ref.dtype)
+        mean_ref[...] = mean.astype(mean_ref.dtype)
+        rstd_ref[...] = rstd.astype(rstd_ref.dtype)
+
+    if s.phases == 1:
+        write(*common.mean_and_rstd(moments, p))
+        return
+    count_ref, mean_acc, m2_ref = scratch
+    phase, chunk = pl.program_id(2), pl.program_id(3)
+
+    @pl.when((phase == 0) & (chunk == 0))
+    def _():
+        count_ref[...], mean_acc[...], m2_ref[...] = moments
+
+    @pl.when((phase == 0) & (chunk > 0))
+    def _():
+        seen = common.Moments(count_ref[...], mean_acc[...], m2_ref[...])
+        count_ref[...], mean_acc[...], m2_ref[...] = common.merge_moments(seen, moments, p)
+
+    @pl.when(phase == 1)
+    def _():
+        seen = common.Moments(count_ref[...], mean_acc[...], m2_ref[...])
+        write(*common.mean_and_rstd(seen, p))
+
+
+def forward(x: jax.Array, scale: jax.Array | None, offset: jax.Array | None, p: Problem, *,
+            config: NormalizeConfig | None, interpret: bool):
+    """(y, mean, rstd) for the view-shaped `x` of a problem that `check` accepted."""
+    s = _Schedule(p, resolve_config(p, config))
+    stats = jax.ShapeDtypeStruct(p.stats_shape, p.stat_dtype)
+    stats_block = s._orient(s.block_groups, 1)
+    in_specs = [s.tile_spec()] + [s.param_spec()] * (p.has_scale + p.has_offset)
+    scratch = [pltpu.VMEM(stats_block, p.stat_dtype)] * 3 if s.phases == 2 else []
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=0, grid=s.grid, in_specs=in_specs,
+        out_specs=[s.tile_spec(written=True), s.stats_spec(), s.stats_spec()],
+        scratch_shapes=scratch)
+    args = [a for a in (x, scale, offset) if a is not None]
+    return mosaic_call(
+        functools.partial(_forward_kernel, p=p, s=s),
+        out_shape=(jax.ShapeDtypeStruct(p.view_shape, p.dtype), stats, stats),
+        grid_spec=grid_spec,
+        dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary"),
+        interpret=interpret,
+        cost_estimate=common.cost_estimate(common.forward_flops_and_bytes(p), p),
+        name="normalize_forward_mosaic",
+    )(*args)
+
+
+def _backward_kernel(*refs, p: Problem, s: _Schedule):
+    x_ref, scale_ref, _, rest = _unpack(refs, p.has_scale, False)
+    mean_ref, rstd_ref, gy_ref, gmean_ref, grstd_ref, dx_ref, *rest = rest
+    dscale_ref = rest.pop(0) if p.has_scale else None
+    doffset_ref = rest.pop(0) if p.has_offset else None
+    dtype = p.stat_dtype
+    mean, rstd = mean_ref[...], rstd_ref[...]
+    valid = s.reduced_valid(x_ref.shape)
+    x = _zero_invalid(x_ref[...].astype(dtype), valid)
+    g = _zero_invalid(gy_ref[...].astype(dtype), valid)
+    xhat = common.normalized(x, mean, rstd, p)
+    gs = g if scale_ref is None else g * scale_ref[...].astype(dtype)
+    sums = common.row_sums(gs, xhat, _all_valid(x.shape) if valid is None else valid, p)
+
+    def write(total: common.RowSums):
+        dx = common.input_gradient(gs, xhat, rstd, total, gmean_ref[...], grstd_ref[...], p)
+        dx_ref[...] = dx.astype(dx_ref.dtype)
+        # Groups past the edge hold garbage (their dx writes are dropped); sum without them.
+        in_groups = s.group_valid(x.shape)
+        group_axis = 1 - p.reduce_axis
+        if dscale_ref is not None:
+            dscale_ref[...] = jnp.sum(_zero_invalid(g * xhat, _and(in_groups, valid)),
+                                      axis=group_axis, keepdims=True)
+        if doffset_ref is not None:
+            doffset_ref[...] = jnp.sum(_zero_invalid(g, in_groups), axis=group_axis,
+                                       keepdims=True)
+
+    if s.phases == 1:
+        write(sums)
+        return
+    gs_ref, gs_xhat_ref = rest
+    phase, chunk = pl.program_id(2), pl.program_id(3)
+
+    @pl.when((phase == 0) & (chunk == 0))
+    def _():
+        gs_ref[...], gs_xhat_ref[...] = sums
+
+    @pl.when((phase == 0) & (chunk > 0))
+    def _():
+        gs_ref[...] += sums.gs
+        gs_xhat_ref[...] += sums.gs_xhat
+
+    @pl.when(phase == 1)
+    def _():
+        write(common.RowSums(gs_ref[...], gs_xhat_ref[...]))
+
+
+def backward(x, scale, mean, rstd, gy, gmean, grstd, p: Problem, *,
+             config: NormalizeConfig | None, interpret: bool):
+    """(dx, dscale or None, doffset or None); dscale/doffset in `p.param_shape`."""
+    s = _Schedule(p, resolve_config(p, config))
+    num_partials = p.outer * s.num_blocks
+    partial_shape = (num_partials, *p.param_shape)
+    partial = jax.ShapeDtypeStruct(partial_shape, p.stat_dtype)
+    stats_block = s._orient(s.block_groups, 1)
+    in_specs = ([s.tile_spec()] + [s.param_spec()] * p.has_scale
+                + [s.stats_spec(), s.stats_spec(), s.tile_spec(), s.stats_spec(),
+                   s.stats_spec()])
+    num_params = p.has_scale + p.has_offset
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=0, grid=s.grid, in_specs=in_specs,
+        out_specs=[s.tile_spec(written=True)] + [s.partial_spec()] * num_params,
+        scratch_shapes=[pltpu.VMEM(stats_block, p.stat_dtype)] * 2 if s.phases == 2 else [])
+    args = [a for a in (x, scale, mean, rstd, gy, gmean, grstd) if a is not None]
+    outs = list(mosaic_call(
+        functools.partial(_backward_kernel, p=p, s=s),
+        out_shape=tuple([jax.ShapeDtypeStruct(p.view_shape, p.dtype)] + [partial] * num_params),
+        grid_spec=grid_spec,
+        dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary"),
+        interpret=interpret,
+        cost_estimate=common.cost_estimate(common.backward_flops_and_bytes(p, num_partials), p),
+        name="normalize_backward_mosaic",
+    )(*args))
+    dx = outs.pop(0)
+    dscale = jnp.sum(outs.pop(0), axis=0) if p.has_scale else None
+    doffset = jnp.sum(outs.pop(0), axis=0) if p.has_offset else None
+    return dx, dscale, doffset

@@ -1,0 +1,104 @@
+"""The meaning of `kernels.gather`: `x.at[..., indices, ...].get(mode=...)` and `jnp.take(wrap)`.
+
+JAX's own index arithmetic runs in the index dtype and can be wrong: int8 indices into an axis
+longer than 127 raise OverflowError (`x[i]`) or come out NaN (`jnp.take`), and int64 or uint32
+indices beyond the int32 range are truncated to int32 (jax 0.10 and 0.12 with x64: index 2**40
+into 10 rows reads row 0). This module first narrows the indices to int32 *without changing
+any index's outcome under `mode`* (`bounded_indices`), then lets JAX do the gather, so the
+result is NumPy's answer and the gradient is JAX's gradient for that mode.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+MODES = (None, "promise_in_bounds", "clip", "drop", "fill", "wrap")
+# Modes in which an out-of-range index reads the edge row; in the others it reads fill_value
+# ("drop", "fill") or wraps ("wrap").
+CLAMPING_MODES = (None, "promise_in_bounds", "clip")
+_INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+def check_arguments(x: jax.Array, indices: jax.Array, axis: int, mode: str | None,
+                    op: str = "gather") -> int:
+    """Raises ValueError/TypeError for bad arguments; returns `axis` in [0, x.ndim)."""
+    if mode not in MODES:
+        raise ValueError(f"{op}: mode must be one of {MODES}, got {mode!r}")
+    if not jnp.issubdtype(indices.dtype, jnp.integer):
+        raise TypeError(f"{op}: indices must have an integer dtype, got {indices.dtype}")
+    if x.ndim == 0:
+        raise ValueError(f"{op}: x must have rank >= 1, got shape {x.shape}")
+    try:
+        axis = operator.index(axis)
+    except TypeError:
+        raise TypeError(f"{op}: axis must be an int, got {axis!r}") from None
+    if not -x.ndim <= axis < x.ndim:
+        raise ValueError(f"{op}: axis {axis} is out of bounds for x of shape {x.shape}")
+    axis %= x.ndim
+    if x.shape[axis] == 0 and indices.size:
+        raise ValueError(f"{op}: cannot gather {indices.size} indices from axis {axis} of size "
+                         f"0 (x has shape {x.shape})")
+    if x.shape[axis] > _INT32_MAX:
+        raise ValueError(f"{op}: axis {axis} of x has {x.shape[axis]} entries; at most "
+                         f"{_INT32_MAX} are supported")
+    return axis
+
+
+def bounded_indices(indices: jax.Array, n: int, mode: str | None) -> jax.Array:
+    """int32 indices with the same outcome as `indices` under `mode`, for an axis of size n.
+
+    "wrap": `indices mod n`, computed in the indices' own dtype when it is wider than int32 (the
+    result is in [0, n)). Other modes: indices saturated to [-n - 1, n], which keeps every
+    in-range index (negative ones included) and keeps every out-of-range one out of range on the
+    same side, so clamping and filling give the same answer. Narrow dtypes are widened to int32
+    first, so no step overflows.
+    """
+    dtype = jnp.dtype(indices.dtype)
+    fits_int32 = dtype.itemsize < 4 or dtype == jnp.int32
+    if fits_int32:
+        return indices.astype(jnp.int32)
+    if mode == "wrap":
+        return jnp.remainder(indices, jnp.asarray(max(n, 1), dtype)).astype(jnp.int32)
+    if jnp.issubdtype(dtype, jnp.unsignedinteger):
+        return jnp.minimum(indices, jnp.asarray(n, dtype)).astype(jnp.int32)
+    return jnp.clip(indices, jnp.asarray(-n - 1, dtype), jnp.asarray(n, dtype)).astype(jnp.int32)
+
+
+def default_fill_value(dtype: jnp.dtype):
+    """JAX's fill for "drop"/"fill" when none is given: NaN, the signed minimum, the unsigned
+    maximum, True."""
+    dtype = jnp.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.inexact):
+        return np.nan
+    if jnp.issubdtype(dtype, jnp.signedinteger):
+        return int(jnp.iinfo(dtype).min)
+    if jnp.issubdtype(dtype, jnp.unsignedinteger):
+        return int(jnp.iinfo(dtype).max)
+    return True
+
+
+def gather(
+    x: jax.Array,
+    indices: jax.Array,
+    *,
+    axis: int = 0,
+    mode: str | None = None,
+    fill_value=None,
+) -> jax.Array:
+    """`x.at[(slice(None),) * axis + (indices,)].get(mode=mode, fill_value=fill_value)`, or
+    `jnp.take(x, indices, axis=axis, mode="wrap")` for mode="wrap", with NumPy's answer for
+    every index value and index dtype."""
+    x, indices = jnp.asarray(x), jnp.asarray(indices)
+    axis = check_arguments(x, indices, axis, mode)
+    n = x.shape[axis]
+    safe = bounded_indices(indices, n, mode)
+    if safe.size == 0:
+        return jnp.zeros(x.shape[:axis] + indices.shape + x.shape[axis + 1:], x.dtype)
+    if mode == "wrap":
+        return jnp.take(x, safe, axis=axis, mode="wrap")
+    return x.at[(slice(None),) * axis + (safe,)].get(mode=mode, fill_value=fill_value)

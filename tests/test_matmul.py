@@ -1,0 +1,255 @@
+"""The shared matmul suite, run against every implementation."""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+import reference
+from kernels.matmul import MatmulConfig, matmul
+from tests.support import (FLOAT_DTYPES, KERNELS, SUPPORTS_FLOAT64, as_f64, assert_close,
+                           assert_lowers, random, tolerance, x64)
+
+SHAPES = [  # (M, N, K): none a multiple of any block but 256/512/384
+    (1, 1, 1), (7, 13, 5), (129, 257, 65), (256, 512, 384), (1000, 3, 1000), (16, 16, 0)]
+BATCHED = [((3, 65, 33), (33, 17)), ((2, 1, 8, 9), (4, 9, 8)), ((9, 8), (4, 8, 5)),
+           ((1, 5, 7), (3, 7, 2))]
+RANK_1 = [((33,), (33,)), ((33,), (33, 7)), ((5, 33), (33,)), ((33,), (2, 33, 7))]
+
+
+def _check_against_ground_truth(a, b, out, dtype=None):
+    expected = np.matmul(as_f64(a), as_f64(b))
+    chex.assert_shape(out, expected.shape)
+    assert out.dtype == jnp.matmul(a, b).dtype
+    assert_close(out, expected, dtype or out.dtype, reduction_length=a.shape[-1])
+
+
+@pytest.mark.parametrize("m,n,k", SHAPES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_matches_float64_ground_truth(implementation, m, n, k, dtype):
+    a, b = random((m, k), dtype, seed=1), random((k, n), dtype, seed=2)
+    _check_against_ground_truth(a, b, matmul(a, b, implementation=implementation))
+
+
+def test_reference_matches_float64_ground_truth():
+    a, b = random((129, 65), jnp.float32, 1), random((65, 257), jnp.float32, 2)
+    _check_against_ground_truth(a, b, reference.matmul(a, b))
+
+
+@pytest.mark.parametrize("a_shape,b_shape", BATCHED + RANK_1)
+def test_batch_dims_and_rank_1(implementation, a_shape, b_shape):
+    a, b = random(a_shape, jnp.float32, 3), random(b_shape, jnp.float32, 4)
+    _check_against_ground_truth(a, b, matmul(a, b, implementation=implementation))
+
+
+@pytest.mark.parametrize("a_dtype,b_dtype", [(jnp.bfloat16, jnp.float16),
+                                             (jnp.float32, jnp.bfloat16),
+                                             (jnp.float16, jnp.float32)],
+                         ids=["bf16-f16", "f32-bf16", "f16-f32"])
+def test_mixed_dtypes_promote_like_jnp_matmul(implementation, a_dtype, b_dtype):
+    a, b = random((19, 40), a_dtype, 5), random((40, 23), b_dtype, 6)
+    out = matmul(a, b, implementation=implementation)
+    assert out.dtype == jnp.float32
+    _check_against_ground_truth(a, b, out, jnp.bfloat16)
+
+
+def test_preferred_element_type(implementation):
+    a, b = random((20, 300), jnp.bfloat16, 7), random((300, 9), jnp.bfloat16, 8)
+    out = matmul(a, b, preferred_element_type=jnp.float32, implementation=implementation)
+    assert out.dtype == jnp.float32
+    # float32 output of float32 accumulation: float32's tolerance, not bfloat16's.
+    assert_close(out, as_f64(a) @ as_f64(b), jnp.float32, reduction_length=300)
+
+
+def test_precision_highest(implementation):
+    a, b = random((33, 70), jnp.float32, 9), random((70, 17), jnp.float32, 10)
+    out = matmul(a, b, precision=jax.lax.Precision.HIGHEST, implementation=implementation)
+    _check_against_ground_truth(a, b, out)
+
+
+def test_float64(implementation):
+    with x64():
+        a, b = random((40, 150), jnp.float64, 11), random((150, 21), jnp.float64, 12)
+        if not SUPPORTS_FLOAT64[implementation]:
+            with pytest.raises(NotImplementedError, match=f"{implementation}: float64"):
+                matmul(a, b, implementation=implementation)
+            return
+        out = matmul(a, b, implementation=implementation)
+        assert out.dtype == jnp.float64
+        _check_against_ground_truth(a, b, out)
+
+
+def test_declining_kernel_falls_through_to_xla():
+    with x64():
+        a, b = random((8, 9), jnp.float64, 1), random((9, 3), jnp.float64, 2)
+        out = matmul(a, b, implementation=("mosaic", "xla"))
+        _check_against_ground_truth(a, b, out)
+
+
+def test_empty_dims(implementation):
+    a, b = jnp.zeros((0, 5)), jnp.zeros((5, 3))
+    chex.assert_shape(matmul(a, b, implementation=implementation), (0, 3))
+    out = matmul(jnp.ones((2, 4, 0)), jnp.ones((0, 6)), implementation=implementation)
+    np.testing.assert_array_equal(out, np.zeros((2, 4, 6)))
+
+
+def test_nan_and_inf_propagate(implementation):
+    a = random((9, 20), jnp.float32, 1).at[2, 3].set(jnp.nan).at[5, 0].set(jnp.inf)
+    b = jnp.abs(random((20, 11), jnp.float32, 2))
+    out, want = matmul(a, b, implementation=implementation), jnp.matmul(a, b)
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(want))
+    np.testing.assert_array_equal(np.isinf(out), np.isinf(want))
+
+
+def test_jit_and_no_jit(implementation, variant):
+    a, b = random((37, 130), jnp.bfloat16, 1), random((130, 18), jnp.bfloat16, 2)
+    out = variant(lambda a, b: matmul(a, b, implementation=implementation))(a, b)
+    _check_against_ground_truth(a, b, out)
+
+
+def test_vmap(implementation):
+    a, b = random((4, 17, 40), jnp.float32, 1), random((4, 40, 9), jnp.float32, 2)
+    out = jax.vmap(lambda a, b: matmul(a, b, implementation=implementation))(a, b)
+    _check_against_ground_truth(a, b, out)
+    out = jax.vmap(lambda a: matmul(a, b[0], implementation=implementation))(a)
+    _check_against_ground_truth(a, b[0], out)
+
+
+def test_no_retrace_on_repeated_calls(implementation):
+    chex.clear_trace_counter()
+    traced = jax.jit(chex.assert_max_traces(
+        lambda a, b: matmul(a, b, implementation=implementation), n=1))
+    for seed in range(3):
+        a, b = random((12, 20), jnp.float32, seed), random((20, 7), jnp.float32, seed + 1)
+        _check_against_ground_truth(a, b, traced(a, b))
+
+
+def _loss(implementation):
+    """A scalar of the product that weighs every output element differently."""
+    if implementation == "reference":
+        return lambda a, b: jnp.sum(jnp.sin(reference.matmul(a, b)))
+    return lambda a, b: jnp.sum(jnp.sin(matmul(a, b, implementation=implementation)))
+
+
+@pytest.mark.parametrize("a_shape,b_shape", [((17, 40), (40, 9))] + BATCHED + RANK_1)
+def test_gradients_match_reference(implementation, a_shape, b_shape):
+    a, b = random(a_shape, jnp.float32, 1), random(b_shape, jnp.float32, 2)
+    grads = jax.grad(_loss(implementation), argnums=(0, 1))(a, b)
+    want = jax.grad(_loss("reference"), argnums=(0, 1))(a, b)
+    for got, expected in zip(grads, want):
+        chex.assert_equal_shape([got, expected])
+        assert_close(got, expected, jnp.float32, reduction_length=2 * max(a_shape + b_shape))
+
+
+@pytest.mark.parametrize("impl", KERNELS)
+def test_gradients_bfloat16_accumulate_in_float32(impl):
+    # Kernels only: how XLA accumulates its own bfloat16 gradient dots is XLA's choice (jax
+    # 0.12 on a CPU accumulates dB's batch-folded contraction in bfloat16).
+    a, b = random((2, 24, 40), jnp.bfloat16, 1), random((40, 9), jnp.bfloat16, 2)
+    grads = jax.grad(lambda a, b: jnp.sum(matmul(a, b, implementation=impl)
+                                          .astype(jnp.float32)), argnums=(0, 1))(a, b)
+    ones = np.ones((2, 24, 9))
+    want = (ones @ as_f64(b).T, np.einsum("bmk,bmn->kn", as_f64(a), ones))
+    for got, expected, x in zip(grads, want, (a, b)):
+        assert got.dtype == x.dtype
+        assert_close(got, expected, jnp.bfloat16, reduction_length=48)
+
+
+def test_grad_of_grad(implementation):
+    a, b = random((6, 10), jnp.float32, 1), random((10, 4), jnp.float32, 2)
+
+    def second(impl):
+        inner = jax.grad(_loss(impl), argnums=0)
+        return jax.grad(lambda a, b: jnp.sum(inner(a, b) ** 2), argnums=(0, 1))(a, b)
+
+    for got, want in zip(second(implementation), second("reference")):
+        assert_close(got, want, jnp.float32, reduction_length=40)
+
+
+@pytest.mark.parametrize("impl", [i for i in ("xla", "triton") if SUPPORTS_FLOAT64[i]])
+def test_finite_differences_float64(impl):
+    with x64():
+        a, b = random((2, 5, 7), jnp.float64, 1), random((7, 3), jnp.float64, 2)
+        # order=2 also checks grad of grad against finite differences.
+        check_grads(lambda a, b: matmul(a, b, implementation=impl), (a, b), order=2,
+                    modes=["rev"], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("impl", KERNELS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
+def test_lowers_forward_and_backward(impl, dtype):
+    a, b = random((3, 129, 65), dtype, 1), random((65, 257), dtype, 2)
+
+    def forward(a, b):
+        return matmul(a, b, implementation=impl, interpret=False)
+
+    def backward(a, b):
+        return jax.grad(lambda a, b: jnp.sum(forward(a, b).astype(jnp.float32)),
+                        argnums=(0, 1))(a, b)
+
+    assert_lowers(forward, a, b, implementation=impl)
+    assert_lowers(backward, a, b, implementation=impl, min_kernels=2)
+
+
+@pytest.mark.parametrize("a,b,error,match", [
+    (jnp.float32(1), jnp.ones((3,)), ValueError, "a must have rank >= 1"),
+    (jnp.ones((3,)), jnp.float32(1), ValueError, "b must have rank >= 1"),
+    (jnp.ones((4, 5)), jnp.ones((6, 3)), ValueError, "contracting dims"),
+    (jnp.ones((2, 4, 5)), jnp.ones((3, 5, 3)), ValueError, "batch dims"),
+    (jnp.ones((4, 5), bool), jnp.ones((5, 3)), TypeError, "a must have a numeric dtype"),
+    (np.array([["x"]]), jnp.ones((1, 3)), TypeError, "a must have a numeric dtype"),
+])
+def test_bad_input(implementation, a, b, error, match):
+    with pytest.raises(error, match=match):
+        matmul(a, b, implementation=implementation)
+
+
+def test_bad_implementation_and_interpret():
+    a = jnp.ones((3, 3))
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        matmul(a, a, implementation="cuda")
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        matmul(a, a, implementation=("triton", "nope"))
+    with pytest.raises(TypeError, match="interpret must be"):
+        matmul(a, a, implementation="triton", interpret="yes")
+    with pytest.raises(TypeError, match="config must be a MatmulConfig"):
+        matmul(a, a, config={"block_m": 16})
+
+
+@pytest.mark.parametrize("impl,config,match", [
+    ("triton", MatmulConfig(block_m=24), "block_m must be a power of 2 >= 16"),
+    ("triton", MatmulConfig(block_k=8), "block_k must be a power of 2 >= 16"),
+    ("triton", MatmulConfig(num_warps=3), "num_warps"),
+    ("mosaic", MatmulConfig(block_n=100), "block_n=100 breaks TPU tiling"),
+    ("mosaic", MatmulConfig(block_m=12), "block_m=12 breaks TPU tiling"),
+])
+def test_config_that_breaks_a_constraint(impl, config, match):
+    a, b = jnp.ones((300, 600)), jnp.ones((600, 700))
+    with pytest.raises(ValueError, match=match):
+        matmul(a, b, implementation=impl, config=config)
+
+
+@pytest.mark.parametrize("impl,config", [
+    ("triton", MatmulConfig(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=2)),
+    ("mosaic", MatmulConfig(block_m=16, block_n=128, block_k=128)),
+])
+def test_explicit_config_with_ragged_edges(impl, config):
+    # Many blocks in every dim, none dividing the shape: exercises the grouped order (triton)
+    # and the masked K edge (mosaic).
+    a, b = random((2, 50, 300), jnp.bfloat16, 1), random((300, 140), jnp.bfloat16, 2)
+    out = matmul(a, b, implementation=impl, config=config)
+    _check_against_ground_truth(a, b, out)
+
+
+def test_tolerance_rule_rejects_a_wrong_kernel():
+    """The tolerance is tight enough that a kernel dropping a 16-wide K slice would fail."""
+    a, b = random((16, 300), jnp.float32, 1), random((300, 8), jnp.float32, 2)
+    truncated = as_f64(a)[:, :284] @ as_f64(b)[:284]
+    error = np.max(np.abs(truncated - as_f64(a) @ as_f64(b)))
+    for dtype in FLOAT_DTYPES:
+        allowed = tolerance(dtype, 300)
+        assert error > allowed["atol"] + allowed["rtol"] * np.max(np.abs(truncated))
