@@ -106,7 +106,7 @@ def test_matches_jax_where_jax_is_right(implementation):
         expected = x.at[indices].get(mode=mode)
         assert_exact(gather(x, indices, mode=mode, implementation=implementation), expected)
     assert_exact(gather(x, indices, mode="wrap", implementation=implementation),
-                 jnp.take(x, indices, mode="wrap"))
+                 jnp.take(x, indices, axis=0, mode="wrap"))
 
 
 TABLE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.int8, jnp.int32, jnp.uint8,

@@ -1,0 +1,76 @@
+"""How an implementation is chosen (DESIGN.md, "Choosing an implementation")."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bench import harness
+from kernels import _dispatch
+from kernels.matmul import matmul
+from tests.support import random, x64
+
+
+def test_default_on_this_cpu_is_xla(monkeypatch):
+    monkeypatch.delenv(_dispatch.ENV_VAR, raising=False)
+    assert jax.default_backend() == "cpu"
+    assert _dispatch.implementations(None) == ("xla",)
+
+
+def test_kernels_are_interpreted_off_their_platform():
+    assert _dispatch.resolve_interpret("triton", None) is True
+    assert _dispatch.resolve_interpret("mosaic", None) is True
+    assert _dispatch.resolve_interpret("triton", False) is False
+    assert _dispatch.resolve_interpret("xla", None) is False
+
+
+def test_environment_variable_replaces_the_default(monkeypatch):
+    monkeypatch.setenv(_dispatch.ENV_VAR, "mosaic, xla")
+    assert _dispatch.implementations(None) == ("mosaic", "xla")
+    # The environment's single choice is explicit: a declining kernel says why.
+    monkeypatch.setenv(_dispatch.ENV_VAR, "mosaic")
+    with x64(), pytest.raises(NotImplementedError, match="mosaic: float64 is not supported"):
+        matmul(jnp.ones((2, 2), jnp.float64), jnp.ones((2, 2), jnp.float64))
+    # An explicit argument still wins over the environment.
+    out = matmul(jnp.ones((2, 3)), jnp.ones((3, 2)), implementation="xla")
+    np.testing.assert_array_equal(out, np.full((2, 2), 3.0))
+
+
+def test_bad_environment_variable_is_named(monkeypatch):
+    monkeypatch.setenv(_dispatch.ENV_VAR, "triton,gpu")
+    with pytest.raises(ValueError, match=_dispatch.ENV_VAR):
+        matmul(jnp.ones((2, 2)), jnp.ones((2, 2)))
+
+
+def test_sequence_tries_in_order_and_reports_every_reason():
+    calls = []
+
+    def declines(reason):
+        def check():
+            calls.append(reason)
+            raise NotImplementedError(reason)
+        return check
+
+    checks = {"triton": declines("no triton"), "mosaic": declines("no mosaic")}
+    assert _dispatch.choose("op", ("triton", "mosaic", "xla"), None, checks) == ("xla", False)
+    assert calls == ["no triton", "no mosaic"]
+    with pytest.raises(NotImplementedError, match="op: triton: no triton; mosaic: no mosaic"):
+        _dispatch.choose("op", ("triton", "mosaic"), None, checks)
+
+
+def test_bench_harness_rows():
+    a, b = random((64, 32), jnp.float32, 1), random((32, 16), jnp.float32, 2)
+    case = harness.Case(op="matmul", shape="64x32 @ 32x16", dtype="float32", args=(a, b),
+                        run=lambda name, interpret: lambda a, b: matmul(
+                            a, b, implementation=name, interpret=interpret),
+                        expected=np.asarray(a, np.float64) @ np.asarray(b, np.float64),
+                        flops=2 * 64 * 32 * 16, bytes=4 * (64 * 32 + 32 * 16 + 64 * 16),
+                        baselines={"numpy": np.matmul})
+    rows = harness.measure(case, [("triton", True), ("xla", False)], repeats=2)
+    assert [r["implementation"] for r in rows] == ["triton (interpret)", "xla", "numpy"]
+    assert rows[0]["kind"] == "correctness only" and rows[0]["GB/s"] is None
+    assert rows[1]["vs_xla"] == 1.0
+    assert all(r["max_rel_err"] < 1e-5 for r in rows)
+    assert "triton (interpret)" in harness.table(rows)
