@@ -253,3 +253,18 @@ def test_tolerance_rule_rejects_a_wrong_kernel():
     for dtype in FLOAT_DTYPES:
         allowed = tolerance(dtype, 300)
         assert error > allowed["atol"] + allowed["rtol"] * np.max(np.abs(truncated))
+
+
+def test_remat(implementation):
+    a, b = random((9, 20), jnp.float32, 1), random((20, 5), jnp.float32, 2)
+    if implementation == "mosaic":
+        # TPU interpret mode runs kernels through ordered IO callbacks, which JAX's remat
+        # refuses to partial-evaluate; the kernel itself rematerializes, as lowering shows.
+        remat_grad = jax.grad(jax.checkpoint(lambda a, b: jnp.sum(jnp.sin(
+            matmul(a, b, implementation="mosaic", interpret=False)))), argnums=(0, 1))
+        assert_lowers(remat_grad, a, b, implementation="mosaic", min_kernels=3)
+        return
+    loss = _loss(implementation)
+    got = jax.grad(jax.checkpoint(loss), argnums=(0, 1))(a, b)
+    for g, want in zip(got, jax.grad(_loss("reference"), argnums=(0, 1))(a, b)):
+        assert_close(g, want, jnp.float32, reduction_length=20)

@@ -101,6 +101,7 @@ def _chunked_config(implementation, config):
     return config
 
 
+@pytest.mark.parametrize("implementation", KERNELS)  # the config means nothing to xla
 @pytest.mark.parametrize("shape,axis,config", CHUNKED, ids=str)
 @pytest.mark.parametrize("subtract_mean", [True, False], ids=["layer", "rms"])
 def test_groups_longer_than_one_block(implementation, shape, axis, config, subtract_mean):

@@ -92,7 +92,13 @@ def _product_bwd(s: _Static, residuals, g):
 _product.defvjp(_product_fwd, _product_bwd)
 
 
-def _validate(a: jax.Array, b: jax.Array, config: MatmulConfig | None) -> None:
+def _validated(a: jax.Array, b: jax.Array,
+               config: MatmulConfig | None) -> tuple[jax.Array, jax.Array]:
+    for name, x in (("a", a), ("b", b)):
+        dtype = getattr(x, "dtype", None)  # named here, before jnp.asarray's generic error
+        if dtype is not None and not jnp.issubdtype(dtype, jnp.number):
+            raise TypeError(f"matmul: {name} must have a numeric dtype, got {dtype}")
+    a, b = jnp.asarray(a), jnp.asarray(b)
     for name, x in (("a", a), ("b", b)):
         if x.ndim < 1:
             raise ValueError(f"matmul: {name} must have rank >= 1, got shape {x.shape}")
@@ -107,6 +113,7 @@ def _validate(a: jax.Array, b: jax.Array, config: MatmulConfig | None) -> None:
                          "broadcast") from None
     if config is not None and not isinstance(config, MatmulConfig):
         raise TypeError(f"matmul: config must be a MatmulConfig or None, got {config!r}")
+    return a, b
 
 
 def _as_batched_matrices(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array, tuple]:
@@ -143,12 +150,7 @@ def matmul(
     inputs accumulate in float32). `implementation` and `interpret` choose the kernel as in
     DESIGN.md; `config` sets block sizes (`None` picks them from the shapes).
     """
-    for name, x in (("a", a), ("b", b)):
-        dtype = getattr(x, "dtype", None)
-        if dtype is not None and not jnp.issubdtype(dtype, jnp.number):
-            raise TypeError(f"matmul: {name} must have a numeric dtype, got {dtype}")
-    a, b = jnp.asarray(a), jnp.asarray(b)
-    _validate(a, b, config)
+    a, b = _validated(a, b, config)
     if isinstance(precision, list):
         precision = tuple(precision)
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(a, b))

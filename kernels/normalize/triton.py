@@ -140,7 +140,7 @@ class _Tiles:
 
     def _stats_view(self, ref, outer):
         groups = pl.ds(self.group_start, self.block_groups)
-        return ref.at[(outer, *self._orient(groups, pl.ds(0, 1)))]
+        return ref.at[(outer, *self._orient(groups, pl.ds(jnp.int32(0), 1)))]
 
     def _stats_mask(self):
         return self.group_valid[:, None] if self.p.rows else self.group_valid[None, :]
@@ -158,9 +158,9 @@ class _Tiles:
         reduced = pl.ds(self.chunk_start(chunk), self.block_reduced)
         valid = self.reduced_valid(chunk)
         if self.p.rows:
-            return triton_load(ref.at[pl.ds(0, 1), reduced], mask=valid[None, :],
+            return triton_load(ref.at[pl.ds(jnp.int32(0), 1), reduced], mask=valid[None, :],
                                other=0).astype(dtype)
-        return triton_load(ref.at[reduced, pl.ds(0, 1)], mask=valid[:, None],
+        return triton_load(ref.at[reduced, pl.ds(jnp.int32(0), 1)], mask=valid[:, None],
                            other=0).astype(dtype)
 
 
