@@ -268,3 +268,14 @@ def test_remat(implementation):
     got = jax.grad(jax.checkpoint(loss), argnums=(0, 1))(a, b)
     for g, want in zip(got, jax.grad(_loss("reference"), argnums=(0, 1))(a, b)):
         assert_close(g, want, jnp.float32, reduction_length=20)
+
+
+@pytest.mark.parametrize("impl,dtype", [("triton", jnp.float64), ("mosaic", jnp.float32)])
+def test_lowers_under_x64(impl, dtype):
+    # With x64 on, index arithmetic must stay 32-bit for Mosaic's verifier, and Triton's
+    # float64 dot needs tiles of at least 16x8x16.
+    with x64():
+        a, b = random((2, 20, 9), dtype, 1), random((9, 3), dtype, 2)
+        grad = jax.grad(lambda a, b: jnp.sum(matmul(a, b, implementation=impl,
+                                                    interpret=False)), argnums=(0, 1))
+        assert_lowers(grad, a, b, implementation=impl, min_kernels=2)
