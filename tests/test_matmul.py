@@ -181,8 +181,9 @@ def test_finite_differences_float64(impl):
 
 @pytest.mark.parametrize("impl", KERNELS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
-def test_lowers_forward_and_backward(impl, dtype):
-    a, b = random((3, 129, 65), dtype, 1), random((65, 257), dtype, 2)
+@pytest.mark.parametrize("m,k,n", [(129, 65, 257), (128, 64, 256)], ids=["ragged", "even"])
+def test_lowers_forward_and_backward(impl, dtype, m, k, n):
+    a, b = random((3, m, k), dtype, 1), random((k, n), dtype, 2)
 
     def forward(a, b):
         return matmul(a, b, implementation=impl, interpret=False)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -92,13 +93,40 @@ def _grouped_tile(tile: jax.Array, num_tile_rows: int, num_tile_cols: int,
     return tile_row, tile_col
 
 
-def _load_tile(ref, batch, row_start, row_valid, col_start, col_valid) -> jax.Array:
-    """The (len(row_valid), len(col_valid)) tile of matrix `batch` at (row_start, col_start);
-    the invalid parts read 0."""
+class _Span(NamedTuple):
+    """`size` consecutive positions from `start` along one dim. `valid` flags those inside the
+    array, or is None when the dim is a multiple of `size`, so no block is ragged and loads
+    need no mask (the "EVEN_K" case of the Triton tutorials)."""
+
+    start: jax.Array
+    size: int
+    valid: jax.Array | None
+
+
+def _span(start: jax.Array, size: int, limit: int) -> _Span:
+    if limit % size == 0:
+        return _Span(start, size, None)
+    return _Span(start, size, start + jnp.arange(size, dtype=jnp.int32) < limit)
+
+
+def _tile_mask(rows: _Span, cols: _Span) -> jax.Array | None:
+    if rows.valid is None and cols.valid is None:
+        return None
+    row_mask = True if rows.valid is None else rows.valid[:, None]
+    col_mask = True if cols.valid is None else cols.valid[None, :]
+    return jnp.broadcast_to(row_mask & col_mask, (rows.size, cols.size))
+
+
+def _tile(ref, batch: jax.Array, rows: _Span, cols: _Span):
     # One indexer for all dims: Triton lowering does not take chained `.at[...]` views.
-    view = ref.at[batch, pl.ds(row_start, row_valid.shape[0]),
-                  pl.ds(col_start, col_valid.shape[0])]
-    return triton_load(view, mask=row_valid[:, None] & col_valid[None, :], other=0)
+    return ref.at[batch, pl.ds(rows.start, rows.size), pl.ds(cols.start, cols.size)]
+
+
+def _load_tile(ref, batch: jax.Array, rows: _Span, cols: _Span) -> jax.Array:
+    """Tile (rows, cols) of matrix `batch` of `ref`; positions outside the array read 0."""
+    mask = _tile_mask(rows, cols)
+    view = _tile(ref, batch, rows, cols)
+    return triton_load(view) if mask is None else triton_load(view, mask=mask, other=0)
 
 
 def _matmul_kernel(a_ref, b_ref, out_ref, *, p: Problem, config: MatmulConfig, precision):
@@ -108,29 +136,21 @@ def _matmul_kernel(a_ref, b_ref, out_ref, *, p: Problem, config: MatmulConfig, p
                                        config.group_m)
     a_batch = batch_index(batch, p.out_batch, p.a_batch)
     b_batch = batch_index(batch, p.out_batch, p.b_batch)
-    row_start, col_start = tile_row * block_m, tile_col * block_n
-    row_valid = row_start + jnp.arange(block_m, dtype=jnp.int32) < p.m
-    col_valid = col_start + jnp.arange(block_n, dtype=jnp.int32) < p.n
+    rows = _span(tile_row * block_m, block_m, p.m)
+    cols = _span(tile_col * block_n, block_n, p.n)
 
     def step(k_block, acc):
-        k_start = k_block * block_k
-        k_valid = k_start + jnp.arange(block_k, dtype=jnp.int32) < p.k
-        if p.transpose_a:
-            a_tile = _load_tile(a_ref, a_batch, k_start, k_valid, row_start, row_valid)
-        else:
-            a_tile = _load_tile(a_ref, a_batch, row_start, row_valid, k_start, k_valid)
-        if p.transpose_b:
-            b_tile = _load_tile(b_ref, b_batch, col_start, col_valid, k_start, k_valid)
-        else:
-            b_tile = _load_tile(b_ref, b_batch, k_start, k_valid, col_start, col_valid)
+        ks = _span(k_block * block_k, block_k, p.k)
+        a_tile = _load_tile(a_ref, a_batch, *((ks, rows) if p.transpose_a else (rows, ks)))
+        b_tile = _load_tile(b_ref, b_batch, *((cols, ks) if p.transpose_b else (ks, cols)))
         return acc + dot(a_tile.astype(p.compute_dtype), b_tile.astype(p.compute_dtype), p,
                          precision)
 
     num_k_blocks = pl.cdiv(p.k, block_k)
     acc = lax.fori_loop(jnp.int32(0), jnp.int32(num_k_blocks), step,
                         jnp.zeros((block_m, block_n), p.accumulator_dtype))
-    out = out_ref.at[batch, pl.ds(row_start, block_m), pl.ds(col_start, block_n)]
-    triton_store(out, acc.astype(p.out_dtype), mask=row_valid[:, None] & col_valid[None, :])
+    triton_store(_tile(out_ref, batch, rows, cols), acc.astype(p.out_dtype),
+                 mask=_tile_mask(rows, cols))
 
 
 def matmul(a: jax.Array, b: jax.Array, p: Problem, *, config: MatmulConfig | None, precision,
