@@ -5,6 +5,7 @@ try in order) and `interpret=None` (run a Pallas kernel interpreted exactly when
 absent), see DESIGN.md.
 """
 
+from kernels.conv2d import Conv2dConfig, conv2d
 from kernels.matmul import MatmulConfig, matmul
 
-__all__ = ["matmul", "MatmulConfig"]
+__all__ = ["conv2d", "Conv2dConfig", "matmul", "MatmulConfig"]

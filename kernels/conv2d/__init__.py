@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 import reference.conv2d as reference_conv2d
@@ -143,10 +144,11 @@ def _weight_gradient_bwd(s: _Static, kernel_hw, residuals, ddw):
 _weight_gradient.defvjp(_weight_gradient_fwd, _weight_gradient_bwd)
 
 
-def _validate_arrays(x: jax.Array, w: jax.Array, config: Any) -> None:
+def _validate_arrays(x: Any, w: Any, config: Any) -> None:
     for name, a in (("x", x), ("w", w)):
-        if not (jnp.issubdtype(a.dtype, jnp.number) or a.dtype == jnp.bool_):
-            raise TypeError(f"conv2d: {name} must have a numeric dtype, got {a.dtype}")
+        dtype = a.dtype if hasattr(a, "dtype") else np.asarray(a).dtype
+        if not (jnp.issubdtype(dtype, jnp.number) or dtype == jnp.bool_):
+            raise TypeError(f"conv2d: {name} must have a numeric dtype, got {dtype}")
     if config is not None and not isinstance(config, Conv2dConfig):
         raise TypeError(f"conv2d: config must be a Conv2dConfig or None, got {config!r}")
 
@@ -178,11 +180,11 @@ def conv2d(
     way). `implementation` and `interpret` choose the kernel as in DESIGN.md; `config` sets the
     forward kernel's block sizes (`None` picks them from the shapes).
     """
+    _validate_arrays(x, w, config)
     x, w = jnp.asarray(x), jnp.asarray(w)
     geometry = reference_conv2d.geometry(
         x.shape, w.shape, stride=stride, padding=padding, dilation=dilation,
         feature_group_count=feature_group_count, data_format=data_format)
-    _validate_arrays(x, w, config)
     if isinstance(precision, list):
         precision = tuple(precision)
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(x, w))

@@ -24,7 +24,8 @@ class Conv2dConfig:
 
     block_m: Triton: output pixels (rows of the implicit GEMM) per program.
     block_n: output channels per program (Triton, a power of 2) or grid step (Mosaic: all the
-        group's output channels, or a multiple of 128 that divides them).
+        group's output channels, or a multiple of 128 that divides them; on the depthwise path
+        input channels, the channel multiplier being a grid axis).
     block_k: Triton: slice of the KH·KW·C_in reduction loaded per loop step.
     block_rows: Mosaic: output rows per grid step (the input tile is these rows plus the
         kernel's halo).

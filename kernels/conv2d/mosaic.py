@@ -103,8 +103,12 @@ def resolve_config(p: Problem, config: Conv2dConfig | None) -> Conv2dConfig:
     """Fills block_n (channels per step) and block_rows (about 512 output pixels a step)."""
     config = config or Conv2dConfig()
     out_cols = _round_up(max(p.ow, 1), 16)
-    block_rows = config.block_rows or max(1, min(max(p.oh, 1), _TARGET_PIXELS // out_cols))
-    block_n = config.block_n or _channel_block(_lane_channels(p))
+    block_rows = config.block_rows
+    if block_rows is None:
+        block_rows = max(1, min(max(p.oh, 1), _TARGET_PIXELS // out_cols))
+    block_n = config.block_n
+    if block_n is None:
+        block_n = _channel_block(_lane_channels(p))
     return dataclasses.replace(config, block_rows=block_rows, block_n=block_n)
 
 

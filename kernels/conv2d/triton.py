@@ -70,12 +70,15 @@ def resolve_config(p: Problem, config: Conv2dConfig | None) -> Conv2dConfig:
     wide = p.compute_dtype.itemsize >= 8
     max_mn = 64 if wide else 128
     max_k = 32 if wide or p.compute_dtype.itemsize >= 4 else 64
-    block_m = config.block_m or _fit(p.m, max_mn)
-    block_n = config.block_n or _fit(p.o if p.depthwise else p.og, max_mn)
-    block_k = config.block_k or _fit(p.k, max_k)
-    num_warps = config.num_warps or (8 if block_m * block_n >= 128 * 128 else 4)
+    def pick(value, default):
+        return default if value is None else value
+
+    block_m = pick(config.block_m, _fit(p.m, max_mn))
+    block_n = pick(config.block_n, _fit(p.o if p.depthwise else p.og, max_mn))
+    block_k = pick(config.block_k, _fit(p.k, max_k))
+    num_warps = pick(config.num_warps, 8 if block_m * block_n >= 128 * 128 else 4)
     return Conv2dConfig(block_m, block_n, block_k, config.block_rows, num_warps,
-                        config.num_stages or 3)
+                        pick(config.num_stages, 3))
 
 
 def check(p: Problem, config: Conv2dConfig | None) -> None:

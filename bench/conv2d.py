@@ -1,0 +1,83 @@
+"""conv2d rows: ResNet-style 3x3 layers, a depthwise layer, and the denoise example's blur.
+
+The blur row (examples/denoise.py: a 5x5 Gaussian per colour channel of scikit-image's cat photo,
+"same" padding) also times the tutorial's original `scipy.signal.convolve2d` per channel as a
+baseline; it needs the `examples` extra and is left out without it.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+import reference.conv2d
+from bench.harness import Case
+from kernels.conv2d import conv2d
+from kernels.conv2d.common import flops_and_bytes, make_problem
+from tests.support import random
+
+# (x NHWC, w HWIO, options)
+NATIVE_SHAPES = [((32, 56, 56, 64), (3, 3, 64, 64), {}),
+                 ((32, 28, 28, 128), (3, 3, 128, 256), {"stride": 2}),
+                 ((32, 112, 112, 32), (3, 3, 1, 32), {"feature_group_count": 32})]
+CPU_SHAPES = [((8, 32, 32, 32), (3, 3, 32, 64), {}),
+              ((8, 64, 64, 32), (3, 3, 1, 32), {"feature_group_count": 32})]
+INTERPRET_SHAPES = [((1, 9, 17, 8), (3, 3, 8, 16), {"stride": 2})]
+BLUR_CROP = {"native": None, "cpu": None, "interpret": 32}  # interpreted rows use a corner
+
+
+def _case(x_shape, w_shape, options, dtype) -> Case:
+    x, w = random(x_shape, dtype, seed=1), random(w_shape, dtype, seed=2)
+    geometry = reference.conv2d.geometry(x.shape, w.shape, data_format="NHWC",
+                                         **{"stride": 1, "padding": "SAME", "dilation": 1,
+                                            "feature_group_count": 1, **options})
+    flops, nbytes = flops_and_bytes(make_problem(x.shape, w.shape, x.dtype, w.dtype, geometry,
+                                                 x.dtype))
+    described = ", ".join(f"{k}={v}" for k, v in options.items())
+    return Case(
+        op="conv2d", shape=f"{'x'.join(map(str, x_shape))} * {'x'.join(map(str, w_shape))}"
+        + (f" ({described})" if described else ""),
+        dtype=jnp.dtype(dtype).name, args=(x, w),
+        run=lambda name, interpret: lambda x, w: conv2d(x, w, implementation=name,
+                                                        interpret=interpret, **options),
+        expected=reference.conv2d.conv2d(x.astype(jnp.float32), w.astype(jnp.float32),
+                                         precision="highest", **options),
+        flops=flops, bytes=nbytes)
+
+
+def _blur_case(crop: int | None) -> Case | None:
+    try:
+        from examples import denoise
+        image = denoise.load_image(crop)
+    except ImportError:  # the `examples` extra (scikit-image, scipy) is not installed
+        return None
+    noisy = jnp.asarray(denoise.add_noise(image))
+    kernel = denoise.gaussian_kernel()
+    h, w, c = noisy.shape
+    geometry = reference.conv2d.geometry((1, h, w, c), (5, 5, 1, c), stride=1, padding="SAME",
+                                         dilation=1, feature_group_count=c, data_format="NHWC")
+    flops, nbytes = flops_and_bytes(make_problem((1, h, w, c), (5, 5, 1, c), noisy.dtype,
+                                                 noisy.dtype, geometry, noisy.dtype))
+
+    def scipy_blur(image):
+        from scipy.signal import convolve2d
+
+        image = np.asarray(image)
+        return np.stack([convolve2d(image[..., i], kernel, mode="same") for i in range(c)], -1)
+
+    return Case(
+        op="conv2d", shape=f"denoise blur {h}x{w}x{c} * 5x5 depthwise", dtype="float32",
+        args=(noisy,),
+        run=lambda name, interpret: lambda image: denoise.filter_channels(
+            image, kernel, implementation=name, interpret=interpret),
+        expected=scipy_blur(noisy), flops=flops, bytes=nbytes,
+        baselines={"scipy.signal.convolve2d": scipy_blur})
+
+
+def cases(shapes: str) -> list[Case]:
+    """`shapes`: "native" (an accelerator), "cpu" (xla on a CPU) or "interpret" (small)."""
+    chosen = {"native": NATIVE_SHAPES, "cpu": CPU_SHAPES, "interpret": INTERPRET_SHAPES}[shapes]
+    out = [_case(x_shape, w_shape, options, dtype) for x_shape, w_shape, options in chosen
+           for dtype in (jnp.float32, jnp.bfloat16)]
+    blur = _blur_case(BLUR_CROP[shapes])
+    return out + ([blur] if blur is not None else [])
