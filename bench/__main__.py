@@ -17,9 +17,11 @@ import jax
 from bench import conv2d as conv2d_bench
 from bench import harness
 from bench import matmul as matmul_bench
+from bench import normalize as normalize_bench
 from kernels import _dispatch
 
-BENCHES = {"matmul": matmul_bench, "conv2d": conv2d_bench}
+BENCHES = {"matmul": matmul_bench, "conv2d": conv2d_bench,
+           "normalize": normalize_bench}
 
 
 def main(argv: list[str] | None = None) -> int:

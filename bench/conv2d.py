@@ -10,7 +10,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-import reference.conv2d
+from reference.conv2d import conv2d as reference_conv2d
+from reference.conv2d import geometry as make_geometry
 from bench.harness import Case
 from kernels.conv2d import conv2d
 from kernels.conv2d.common import flops_and_bytes, make_problem
@@ -28,7 +29,7 @@ BLUR_CROP = {"native": None, "cpu": None, "interpret": 32}  # interpreted rows u
 
 def _case(x_shape, w_shape, options, dtype) -> Case:
     x, w = random(x_shape, dtype, seed=1), random(w_shape, dtype, seed=2)
-    geometry = reference.conv2d.geometry(x.shape, w.shape, data_format="NHWC",
+    geometry = make_geometry(x.shape, w.shape, data_format="NHWC",
                                          **{"stride": 1, "padding": "SAME", "dilation": 1,
                                             "feature_group_count": 1, **options})
     flops, nbytes = flops_and_bytes(make_problem(x.shape, w.shape, x.dtype, w.dtype, geometry,
@@ -40,7 +41,7 @@ def _case(x_shape, w_shape, options, dtype) -> Case:
         dtype=jnp.dtype(dtype).name, args=(x, w),
         run=lambda name, interpret: lambda x, w: conv2d(x, w, implementation=name,
                                                         interpret=interpret, **options),
-        expected=reference.conv2d.conv2d(x.astype(jnp.float32), w.astype(jnp.float32),
+        expected=reference_conv2d(x.astype(jnp.float32), w.astype(jnp.float32),
                                          precision="highest", **options),
         flops=flops, bytes=nbytes)
 
@@ -54,7 +55,7 @@ def _blur_case(crop: int | None) -> Case | None:
     noisy = jnp.asarray(denoise.add_noise(image))
     kernel = denoise.gaussian_kernel()
     h, w, c = noisy.shape
-    geometry = reference.conv2d.geometry((1, h, w, c), (5, 5, 1, c), stride=1, padding="SAME",
+    geometry = make_geometry((1, h, w, c), (5, 5, 1, c), stride=1, padding="SAME",
                                          dilation=1, feature_group_count=c, data_format="NHWC")
     flops, nbytes = flops_and_bytes(make_problem((1, h, w, c), (5, 5, 1, c), noisy.dtype,
                                                  noisy.dtype, geometry, noisy.dtype))

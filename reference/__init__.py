@@ -2,5 +2,6 @@
 
 from reference.conv2d import conv2d
 from reference.matmul import matmul
+from reference.normalize import layer_norm, normalize, rms_norm
 
-__all__ = ["conv2d", "matmul"]
+__all__ = ["conv2d", "matmul", "normalize", "layer_norm", "rms_norm"]

@@ -1,7 +1,7 @@
 """`kernels.conv2d`: `lax.conv_general_dilated` on images as Pallas kernels, with
 kernel-computed gradients.
 
-The public function validates its arguments (through `reference.conv2d.geometry`, the one
+The public function validates its arguments (through `reference.conv2d`'s `geometry`, the one
 normalization of stride, dilation and padding), converts NCHW/OIHW to NHWC/HWIO in the wrapper
 (XLA transposes; the kernels work in NHWC), and routes to `_conv`, a `custom_vjp` over a grouped
 convolution with general window arithmetic. Its backward pass runs kernels of the same
@@ -26,11 +26,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-import reference.conv2d as reference_conv2d
 from kernels import _dispatch
 from kernels.conv2d import mosaic, triton
-from kernels.conv2d.common import Conv2dConfig, ConvConfig, Problem, make_problem
-from reference.conv2d import Geometry, dilated_size
+from kernels.conv2d.common import Conv2dConfig, ConvConfig, make_problem
+from reference.conv2d import Geometry, conv2d as reference_conv2d, dilated_size
+from reference.conv2d import geometry as make_geometry
 
 __all__ = ["conv2d", "Conv2dConfig", "ConvConfig"]
 
@@ -182,7 +182,7 @@ def conv2d(
     """
     _validate_arrays(x, w, config)
     x, w = jnp.asarray(x), jnp.asarray(w)
-    geometry = reference_conv2d.geometry(
+    geometry = make_geometry(
         x.shape, w.shape, stride=stride, padding=padding, dilation=dilation,
         feature_group_count=feature_group_count, data_format=data_format)
     if isinstance(precision, list):
@@ -198,7 +198,7 @@ def conv2d(
         {kernel: functools.partial(module.check, problem, config)
          for kernel, module in _KERNELS.items()})
     if name == "xla":
-        return reference_conv2d.conv2d(
+        return reference_conv2d(
             x, w, stride=stride, padding=padding, dilation=dilation,
             feature_group_count=feature_group_count, data_format=data_format,
             precision=precision, preferred_element_type=preferred_element_type)

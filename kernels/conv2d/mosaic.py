@@ -44,24 +44,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kernels._blocks import LANES, sublanes
 from kernels._pallas import mosaic_call, pl, pltpu
 from kernels.conv2d.common import Conv2dConfig, Problem, check_floating, cost_estimate
 
-_LANES = 128
 _MAX_CHANNEL_BLOCK = 512
 _TARGET_PIXELS = 512  # rows of the per-tap matmul a step aims for
 _VMEM_LIMIT = 48 * 2**20  # leaves headroom on every TPU generation (64 MiB on v5p/v7)
-
-
-def sublanes(dtype: jnp.dtype) -> int:
-    """Rows of one TPU memory tile: 8 for 32-bit dtypes, 16 for 16-bit, 32 for 8-bit."""
-    return 8 * 4 // min(4, jnp.dtype(dtype).itemsize)
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -88,7 +82,7 @@ class _Layout:
 
 def _channel_block(channels: int) -> int:
     """All channels, or the largest multiple of 128 (<= 512) dividing them."""
-    if channels <= _MAX_CHANNEL_BLOCK or channels % _LANES:
+    if channels <= _MAX_CHANNEL_BLOCK or channels % LANES:
         return channels
     return next(b for b in (512, 384, 256, 128) if channels % b == 0)
 
@@ -131,7 +125,7 @@ def check(p: Problem, config: Conv2dConfig | None) -> None:
     channels = _lane_channels(p)
     block_n = config.block_n
     if (not isinstance(block_n, int) or block_n < 1
-            or (block_n != channels and (block_n % _LANES or channels % block_n))):
+            or (block_n != channels and (block_n % LANES or channels % block_n))):
         raise ValueError(f"config.block_n={block_n!r} breaks TPU tiling for mosaic: it must equal "
                          f"the {channels} output channels per group or be a multiple of 128 that "
                          "divides them")

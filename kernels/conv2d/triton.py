@@ -46,22 +46,15 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kernels._blocks import check_triton_config, next_power_of_2
 from kernels._pallas import pl, triton_call, triton_load, triton_store
 from kernels.conv2d.common import Conv2dConfig, Problem, check_floating, cost_estimate
 
 _MAX_OFFSET = 2**31 - 1
 
 
-def _next_power_of_2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
-def _is_power_of_2(n: object) -> bool:
-    return isinstance(n, int) and not isinstance(n, bool) and n > 0 and n & (n - 1) == 0
-
-
 def _fit(dim: int, cap: int) -> int:
-    return min(cap, max(16, _next_power_of_2(dim)))
+    return min(cap, max(16, next_power_of_2(dim)))
 
 
 def resolve_config(p: Problem, config: Conv2dConfig | None) -> Conv2dConfig:
@@ -90,15 +83,7 @@ def check(p: Problem, config: Conv2dConfig | None) -> None:
             raise NotImplementedError(f"{name} has {size} elements; the kernel's int32 offsets "
                                       "cover fewer than 2**31")
     config = resolve_config(p, config)
-    for field in ("block_m", "block_n", "block_k"):
-        value = getattr(config, field)
-        if not _is_power_of_2(value) or value < 16:
-            raise ValueError(f"config.{field} must be a power of 2 >= 16 for triton "
-                             f"(Triton tiles are powers of 2, its dot needs >= 16), got {value!r}")
-    if not _is_power_of_2(config.num_warps) or config.num_warps > 32:
-        raise ValueError(f"config.num_warps must be a power of 2 <= 32, got {config.num_warps!r}")
-    if not isinstance(config.num_stages, int) or config.num_stages < 1:
-        raise ValueError(f"config.num_stages must be a positive int, got {config.num_stages!r}")
+    check_triton_config(config, ("block_m", "block_n", "block_k"))
 
 
 def _source(p: Problem, out_pos, tap, axis: int):

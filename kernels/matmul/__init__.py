@@ -20,7 +20,7 @@ from jax import lax
 import reference
 from kernels import _dispatch
 from kernels.matmul import mosaic, triton
-from kernels.matmul.common import MatmulConfig, Problem, make_problem
+from kernels.matmul.common import MatmulConfig, make_problem
 
 __all__ = ["matmul", "MatmulConfig"]
 

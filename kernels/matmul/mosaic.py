@@ -36,17 +36,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kernels._blocks import LANES, sublanes
 from kernels._pallas import mosaic_call, pl, pltpu
 from kernels.matmul.common import (MatmulConfig, Problem, batch_index, check_floating,
                                    cost_estimate, dot)
 
 _MAX_BLOCK = 512
-_LANES = 128
-
-
-def sublanes(dtype: jnp.dtype) -> int:
-    """Rows of one TPU memory tile: 8 for 32-bit dtypes, 16 for 16-bit, 32 for 8-bit."""
-    return 8 * 4 // min(4, jnp.dtype(dtype).itemsize)
 
 
 def resolve_config(p: Problem, config: MatmulConfig | None) -> MatmulConfig:
@@ -85,7 +80,7 @@ def check(p: Problem, config: MatmulConfig | None) -> None:
         return
     config = resolve_config(p, config)
     for dtype, dims in _layouts(p):
-        for (field, dim), multiple in zip(dims, (sublanes(dtype), _LANES)):
+        for (field, dim), multiple in zip(dims, (sublanes(dtype), LANES)):
             size = getattr(config, field)
             if not isinstance(size, int) or size < 1 or (size % multiple and size != dim):
                 raise ValueError(

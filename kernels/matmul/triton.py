@@ -33,17 +33,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kernels._blocks import check_triton_config, next_power_of_2
 from kernels._pallas import pl, triton_call, triton_load, triton_store
 from kernels.matmul.common import (MatmulConfig, Problem, batch_index, check_floating,
                                    cost_estimate, dot)
-
-
-def _next_power_of_2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
-def _is_power_of_2(n: object) -> bool:
-    return isinstance(n, int) and n > 0 and n & (n - 1) == 0
 
 
 def resolve_config(p: Problem, config: MatmulConfig | None) -> MatmulConfig:
@@ -55,7 +48,7 @@ def resolve_config(p: Problem, config: MatmulConfig | None) -> MatmulConfig:
     max_mn, max_k = (64, 32) if wide else (128, 64 if small else 32)
 
     def fit(dim: int, cap: int) -> int:
-        return min(cap, max(16, _next_power_of_2(dim)))
+        return min(cap, max(16, next_power_of_2(dim)))
 
     block_m = config.block_m or fit(p.m, max_mn)
     block_n = config.block_n or fit(p.n, max_mn)
@@ -69,15 +62,7 @@ def check(p: Problem, config: MatmulConfig | None) -> None:
     """Declines non-float operands; rejects a config that Triton cannot compile."""
     check_floating(p)
     config = resolve_config(p, config)
-    for field in ("block_m", "block_n", "block_k"):
-        value = getattr(config, field)
-        if not _is_power_of_2(value) or value < 16:
-            raise ValueError(f"config.{field} must be a power of 2 >= 16 for triton "
-                             f"(Triton tiles are powers of 2, its dot needs >= 16), got {value!r}")
-    if not _is_power_of_2(config.num_warps) or config.num_warps > 32:
-        raise ValueError(f"config.num_warps must be a power of 2 <= 32, got {config.num_warps!r}")
-    if not isinstance(config.num_stages, int) or config.num_stages < 1:
-        raise ValueError(f"config.num_stages must be a positive int, got {config.num_stages!r}")
+    check_triton_config(config, ("block_m", "block_n", "block_k"))
     if not isinstance(config.group_m, int) or config.group_m < 1:
         raise ValueError(f"config.group_m must be a positive int, got {config.group_m!r}")
 

@@ -50,7 +50,9 @@ def _forward(x, scale, offset, s: _Static):
 
 
 def _forward_fwd(x, scale, offset, s):
-    y, mean, rstd = _forward_kernel(x, scale, offset, s)
+    # Calls the custom_vjp function, not the kernel: under grad-of-grad this rule is itself
+    # differentiated, and only a custom_vjp tells JAX how to differentiate a pallas_call.
+    y, mean, rstd = _forward(x, scale, offset, s)
     return (y, mean, rstd), (x, scale, mean, rstd)
 
 

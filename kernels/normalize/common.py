@@ -194,8 +194,8 @@ def input_gradient(gs: jax.Array, xhat: jax.Array, rstd: jax.Array, sums: RowSum
     """dx for one tile.
 
     With x̂ = (x - mean)·rstd and gs = dy·scale:
-    dx = rstd·(gs - mean(gs) - x̂·mean(gs·x̂)) (no mean(gs) term for RMS), plus the paths through
-    the saved statistics when they have cotangents (second-order gradients):
+    dx = rstd·(gs - mean(gs) - x̂·mean(gs·x̂)) (no mean(gs) term for RMS), plus the paths
+    through the saved statistics when they have cotangents (second-order gradients):
     d mean/dx = 1/n and d rstd/dx = -rstd²·x̂/n.
     """
     n = p.reduced

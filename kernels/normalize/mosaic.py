@@ -41,27 +41,22 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kernels._blocks import LANES, sublanes
 from kernels._pallas import mosaic_call, pl, pltpu
 from kernels.normalize import common
 from kernels.normalize.common import NormalizeConfig, Problem
 
 _DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
-_LANES = 128
 _MAX_BLOCK_REDUCED = 16384
 _TARGET_BLOCK = 128 * 1024  # elements: ~0.5 MiB float32 per block, a few MiB with buffering.
-
-
-def sublanes(dtype: jnp.dtype) -> int:
-    """Rows of one TPU memory tile: 8 for 32-bit dtypes, 16 for 16-bit."""
-    return 8 * 4 // min(4, jnp.dtype(dtype).itemsize)
 
 
 def _tiling(p: Problem) -> dict[str, tuple[int, int]]:
     """Per block field: (the multiple TPU tiling asks for, the array dim it may equal)."""
     sub = sublanes(p.dtype)
     if p.rows:
-        return {"block_groups": (sub, p.groups), "block_reduced": (_LANES, p.reduced)}
-    return {"block_groups": (_LANES, p.groups), "block_reduced": (sub, p.reduced)}
+        return {"block_groups": (sub, p.groups), "block_reduced": (LANES, p.reduced)}
+    return {"block_groups": (LANES, p.groups), "block_reduced": (sub, p.reduced)}
 
 
 def _fit(dim: int, limit: int, multiple: int) -> int:
@@ -72,18 +67,23 @@ def _fit(dim: int, limit: int, multiple: int) -> int:
 def resolve_config(p: Problem, config: NormalizeConfig | None) -> NormalizeConfig:
     config = config or NormalizeConfig()
     tiling = _tiling(p)
-    block_reduced = config.block_reduced or _fit(p.reduced, _MAX_BLOCK_REDUCED,
-                                                 tiling["block_reduced"][0])
-    block_groups = config.block_groups or _fit(
-        p.groups, max(1, _TARGET_BLOCK // block_reduced), tiling["block_groups"][0])
+    block_reduced = config.block_reduced
+    if block_reduced is None:
+        block_reduced = _fit(p.reduced, _MAX_BLOCK_REDUCED, tiling["block_reduced"][0])
+    block_groups = config.block_groups
+    if block_groups is None and isinstance(block_reduced, int) and block_reduced > 0:
+        block_groups = _fit(p.groups, max(1, _TARGET_BLOCK // block_reduced),
+                            tiling["block_groups"][0])
     return dataclasses.replace(config, block_groups=block_groups, block_reduced=block_reduced)
 
 
 def check(p: Problem, config: NormalizeConfig | None) -> None:
     """Declines float64 (no float64 on TPU); rejects blocks that break TPU tiling."""
     common.check_dtype(p, _DTYPES)
+    if p.size == 0:
+        return  # nothing to launch: the wrapper returns the empty result itself
     config = resolve_config(p, config)
-    for field, (multiple, dim) in _tiling(p).items():
+    for field, (multiple, dim) in sorted(_tiling(p).items(), reverse=True):
         size = getattr(config, field)
         if (not isinstance(size, int) or isinstance(size, bool) or size < 1
                 or (size % multiple and size != dim)):
@@ -177,7 +177,9 @@ def _forward_kernel(*refs, p: Problem, s: _Schedule):
     valid = s.reduced_valid(x.shape)
     # Padding may be NaN: zero it before it meets any arithmetic.
     x = _zero_invalid(x, valid)
-    moments = common.chunk_moments(x, _all_valid(x.shape) if valid is None else valid, p)
+
+    def moments():
+        return common.chunk_moments(x, _all_valid(x.shape) if valid is None else valid, p)
 
     def write(mean, rstd):
         scale = None if scale_ref is None else scale_ref[...].astype(dtype)
@@ -188,19 +190,19 @@ def _forward_kernel(*refs, p: Problem, s: _Schedule):
         rstd_ref[...] = rstd.astype(rstd_ref.dtype)
 
     if s.phases == 1:
-        write(*common.mean_and_rstd(moments, p))
+        write(*common.mean_and_rstd(moments(), p))
         return
     count_ref, mean_acc, m2_ref = scratch
     phase, chunk = pl.program_id(2), pl.program_id(3)
 
     @pl.when((phase == 0) & (chunk == 0))
     def _():
-        count_ref[...], mean_acc[...], m2_ref[...] = moments
+        count_ref[...], mean_acc[...], m2_ref[...] = moments()
 
     @pl.when((phase == 0) & (chunk > 0))
     def _():
         seen = common.Moments(count_ref[...], mean_acc[...], m2_ref[...])
-        count_ref[...], mean_acc[...], m2_ref[...] = common.merge_moments(seen, moments, p)
+        count_ref[...], mean_acc[...], m2_ref[...] = common.merge_moments(seen, moments(), p)
 
     @pl.when(phase == 1)
     def _():
@@ -244,7 +246,9 @@ def _backward_kernel(*refs, p: Problem, s: _Schedule):
     g = _zero_invalid(gy_ref[...].astype(dtype), valid)
     xhat = common.normalized(x, mean, rstd, p)
     gs = g if scale_ref is None else g * scale_ref[...].astype(dtype)
-    sums = common.row_sums(gs, xhat, _all_valid(x.shape) if valid is None else valid, p)
+
+    def sums():
+        return common.row_sums(gs, xhat, _all_valid(x.shape) if valid is None else valid, p)
 
     def write(total: common.RowSums):
         dx = common.input_gradient(gs, xhat, rstd, total, gmean_ref[...], grstd_ref[...], p)
@@ -260,19 +264,20 @@ def _backward_kernel(*refs, p: Problem, s: _Schedule):
                                        keepdims=True)
 
     if s.phases == 1:
-        write(sums)
+        write(sums())
         return
     gs_ref, gs_xhat_ref = rest
     phase, chunk = pl.program_id(2), pl.program_id(3)
 
     @pl.when((phase == 0) & (chunk == 0))
     def _():
-        gs_ref[...], gs_xhat_ref[...] = sums
+        gs_ref[...], gs_xhat_ref[...] = sums()
 
     @pl.when((phase == 0) & (chunk > 0))
     def _():
-        gs_ref[...] += sums.gs
-        gs_xhat_ref[...] += sums.gs_xhat
+        chunk_sums = sums()
+        gs_ref[...] += chunk_sums.gs
+        gs_xhat_ref[...] += chunk_sums.gs_xhat
 
     @pl.when(phase == 1)
     def _():

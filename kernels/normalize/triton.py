@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kernels._blocks import check_triton_config, is_power_of_2, next_power_of_2
 from kernels._pallas import pl, triton_call, triton_load, triton_store
 from kernels.normalize import common
 from kernels.normalize.common import NormalizeConfig, Problem
@@ -50,12 +51,8 @@ _DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
 _MAX_TILE = 4096  # elements per tile (per input): what 4-8 warps hold in registers comfortably.
 
 
-def _next_power_of_2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
-def _is_power_of_2(n: object) -> bool:
-    return isinstance(n, int) and not isinstance(n, bool) and n > 0 and n & (n - 1) == 0
+def _or(value, default):
+    return default if value is None else value
 
 
 def resolve_config(p: Problem, config: NormalizeConfig | None) -> NormalizeConfig:
@@ -68,35 +65,31 @@ def resolve_config(p: Problem, config: NormalizeConfig | None) -> NormalizeConfi
     config = config or NormalizeConfig()
     max_tile = _MAX_TILE // 2 if jnp.dtype(p.dtype).itemsize == 8 else _MAX_TILE
     if p.rows:
-        block_reduced = config.block_reduced or min(_next_power_of_2(p.reduced), max_tile)
-        block_groups = config.block_groups or min(_next_power_of_2(p.groups),
-                                                  max(1, max_tile // block_reduced))
+        block_reduced = _or(config.block_reduced, min(next_power_of_2(p.reduced), max_tile))
+        block_groups = _or(config.block_groups, min(
+            next_power_of_2(p.groups), max(1, max_tile // max(1, block_reduced))))
     else:
-        block_groups = config.block_groups or min(_next_power_of_2(p.groups), 32)
-        block_reduced = config.block_reduced or min(_next_power_of_2(p.reduced),
-                                                    max(1, max_tile // block_groups))
-    tile = block_groups * block_reduced
-    num_warps = config.num_warps or (8 if tile >= 4096 else 4 if tile >= 1024 else 1)
-    return NormalizeConfig(block_groups, block_reduced, config.num_partials or 256, num_warps,
-                           config.num_stages or 2)
+        block_groups = _or(config.block_groups, min(next_power_of_2(p.groups), 32))
+        block_reduced = _or(config.block_reduced, min(
+            next_power_of_2(p.reduced), max(1, max_tile // max(1, block_groups))))
+    tile = block_groups * block_reduced if is_power_of_2(block_groups * block_reduced) else 0
+    num_warps = _or(config.num_warps, 8 if tile >= 4096 else 4 if tile >= 1024 else 1)
+    return NormalizeConfig(block_groups, block_reduced, _or(config.num_partials, 256),
+                           num_warps, _or(config.num_stages, 2))
 
 
 def check(p: Problem, config: NormalizeConfig | None) -> None:
     """Declines dtypes other than float16/bfloat16/float32/float64; rejects a config Triton
     cannot compile."""
     common.check_dtype(p, _DTYPES)
+    if p.size == 0:
+        return  # nothing to launch: the wrapper returns the empty result itself
     config = resolve_config(p, config)
-    for field in ("block_groups", "block_reduced", "num_warps"):
-        value = getattr(config, field)
-        if not _is_power_of_2(value):
-            raise ValueError(f"config.{field} must be a power of 2 for triton (Triton tiles "
-                             f"are powers of 2), got {value!r}")
-    if config.num_warps > 32:
-        raise ValueError(f"config.num_warps must be <= 32, got {config.num_warps!r}")
-    for field in ("num_partials", "num_stages"):
-        value = getattr(config, field)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"config.{field} must be a positive int, got {value!r}")
+    check_triton_config(config, ("block_reduced", "block_groups"), min_block=1)
+    if (not isinstance(config.num_partials, int) or isinstance(config.num_partials, bool)
+            or config.num_partials < 1):
+        raise ValueError(f"config.num_partials must be a positive int, got "
+                         f"{config.num_partials!r}")
 
 
 class _Tiles:
@@ -179,7 +172,8 @@ def _unpack(refs, has_scale: bool, has_offset: bool):
 
 
 def _forward_kernel(*refs, p: Problem, config: NormalizeConfig):
-    x_ref, scale_ref, offset_ref, (y_ref, mean_ref, rstd_ref) = _unpack(refs, p.has_scale, p.has_offset)
+    x_ref, scale_ref, offset_ref, outputs = _unpack(refs, p.has_scale, p.has_offset)
+    y_ref, mean_ref, rstd_ref = outputs
     outer = pl.program_id(0)
     tiles = _Tiles(p, config, pl.program_id(1))
     dtype = p.stat_dtype

@@ -1,0 +1,41 @@
+"""Block-size arithmetic and config checks that every op's kernels share."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import jax.numpy as jnp
+
+LANES = 128  # the last dim of a TPU memory tile
+MIN_TRITON_DOT = 16  # Triton's dot needs every tile dim >= 16
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def is_power_of_2(n: object) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n > 0 and n & (n - 1) == 0
+
+
+def sublanes(dtype: Any) -> int:
+    """Rows of one TPU memory tile: 8 for 32-bit dtypes, 16 for 16-bit, 32 for 8-bit."""
+    return 8 * 4 // min(4, jnp.dtype(dtype).itemsize)
+
+
+def check_triton_config(config: Any, block_fields: Iterable[str],
+                        min_block: int = MIN_TRITON_DOT) -> None:
+    """Raises ValueError naming the field when a Triton config cannot compile: block sizes
+    must be powers of 2 (every Triton array is) and at least `min_block`; `num_warps` a power
+    of 2 <= 32; `num_stages` a positive int."""
+    for field in block_fields:
+        value = getattr(config, field)
+        if not is_power_of_2(value) or value < min_block:
+            raise ValueError(f"config.{field} must be a power of 2 >= {min_block} for triton, "
+                             f"got {value!r}")
+    if not is_power_of_2(config.num_warps) or config.num_warps > 32:
+        raise ValueError(f"config.num_warps must be a power of 2 <= 32, got {config.num_warps!r}")
+    if (not isinstance(config.num_stages, int) or isinstance(config.num_stages, bool)
+            or config.num_stages < 1):
+        raise ValueError(f"config.num_stages must be a positive int, got {config.num_stages!r}")
