@@ -15,13 +15,14 @@ import sys
 import jax
 
 from bench import conv2d as conv2d_bench
+from bench import gather as gather_bench
 from bench import harness
 from bench import matmul as matmul_bench
 from bench import normalize as normalize_bench
 from kernels import _dispatch
 
 BENCHES = {"matmul": matmul_bench, "conv2d": conv2d_bench,
-           "normalize": normalize_bench}
+           "normalize": normalize_bench, "gather": gather_bench}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,8 +6,9 @@ absent), see DESIGN.md.
 """
 
 from kernels.conv2d import Conv2dConfig, conv2d
+from kernels.gather import GatherConfig, gather
 from kernels.matmul import MatmulConfig, matmul
 from kernels.normalize import NormalizeConfig, layer_norm, normalize, rms_norm
 
 __all__ = ["conv2d", "Conv2dConfig", "matmul", "MatmulConfig", "normalize", "layer_norm",
-           "rms_norm", "NormalizeConfig"]
+           "rms_norm", "NormalizeConfig", "gather", "GatherConfig"]

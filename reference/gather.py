@@ -15,7 +15,6 @@ import operator
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 MODES = (None, "promise_in_bounds", "clip", "drop", "fill", "wrap")
 # Modes in which an out-of-range index reads the edge row; in the others it reads fill_value

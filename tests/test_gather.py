@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
-import reference.gather
+from reference.gather import default_fill_value
+from reference.gather import gather as reference_gather
 from kernels.gather import GatherConfig, gather
 from tests.support import (KERNELS, SUPPORTS_FLOAT64, as_f64, assert_close,
                            assert_lowers, random, x64)
@@ -46,7 +47,7 @@ def _rows(indices, n: int, rule: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _default_fill(dtype):
-    return reference.gather.default_fill_value(dtype)
+    return default_fill_value(dtype)
 
 
 def expected_gather(x, indices, axis=0, mode=None, fill_value=None) -> np.ndarray:
@@ -78,6 +79,8 @@ def assert_exact(actual, expected) -> None:
     actual, expected = np.asarray(actual), np.asarray(expected)
     assert actual.shape == expected.shape, (actual.shape, expected.shape)
     assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
+    if jnp.issubdtype(actual.dtype, jnp.inexact):  # NumPy's NaN == NaN rule misses bfloat16
+        actual, expected = as_f64(actual), as_f64(expected)
     np.testing.assert_array_equal(actual, expected)
 
 
@@ -162,7 +165,7 @@ INDEX_CASES_X64 = [
 
 def _check_index_case(implementation, dtype, n, values):
     x = random((n, 2), jnp.float32, seed=4)
-    indices = jnp.asarray(np.asarray(values).astype(jnp.dtype(dtype)))
+    indices = jnp.asarray(np.array(values, dtype=jnp.dtype(dtype)))
     for mode in ("clip", "fill", "wrap"):
         check_gather(implementation, x, indices, mode=mode)
 
@@ -209,17 +212,26 @@ def test_table_shapes(implementation, shape, num_indices):
     check_gather(implementation, x, indices, mode=None)
 
 
-@pytest.mark.parametrize("implementation", ["xla", "triton"])  # mosaic: too slow interpreted
+# Mosaic is left out: TPU interpret mode simulates each of the 2048 row DMAs (minutes).
+@pytest.mark.parametrize("implementation", ["xla", "triton"])
 def test_embedding_table_with_2048_ids(implementation):
     x = random((32000, 512), jnp.bfloat16, seed=10)
     indices = jnp.asarray(np.random.default_rng(11).integers(-32000, 32000, 2048), jnp.int32)
     check_gather(implementation, x, indices)
-    ct = random((2048, 512), jnp.bfloat16, seed=12)
-    _, vjp = jax.vjp(lambda x: gather(x, indices, implementation=implementation), x)
-    (dx,) = vjp(ct)
-    counts = np.bincount(_rows(indices, 32000, "clip")[0], minlength=32000)
-    assert_close(dx, expected_gradient(x.shape, ct, indices), jnp.bfloat16,
-                 reduction_length=int(counts.max()))
+
+
+# The backward at embedding size runs for minutes interpreted (one program per table row, each
+# carrying the whole table through the interpreter's loop), so kernels use 1000 rows here.
+@pytest.mark.parametrize("mode", [None, "clip"], ids=_ids)
+def test_gradient_of_a_1000_row_table(implementation, mode):
+    x = random((1000, 129), jnp.float32, seed=29)
+    # 200 indices: more than one 128-index chunk of the Mosaic backward.
+    indices = jnp.asarray(np.random.default_rng(30).integers(-1010, 1010, 200), jnp.int32)
+    ct = random((200, 129), jnp.float32, seed=31)
+    dx = jax.vjp(lambda x: gather(x, indices, mode=mode, implementation=implementation),
+                 x)[1](ct)[0]
+    assert_close(dx, expected_gradient(x.shape, ct, indices, 0, mode), jnp.float32,
+                 reduction_length=20)
 
 
 def test_size_zero_dims(implementation):
@@ -252,7 +264,7 @@ def _gradient_case(implementation, mode, dtype=jnp.float32, axis=1):
         return pullback(ct)[0]
 
     dx = vjp(functools.partial(gather, implementation=implementation))
-    return x, indices, ct, dx, vjp(reference.gather.gather)
+    return x, indices, ct, dx, vjp(reference_gather)
 
 
 @pytest.mark.parametrize("mode", MODES, ids=_ids)
@@ -269,32 +281,33 @@ def test_gradient_matches_jax_of_at_get(implementation):
     indices = jnp.asarray(SPECIAL_INDICES, jnp.int32)
     ct = random((len(SPECIAL_INDICES), 4), jnp.float32, seed=16)
     for mode in ("clip", None, "fill"):
-        dx = jax.vjp(lambda x: gather(x, indices, mode=mode, implementation=implementation),
-                     x)[1](ct)[0]
-        expected = jax.vjp(lambda x: x.at[indices].get(mode=mode), x)[1](ct)[0]
+        ours = functools.partial(gather, indices=indices, mode=mode,
+                                 implementation=implementation)
+        dx = jax.vjp(ours, x)[1](ct)[0]
+        expected = jax.vjp(lambda x, mode=mode: x.at[indices].get(mode=mode), x)[1](ct)[0]
         assert_close(dx, expected, jnp.float32, reduction_length=4)
 
 
 def test_16_bit_gradients_accumulate_in_float32(implementation):
     x = jnp.zeros((4, 8), jnp.bfloat16)
-    indices = jnp.asarray([1] * 200 + [2, -1], jnp.int32)
-    ct = jnp.asarray(np.random.default_rng(17).uniform(0.5, 1.5, (202, 8)), jnp.bfloat16)
+    indices = jnp.asarray([1] * 140 + [2, -1], jnp.int32)
+    ct = jnp.asarray(np.random.default_rng(17).uniform(0.5, 1.5, (142, 8)), jnp.bfloat16)
     dx = jax.vjp(lambda x: gather(x, indices, implementation=implementation), x)[1](ct)[0]
     assert dx.dtype == jnp.bfloat16
-    # A bfloat16 running sum of 200 terms is off by many bfloat16 roundings; float32 is not.
+    # A bfloat16 running sum of 140 terms is off by many bfloat16 roundings; float32 is not.
     assert_close(dx, expected_gradient(x.shape, ct, indices), jnp.bfloat16)
 
 
 def test_backward_is_deterministic(implementation):
     x = jnp.zeros((5, 16), jnp.float32)
-    indices = jnp.asarray(np.random.default_rng(18).integers(0, 5, 300), jnp.int32)
-    ct = random((300, 16), jnp.float32, seed=19, scale=1e3)
+    indices = jnp.asarray(np.random.default_rng(18).integers(0, 5, 140), jnp.int32)
+    ct = random((140, 16), jnp.float32, seed=19)
     grad = jax.jit(lambda ct: jax.vjp(
         lambda x: gather(x, indices, implementation=implementation), x)[1](ct)[0])
     first = np.asarray(grad(ct))
     np.testing.assert_array_equal(np.asarray(grad(ct)), first)
     assert_close(first, expected_gradient(x.shape, ct, indices), jnp.float32,
-                 reduction_length=60)
+                 reduction_length=40)
 
 
 def test_grad_of_grad(implementation):
@@ -303,10 +316,11 @@ def test_grad_of_grad(implementation):
     weights, v = random((6, 3), jnp.float32, seed=21), random((6, 3), jnp.float32, seed=22)
 
     def hvp(fn):
-        loss = lambda x: jnp.sum(jnp.sin(fn(x, indices, mode="clip")) * weights)
+        def loss(x):
+            return jnp.sum(jnp.sin(fn(x, indices, mode="clip")) * weights)
         return jax.grad(lambda x: jnp.vdot(jax.grad(loss)(x), v))(x)
 
-    expected = hvp(reference.gather.gather)
+    expected = hvp(reference_gather)
     assert_close(hvp(functools.partial(gather, implementation=implementation)), expected,
                  jnp.float32, reduction_length=6)
 
@@ -316,10 +330,13 @@ def test_grad_of_grad(implementation):
 def test_finite_differences_float64(implementation, mode):
     with x64():
         x = random((7, 3), jnp.float64, seed=23)
-        indices = jnp.asarray([0, 6, 6, -1, 8, -9], jnp.int32)
+        # The default mode's gradient drops the out-of-range indices its forward clamps (JAX's
+        # rule), so only in-range indices have a finite-difference derivative there.
+        values = [0, 6, 6, -1, -7] + ([] if mode is None else [8, -9])
+        indices = jnp.asarray(values, jnp.int32)
         check_grads(lambda x: gather(x, indices, mode=mode, fill_value=0.0,
                                      implementation=implementation),
-                    (x,), order=2, modes=["rev"])
+                    (x,), order=1, modes=["rev"])
 
 
 def test_integer_table_has_float0_gradient(implementation):
@@ -345,12 +362,18 @@ def test_jit_and_no_jit(implementation, variant):
 def test_vmap(implementation):
     x = random((3, 9, 5), jnp.float32, seed=25)
     indices = jnp.asarray([[8, -1, 9], [0, 2, -10], [4, 4, 4]], jnp.int32)
-    fn = lambda x, i: gather(x, i, mode="fill", implementation=implementation)
+    def fn(x, i):
+        return gather(x, i, mode="fill", implementation=implementation)
     out = jax.vmap(fn)(x, indices)
     expected = np.stack([expected_gather(x[k], indices[k], 0, "fill") for k in range(3)])
     assert_exact(out, expected)
     out = jax.vmap(fn, in_axes=(None, 0))(x[0], indices)
     assert_exact(out, expected_gather(x[0], indices, 0, "fill"))
+    ct = random((3, 3, 5), jnp.float32, seed=32)
+    grads = jax.vmap(lambda x, i, ct: jax.vjp(lambda x: fn(x, i), x)[1](ct)[0])(x, indices, ct)
+    for k in range(3):
+        assert_close(grads[k], expected_gradient(x.shape[1:], ct[k], indices[k], 0, "fill"),
+                     jnp.float32, reduction_length=3)
 
 
 def test_no_retracing_with_nan_fill(implementation):
@@ -430,7 +453,8 @@ def test_invalid_config(kernel, config, field):
 
 def test_bad_input(implementation):
     x, indices = jnp.ones((5, 3)), jnp.asarray([1, 2], jnp.int32)
-    call = lambda x=x, i=indices, **kw: gather(x, i, implementation=implementation, **kw)
+    def call(x=x, i=indices, **kw):
+        return gather(x, i, implementation=implementation, **kw)
     with pytest.raises(TypeError, match="indices.*float32"):
         call(i=jnp.asarray([1.0]))
     with pytest.raises(TypeError, match="indices.*bool"):
@@ -453,9 +477,9 @@ def test_bad_input(implementation):
 
 def test_reference_bad_input():
     with pytest.raises(TypeError, match="indices"):
-        reference.gather.gather(jnp.ones(3), jnp.asarray([0.5]))
+        reference_gather(jnp.ones(3), jnp.asarray([0.5]))
     with pytest.raises(ValueError, match="mode"):
-        reference.gather.gather(jnp.ones(3), jnp.asarray([0]), mode="raise")
+        reference_gather(jnp.ones(3), jnp.asarray([0]), mode="raise")
 
 
 def test_default_implementation_is_xla_on_cpu():

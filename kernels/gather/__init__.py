@@ -16,7 +16,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-import reference.gather as reference_gather
+from reference.gather import bounded_indices, check_arguments, default_fill_value
+from reference.gather import gather as reference_gather
 from kernels import _dispatch
 from kernels.gather import mosaic, triton
 from kernels.gather.common import (FORWARD_MODE, SCATTER_MODE, TRANSPOSED_MODE, GatherConfig,
@@ -66,8 +67,7 @@ _gather.defvjp(_gather_fwd, _gather_bwd)
 def _scatter_add(g: jax.Array, indices: jax.Array, s: _Static) -> jax.Array:
     """The transpose of `_gather` in `s`: g (batch, m, columns) -> (batch, n, columns)."""
     plan = scatter_plan(indices, s.problem.n, s.scatter_mode)
-    # The config was sized for the forward; the backward picks its own blocks.
-    return _KERNELS[s.implementation].scatter_add(g, plan, s.problem, config=None,
+    return _KERNELS[s.implementation].scatter_add(g, plan, s.problem, config=s.config,
                                                   interpret=s.interpret)
 
 
@@ -79,8 +79,8 @@ def _scatter_add_bwd(s: _Static, indices, ct):
     # Its transpose is a gather with the matching forward rule (dropped rows gather zero).
     transposed = s.problem._replace(mode=TRANSPOSED_MODE[s.scatter_mode],
                                     fill=fill_bits(0, s.problem.dtype))
-    return _gather(ct, indices, s._replace(config=None, problem=transposed)), \
-        _float0_zeros(indices)
+    dg = _gather(ct, indices, s._replace(problem=transposed))
+    return dg, _float0_zeros(indices)
 
 
 _scatter_add.defvjp(_scatter_add_fwd, _scatter_add_bwd)
@@ -92,7 +92,7 @@ def _validate(x: jax.Array, indices: jax.Array, axis: Any, mode: Any,
         raise TypeError(f"gather: x must have a numeric or boolean dtype, got {x.dtype}")
     if config is not None and not isinstance(config, GatherConfig):
         raise TypeError(f"gather: config must be a GatherConfig or None, got {config!r}")
-    return reference_gather.check_arguments(x, indices, axis, mode)
+    return check_arguments(x, indices, axis, mode)
 
 
 def gather(
@@ -126,7 +126,7 @@ def gather(
     kernel_dtype = jnp.dtype(jnp.uint8) if x.dtype == jnp.bool_ else x.dtype
     fill = None
     if FORWARD_MODE[mode] == "fill":
-        value = reference_gather.default_fill_value(x.dtype) if fill_value is None else fill_value
+        value = default_fill_value(x.dtype) if fill_value is None else fill_value
         # Converted to the table's dtype first, as JAX does (2 -> True for a bool table).
         fill = fill_bits(fill_scalar(fill_bits(value, x.dtype), x.dtype), kernel_dtype)
     problem = Problem(batch, n, columns, indices.size, kernel_dtype, FORWARD_MODE[mode], fill)
@@ -135,10 +135,10 @@ def gather(
         {kernel: functools.partial(_check, module, problem, config, x.dtype)
          for kernel, module in _KERNELS.items()})
     if name == "xla":
-        return reference_gather.gather(x, indices, axis=axis, mode=mode, fill_value=fill_value)
+        return reference_gather(x, indices, axis=axis, mode=mode, fill_value=fill_value)
     if math.prod(out_shape) == 0:
         return jnp.zeros(out_shape, x.dtype)
-    flat_indices = reference_gather.bounded_indices(indices, n, mode).reshape(-1)
+    flat_indices = bounded_indices(indices, n, mode).reshape(-1)
     static = _Static(name, interpret, config, problem, SCATTER_MODE[mode])
     out = _gather(x.astype(kernel_dtype).reshape(batch, n, columns), flat_indices, static)
     return out.astype(x.dtype).reshape(out_shape)

@@ -46,11 +46,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kernels._blocks import LANES, sublanes
 from kernels._pallas import mosaic_call, pl, pltpu
 from kernels.gather.common import (GatherConfig, Problem, ScatterPlan, check_int, gather_cost,
                                    normalize_row, scatter_cost)
 
-_LANES = 128
 _DEFAULT_BLOCK_INDICES = 64
 _SLAB_BYTES = 1 << 20        # target bytes of one forward DMA when the batch is split
 _MAX_BLOCK_COLUMNS = 1024
@@ -58,15 +58,10 @@ _ACCUMULATOR_BYTES = 2 << 20  # float32 accumulator per backward step
 _INDEX_CHUNK = 128
 
 
-def sublanes(dtype) -> int:
-    """Rows of one TPU memory tile: 8 for 32-bit dtypes, 16 for 16-bit, 32 for 8-bit."""
-    return 8 * 4 // min(4, jnp.dtype(dtype).itemsize)
-
-
 def _default_block_columns(columns: int) -> int:
-    if columns <= _MAX_BLOCK_COLUMNS or columns % _LANES:
+    if columns <= _MAX_BLOCK_COLUMNS or columns % LANES:
         return columns
-    return max(c for c in range(_LANES, _MAX_BLOCK_COLUMNS + 1, _LANES) if columns % c == 0)
+    return max(c for c in range(LANES, _MAX_BLOCK_COLUMNS + 1, LANES) if columns % c == 0)
 
 
 def resolve_config(p: Problem, config: GatherConfig | None) -> GatherConfig:
@@ -89,21 +84,46 @@ def check(p: Problem, config: GatherConfig | None) -> None:
     tiling."""
     if p.itemsize == 8:
         raise NotImplementedError(f"{jnp.dtype(p.dtype).name} is not supported on TPU")
+    if p.batch * p.num_indices * p.columns == 0:
+        return  # an empty result: no kernel runs
     for field in ("block_indices", "block_columns", "block_batch", "block_rows"):
         check_int(config or GatherConfig(), field)
     config = resolve_config(p, config)
     if p.columns % config.block_columns:
         raise ValueError(f"config.block_columns={config.block_columns} must divide the row "
                          f"length {p.columns} for mosaic")
-    if config.block_columns % _LANES and config.block_columns != p.columns:
+    if config.block_columns % LANES and config.block_columns != p.columns:
         raise ValueError(f"config.block_columns={config.block_columns} breaks TPU tiling for "
-                         f"mosaic: it must be a multiple of {_LANES} or equal the row length "
+                         f"mosaic: it must be a multiple of {LANES} or equal the row length "
                          f"{p.columns}")
     tile = sublanes(p.dtype)
     if config.block_rows % tile and config.block_rows != p.n:
         raise ValueError(f"config.block_rows={config.block_rows} breaks TPU tiling for mosaic: "
                          f"it must be a multiple of {tile} for {jnp.dtype(p.dtype).name} or "
                          f"equal the table's {p.n} rows")
+
+
+def _mapped_under_vmap(fn):
+    """`fn(*arrays)` with a vmap rule that maps it over the batch with `lax.map`.
+
+    Pallas cannot add a batch dim to a kernel whose operands stay in HBM (`memory_space=ANY`):
+    under `vmap` the kernel runs once per batch element instead. Unbatched operands (a shared
+    table) are closed over, not broadcast.
+    """
+    wrapped = jax.custom_batching.custom_vmap(fn)
+
+    @wrapped.def_vmap
+    def _rule(axis_size, in_batched, *args):
+        del axis_size
+
+        def one(batched_slices):
+            slices = iter(batched_slices)
+            pairs = zip(args, in_batched, strict=True)
+            return wrapped(*[next(slices) if batched else a for a, batched in pairs])
+
+        return lax.map(one, [a for a, b in zip(args, in_batched, strict=True) if b]), True
+
+    return wrapped
 
 
 def _shifted_start(block: jax.Array, size: int, total: int) -> jax.Array:
@@ -166,7 +186,7 @@ def gather(x: jax.Array, indices: jax.Array, p: Problem, *, config: GatherConfig
     )
     kernel = functools.partial(_gather_kernel, p=p, block_batch=block_batch,
                                block_indices=block_indices)
-    return mosaic_call(
+    call = mosaic_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((p.batch, p.num_indices, p.columns), x.dtype),
         grid_spec=grid_spec,
@@ -174,7 +194,8 @@ def gather(x: jax.Array, indices: jax.Array, p: Problem, *, config: GatherConfig
         interpret=interpret,
         cost_estimate=gather_cost(p),
         name="gather_mosaic",
-    )(indices, x, fill)
+    )
+    return _mapped_under_vmap(call)(indices, x, fill)
 
 
 def _scatter_add_kernel(block_starts_smem, order_hbm, targets_hbm, g_hbm, out_ref, acc_ref,
@@ -227,7 +248,7 @@ def scatter_add(g: jax.Array, plan: ScatterPlan, p: Problem, *, config: GatherCo
     )
     kernel = functools.partial(_scatter_add_kernel, p=p, block_rows=block_rows,
                                block_columns=block_columns, chunk=chunk)
-    return mosaic_call(
+    call = mosaic_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((p.batch, p.n, p.columns), g.dtype),
         grid_spec=grid_spec,
@@ -235,4 +256,5 @@ def scatter_add(g: jax.Array, plan: ScatterPlan, p: Problem, *, config: GatherCo
         interpret=interpret,
         cost_estimate=scatter_cost(p),
         name="scatter_add_mosaic",
-    )(block_starts, plan.order, plan.targets, g)
+    )
+    return _mapped_under_vmap(call)(block_starts, plan.order, plan.targets, g)

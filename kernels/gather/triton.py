@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kernels._blocks import check_triton_config, next_power_of_2
 from kernels._pallas import pl, triton_call, triton_load, triton_store
 from kernels.gather.common import (GatherConfig, Problem, ScatterPlan, accumulator_dtype,
                                    check_int, gather_cost, normalize_row, scatter_cost)
@@ -48,23 +49,15 @@ _MAX_BLOCK_INDICES = 64
 _MAX_BLOCK_COLUMNS = 512
 
 
-def _next_power_of_2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
-def _is_power_of_2(n: object) -> bool:
-    return isinstance(n, int) and n > 0 and n & (n - 1) == 0
-
-
 def resolve_config(p: Problem, config: GatherConfig | None) -> GatherConfig:
     """Power-of-2 blocks: up to 64 indices by up to 512 columns (a 64 KiB float32 tile)."""
     config = config or GatherConfig()
     block_columns = config.block_columns or min(_MAX_BLOCK_COLUMNS,
-                                                _next_power_of_2(p.columns))
+                                                next_power_of_2(p.columns))
     # Short rows (the last-axis gather): take more indices per program instead.
     block_indices = config.block_indices or min(
         max(_MAX_BLOCK_INDICES, _MAX_BLOCK_INDICES * 64 // block_columns),
-        _next_power_of_2(max(p.num_indices, 1)))
+        next_power_of_2(max(p.num_indices, 1)))
     num_warps = config.num_warps or (8 if block_indices * block_columns >= 16384 else 4)
     return dataclasses.replace(config, block_indices=block_indices, block_columns=block_columns,
                                num_warps=num_warps, num_stages=config.num_stages or 2)
@@ -74,13 +67,9 @@ def check(p: Problem, config: GatherConfig | None) -> None:
     """Takes every dtype; rejects a config that Triton cannot compile."""
     for field in ("block_indices", "block_columns", "num_warps", "num_stages"):
         check_int(config or GatherConfig(), field)
-    config = resolve_config(p, config)
-    for field in ("block_indices", "block_columns"):
-        if not _is_power_of_2(getattr(config, field)):
-            raise ValueError(f"config.{field} must be a power of 2 for triton (Triton tiles are "
-                             f"powers of 2), got {getattr(config, field)!r}")
-    if not _is_power_of_2(config.num_warps) or config.num_warps > 32:
-        raise ValueError(f"config.num_warps must be a power of 2 <= 32, got {config.num_warps!r}")
+    # No dot here, so blocks of any power of 2 (1 included: a last-axis gather's rows).
+    check_triton_config(resolve_config(p, config), ("block_indices", "block_columns"),
+                        min_block=1)
 
 
 def _gather_kernel(indices_ref, x_ref, out_ref, *, p: Problem, block_indices: int,

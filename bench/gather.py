@@ -1,0 +1,62 @@
+"""gather rows: an embedding lookup (axis 0, bfloat16 table) and its backward scatter-add.
+
+GB/s count the minimum traffic, whatever a kernel actually moves: forward, the gathered rows
+read once and the output written once; backward, the cotangent read once and the table
+gradient written once (plus the indices). The backward row times the whole gradient: the
+wrapper's sort of the index vector and the scatter-add kernel.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench.harness import Case
+from kernels.gather import gather
+from kernels.gather.common import Problem, gather_bytes, scatter_bytes
+from reference.gather import gather as reference_gather
+from tests.support import random
+
+# (vocabulary, features, ids)
+NATIVE_SHAPES = [(32000, 4096, 8192)]
+CPU_SHAPES = [(32000, 512, 2048)]
+INTERPRET_SHAPES = [(1000, 128, 64)]
+
+
+def _problem(vocabulary: int, features: int, ids: int, dtype) -> Problem:
+    return Problem(1, vocabulary, features, ids, jnp.dtype(dtype), "clip", None)
+
+
+def _backward(implementation: str, interpret: bool):
+    def run(table, ids, ct):
+        def fn(t):
+            return gather(t, ids, implementation=implementation, interpret=interpret)
+        return jax.vjp(fn, table)[1](ct)[0]
+
+    return run
+
+
+def cases(shapes: str) -> list[Case]:
+    """`shapes`: "native" (an accelerator), "cpu" (xla on a CPU) or "interpret" (small)."""
+    chosen = {"native": NATIVE_SHAPES, "cpu": CPU_SHAPES, "interpret": INTERPRET_SHAPES}[shapes]
+    out = []
+    for vocabulary, features, num_ids in chosen:
+        dtype = jnp.bfloat16
+        table = random((vocabulary, features), dtype, seed=1)
+        ids = jnp.asarray(np.random.default_rng(2).integers(0, vocabulary, num_ids), jnp.int32)
+        ct = random((num_ids, features), dtype, seed=3)
+        p = _problem(vocabulary, features, num_ids, dtype)
+        shape = f"table {vocabulary}x{features}, {num_ids} ids"
+        out.append(Case(
+            op="gather", shape=shape, dtype="bfloat16", args=(table, ids),
+            run=lambda name, interpret: lambda t, i: gather(t, i, implementation=name,
+                                                            interpret=interpret),
+            expected=reference_gather(table, ids), flops=0, bytes=gather_bytes(p)))
+        expected_grad = jax.vjp(lambda t, ids=ids: reference_gather(t, ids),
+                                table.astype(jnp.float32))[1](ct.astype(jnp.float32))[0]
+        out.append(Case(
+            op="gather backward", shape=shape, dtype="bfloat16", args=(table, ids, ct),
+            run=_backward, expected=expected_grad, flops=num_ids * features,
+            bytes=scatter_bytes(p)))
+    return out
