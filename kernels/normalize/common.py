@@ -266,3 +266,11 @@ def check_dtype(p: Problem, allowed: tuple) -> None:
             raise NotImplementedError("float64 is not supported on TPU")
         raise NotImplementedError(f"x has dtype {name}; the kernel takes "
                                   f"{', '.join(jnp.dtype(d).name for d in allowed)}")
+
+
+def unpack_refs(refs, has_scale: bool, has_offset: bool):
+    """Splits `refs` into (x, scale or None, offset or None, [the remaining refs])."""
+    x_ref, rest = refs[0], list(refs[1:])
+    scale_ref = rest.pop(0) if has_scale else None
+    offset_ref = rest.pop(0) if has_offset else None
+    return x_ref, scale_ref, offset_ref, rest

@@ -44,7 +44,7 @@ from jax import lax
 from kernels._blocks import LANES, sublanes
 from kernels._pallas import mosaic_call, pl, pltpu
 from kernels.normalize import common
-from kernels.normalize.common import NormalizeConfig, Problem
+from kernels.normalize.common import NormalizeConfig, Problem, unpack_refs
 
 _DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
 _MAX_BLOCK_REDUCED = 16384
@@ -162,15 +162,8 @@ def _zero_invalid(x: jax.Array, valid: jax.Array | None) -> jax.Array:
     return x if valid is None else jnp.where(valid, x, jnp.zeros_like(x))
 
 
-def _unpack(refs, has_scale: bool, has_offset: bool):
-    x_ref, rest = refs[0], list(refs[1:])
-    scale_ref = rest.pop(0) if has_scale else None
-    offset_ref = rest.pop(0) if has_offset else None
-    return x_ref, scale_ref, offset_ref, rest
-
-
 def _forward_kernel(*refs, p: Problem, s: _Schedule):
-    x_ref, scale_ref, offset_ref, rest = _unpack(refs, p.has_scale, p.has_offset)
+    x_ref, scale_ref, offset_ref, rest = unpack_refs(refs, p.has_scale, p.has_offset)
     y_ref, mean_ref, rstd_ref, *scratch = rest
     dtype = p.stat_dtype
     x = x_ref[...].astype(dtype)
@@ -235,7 +228,7 @@ def forward(x: jax.Array, scale: jax.Array | None, offset: jax.Array | None, p: 
 
 
 def _backward_kernel(*refs, p: Problem, s: _Schedule):
-    x_ref, scale_ref, _, rest = _unpack(refs, p.has_scale, False)
+    x_ref, scale_ref, _, rest = unpack_refs(refs, p.has_scale, False)
     mean_ref, rstd_ref, gy_ref, gmean_ref, grstd_ref, dx_ref, *rest = rest
     dscale_ref = rest.pop(0) if p.has_scale else None
     doffset_ref = rest.pop(0) if p.has_offset else None

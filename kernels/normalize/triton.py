@@ -45,7 +45,7 @@ from jax import lax
 from kernels._blocks import check_triton_config, is_power_of_2, next_power_of_2
 from kernels._pallas import pl, triton_call, triton_load, triton_store
 from kernels.normalize import common
-from kernels.normalize.common import NormalizeConfig, Problem
+from kernels.normalize.common import NormalizeConfig, Problem, unpack_refs
 
 _DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
 _MAX_TILE = 4096  # elements per tile (per input): what 4-8 warps hold in registers comfortably.
@@ -163,16 +163,8 @@ def _loop(num: int, body, init):
     return lax.fori_loop(jnp.int32(0), jnp.int32(num), body, init)
 
 
-def _unpack(refs, has_scale: bool, has_offset: bool):
-    """Splits `refs` into (x, scale or None, offset or None, [the remaining refs])."""
-    x_ref, rest = refs[0], list(refs[1:])
-    scale_ref = rest.pop(0) if has_scale else None
-    offset_ref = rest.pop(0) if has_offset else None
-    return x_ref, scale_ref, offset_ref, rest
-
-
 def _forward_kernel(*refs, p: Problem, config: NormalizeConfig):
-    x_ref, scale_ref, offset_ref, outputs = _unpack(refs, p.has_scale, p.has_offset)
+    x_ref, scale_ref, offset_ref, outputs = unpack_refs(refs, p.has_scale, p.has_offset)
     y_ref, mean_ref, rstd_ref = outputs
     outer = pl.program_id(0)
     tiles = _Tiles(p, config, pl.program_id(1))
@@ -238,7 +230,7 @@ def num_partials(p: Problem, config: NormalizeConfig) -> int:
 
 
 def _backward_kernel(*refs, p: Problem, config: NormalizeConfig, partials: int):
-    x_ref, scale_ref, _, rest = _unpack(refs, p.has_scale, False)
+    x_ref, scale_ref, _, rest = unpack_refs(refs, p.has_scale, False)
     mean_ref, rstd_ref, gy_ref, gmean_ref, grstd_ref, dx_ref, *partial_refs = rest
     dscale_ref = partial_refs.pop(0) if p.has_scale else None
     doffset_ref = partial_refs.pop(0) if p.has_offset else None
