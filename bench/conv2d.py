@@ -7,13 +7,14 @@ baseline; it needs the `examples` extra and is left out without it.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from reference.conv2d import conv2d as reference_conv2d
 from reference.conv2d import geometry as make_geometry
 from bench.harness import Case
-from kernels.conv2d import conv2d
+from kernels.conv2d import conv2d, mosaic
 from kernels.conv2d.common import flops_and_bytes, make_problem
 from tests.support import random
 
@@ -30,10 +31,10 @@ BLUR_CROP = {"native": None, "cpu": None, "interpret": 32}  # interpreted rows u
 def _case(x_shape, w_shape, options, dtype) -> Case:
     x, w = random(x_shape, dtype, seed=1), random(w_shape, dtype, seed=2)
     geometry = make_geometry(x.shape, w.shape, data_format="NHWC",
-                                         **{"stride": 1, "padding": "SAME", "dilation": 1,
-                                            "feature_group_count": 1, **options})
-    flops, nbytes = flops_and_bytes(make_problem(x.shape, w.shape, x.dtype, w.dtype, geometry,
-                                                 x.dtype))
+                             **{"stride": 1, "padding": "SAME", "dilation": 1,
+                                "feature_group_count": 1, **options})
+    problem = make_problem(x.shape, w.shape, x.dtype, w.dtype, geometry, x.dtype)
+    flops, nbytes = flops_and_bytes(problem)
     described = ", ".join(f"{k}={v}" for k, v in options.items())
     return Case(
         op="conv2d", shape=f"{'x'.join(map(str, x_shape))} * {'x'.join(map(str, w_shape))}"
@@ -42,8 +43,20 @@ def _case(x_shape, w_shape, options, dtype) -> Case:
         run=lambda name, interpret: lambda x, w: conv2d(x, w, implementation=name,
                                                         interpret=interpret, **options),
         expected=reference_conv2d(x.astype(jnp.float32), w.astype(jnp.float32),
-                                         precision="highest", **options),
-        flops=flops, bytes=nbytes)
+                                  precision="highest", **options),
+        flops=flops, bytes=nbytes,
+        # The Mosaic kernel's input staging copy (padding in the wrapper), timed alone:
+        # its ratio to xla is what that copy costs next to a whole convolution.
+        parts={"mosaic: wrapper pad copy": jax.jit(
+            lambda x, w: mosaic.staged_input(x, problem))} if _stages(problem) else {})
+
+
+def _stages(problem) -> bool:
+    try:
+        mosaic.check(problem, None)
+        return True
+    except NotImplementedError:
+        return False
 
 
 def _blur_case(crop: int | None) -> Case | None:

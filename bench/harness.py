@@ -32,7 +32,8 @@ class Case:
 
     run(implementation, interpret) returns the op as a function of `args`; `expected` is the
     reference result in float32 or wider, for the error column; `baselines` are other
-    programs (NumPy, SciPy) timed on the same inputs.
+    programs (NumPy, SciPy) timed on the same inputs; `parts` are pieces of an implementation
+    (a wrapper's copy, say) timed alone on the same inputs, with no error column.
     """
 
     op: str
@@ -44,6 +45,7 @@ class Case:
     flops: int
     bytes: int
     baselines: dict[str, Callable[..., Any]] = dataclasses.field(default_factory=dict)
+    parts: dict[str, Callable[..., Any]] = dataclasses.field(default_factory=dict)
 
 
 def median_seconds(fn: Callable[..., Any], *args: Any, repeats: int, warmup: int = 2) -> float:
@@ -81,7 +83,9 @@ def measure(case: Case, implementations: Sequence[tuple[str, bool]], repeats: in
     programs = [(name, interpret, jax.jit(case.run(name, interpret)))
                 for name, interpret in implementations]
     programs += [(name, False, fn) for name, fn in case.baselines.items()]
+    programs += [(name, False, fn) for name, fn in case.parts.items()]
     for name, interpret, fn in programs:
+        part = name in case.parts
         seconds = median_seconds(fn, *case.args, repeats=repeats)
         if name == "xla":
             xla_seconds = seconds
@@ -90,11 +94,12 @@ def measure(case: Case, implementations: Sequence[tuple[str, bool]], repeats: in
             "implementation": name + (" (interpret)" if interpret else ""),
             "kind": "correctness only" if interpret else "speed",
             "median_ms": seconds * 1e3,
-            # Interpreted rows are correctness rows: throughput figures would mislead.
-            "GB/s": None if interpret else case.bytes / seconds / 1e9,
-            "TFLOP/s": None if interpret else case.flops / seconds / 1e12,
-            "max_rel_err": max_relative_error(fn(*case.args), case.expected),
-            **{f"floor_{d}_us": roofline_floor_us(case, d) for d in DEVICES},
+            # Interpreted rows are correctness rows, and a part does not do the op's work:
+            # throughput, error and roofline figures would mislead there.
+            "GB/s": None if interpret or part else case.bytes / seconds / 1e9,
+            "TFLOP/s": None if interpret or part else case.flops / seconds / 1e12,
+            "max_rel_err": None if part else max_relative_error(fn(*case.args), case.expected),
+            **{f"floor_{d}_us": None if part else roofline_floor_us(case, d) for d in DEVICES},
         })
     for row in rows:
         row["vs_xla"] = (row["median_ms"] / (xla_seconds * 1e3)
@@ -104,8 +109,8 @@ def measure(case: Case, implementations: Sequence[tuple[str, bool]], repeats: in
 
 _COLUMNS = [("op", "{}"), ("shape", "{}"), ("dtype", "{}"), ("implementation", "{}"),
             ("median_ms", "{:.3f}"), ("vs_xla", "{:.2f}x"), ("GB/s", "{:.1f}"),
-            ("TFLOP/s", "{:.3f}"), ("max_rel_err", "{:.1e}"), ("floor_H100_us", "{:.1f}"),
-            ("floor_TPU v5e_us", "{:.1f}")]
+            ("TFLOP/s", "{:.3f}"), ("max_rel_err", "{:.1e}"), ("floor_H100_us", "{:.3g}"),
+            ("floor_TPU v5e_us", "{:.3g}")]
 
 
 def table(rows: list[dict]) -> str:

@@ -7,10 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bench import harness
 from kernels import _dispatch
 from kernels.matmul import matmul
-from tests.support import random, x64
+from tests.support import x64
 
 
 def test_default_on_this_cpu_is_xla(monkeypatch):
@@ -58,19 +57,3 @@ def test_sequence_tries_in_order_and_reports_every_reason():
     assert calls == ["no triton", "no mosaic"]
     with pytest.raises(NotImplementedError, match="op: triton: no triton; mosaic: no mosaic"):
         _dispatch.choose("op", ("triton", "mosaic"), None, checks)
-
-
-def test_bench_harness_rows():
-    a, b = random((64, 32), jnp.float32, 1), random((32, 16), jnp.float32, 2)
-    case = harness.Case(op="matmul", shape="64x32 @ 32x16", dtype="float32", args=(a, b),
-                        run=lambda name, interpret: lambda a, b: matmul(
-                            a, b, implementation=name, interpret=interpret),
-                        expected=np.asarray(a, np.float64) @ np.asarray(b, np.float64),
-                        flops=2 * 64 * 32 * 16, bytes=4 * (64 * 32 + 32 * 16 + 64 * 16),
-                        baselines={"numpy": np.matmul})
-    rows = harness.measure(case, [("triton", True), ("xla", False)], repeats=2)
-    assert [r["implementation"] for r in rows] == ["triton (interpret)", "xla", "numpy"]
-    assert rows[0]["kind"] == "correctness only" and rows[0]["GB/s"] is None
-    assert rows[1]["vs_xla"] == 1.0
-    assert all(r["max_rel_err"] < 1e-5 for r in rows)
-    assert "triton (interpret)" in harness.table(rows)

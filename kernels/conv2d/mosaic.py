@@ -226,6 +226,12 @@ def _staged_x(x: jax.Array, p: Problem, layout: _Layout) -> jax.Array:
     return staged.transpose(0, 4, 1, 2, 3, 5)  # (N, G, phases, rows, cols, C/G)
 
 
+def staged_input(x: jax.Array, p: Problem, config: Conv2dConfig | None = None) -> jax.Array:
+    """The wrapper's one XLA copy of the input (padded, dilated, phase-split) that `conv`
+    feeds the kernel; the bench times it alone to show what padding in the wrapper costs."""
+    return _staged_x(x, p, _Layout(p, resolve_config(p, config).block_rows))
+
+
 def _vmem_limit(p: Problem, layout: _Layout, block_n: int) -> int:
     return max(32 * 2**20, min(_VMEM_LIMIT + 16 * 2**20, 2 * _vmem_bytes(p, layout, block_n)))
 

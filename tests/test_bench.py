@@ -1,0 +1,27 @@
+"""The benchmark harness: rows, labels and the error column (no timing is asserted)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from bench import harness
+from kernels.matmul import matmul
+from tests.support import random
+
+
+def test_bench_harness_rows():
+    a, b = random((64, 32), jnp.float32, 1), random((32, 16), jnp.float32, 2)
+    case = harness.Case(op="matmul", shape="64x32 @ 32x16", dtype="float32", args=(a, b),
+                        run=lambda name, interpret: lambda a, b: matmul(
+                            a, b, implementation=name, interpret=interpret),
+                        expected=np.asarray(a, np.float64) @ np.asarray(b, np.float64),
+                        flops=2 * 64 * 32 * 16, bytes=4 * (64 * 32 + 32 * 16 + 64 * 16),
+                        baselines={"numpy": np.matmul}, parts={"copy": lambda a, b: a + 0})
+    rows = harness.measure(case, [("triton", True), ("xla", False)], repeats=2)
+    assert [r["implementation"] for r in rows] == ["triton (interpret)", "xla", "numpy", "copy"]
+    assert rows[0]["kind"] == "correctness only" and rows[0]["GB/s"] is None
+    assert rows[1]["vs_xla"] == 1.0
+    assert all(r["max_rel_err"] < 1e-5 for r in rows[:3])
+    assert rows[3]["max_rel_err"] is None and rows[3]["GB/s"] is None
+    assert "triton (interpret)" in harness.table(rows)
