@@ -128,6 +128,21 @@ def test_no_retrace_on_repeated_calls(implementation):
         _check_against_ground_truth(a, b, traced(a, b))
 
 
+@pytest.mark.parametrize("impl", KERNELS)
+def test_repeated_eager_calls_trace_the_kernel_once(impl, monkeypatch):
+    """Eager callers (tests of model code on a CPU) get jit's cache, not a re-trace per call."""
+    from kernels.matmul import _KERNELS
+
+    module = _KERNELS[impl]
+    traces = []
+    kernel = module.matmul
+    monkeypatch.setattr(module, "matmul", lambda *a, **k: traces.append(1) or kernel(*a, **k))
+    for seed in range(3):
+        a, b = random((11, 21), jnp.float32, seed), random((21, 6), jnp.float32, seed + 1)
+        _check_against_ground_truth(a, b, matmul(a, b, implementation=impl))
+    assert len(traces) <= 1
+
+
 def _loss(implementation):
     """A scalar of the product that weighs every output element differently."""
     if implementation == "reference":

@@ -75,6 +75,8 @@ def _conv_bwd(s: _Static, residuals, dy):
 
 
 _conv.defvjp(_conv_fwd, _conv_bwd)
+# Eager calls hit jit's cache instead of re-tracing and re-compiling the kernel each time.
+_jitted_conv = jax.jit(_conv, static_argnums=-1)
 
 
 def _flip_and_swap(w: jax.Array, groups: int) -> jax.Array:
@@ -203,5 +205,5 @@ def conv2d(
             feature_group_count=feature_group_count, data_format=data_format,
             precision=precision, preferred_element_type=preferred_element_type)
     static = _Static(name, interpret, config, precision, geometry, out_dtype)
-    out = _conv(x_nhwc, w_hwio, static)
+    out = _jitted_conv(x_nhwc, w_hwio, static)
     return out.transpose(0, 3, 1, 2) if data_format == "NCHW" else out

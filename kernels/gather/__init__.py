@@ -61,6 +61,8 @@ def _gather_bwd(s: _Static, indices, g):
 
 
 _gather.defvjp(_gather_fwd, _gather_bwd)
+# Eager calls hit jit's cache instead of re-tracing and re-compiling the kernel each time.
+_jitted_gather = jax.jit(_gather, static_argnums=-1)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -140,7 +142,8 @@ def gather(
         return jnp.zeros(out_shape, x.dtype)
     flat_indices = bounded_indices(indices, n, mode).reshape(-1)
     static = _Static(name, interpret, config, problem, SCATTER_MODE[mode])
-    out = _gather(x.astype(kernel_dtype).reshape(batch, n, columns), flat_indices, static)
+    table = x.astype(kernel_dtype).reshape(batch, n, columns)
+    out = _jitted_gather(table, flat_indices, static)
     return out.astype(x.dtype).reshape(out_shape)
 
 

@@ -90,6 +90,8 @@ def _product_bwd(s: _Static, residuals, g):
 
 
 _product.defvjp(_product_fwd, _product_bwd)
+# Eager calls hit jit's cache instead of re-tracing and re-compiling the kernel each time.
+_jitted_product = jax.jit(_product, static_argnums=-1)
 
 
 def _validated(a: jax.Array, b: jax.Array,
@@ -164,4 +166,4 @@ def matmul(
         return reference.matmul(a, b, precision=precision,
                                 preferred_element_type=preferred_element_type)
     static = _Static(name, interpret, config, precision, False, False, out_dtype)
-    return _product(a2, b2, static).reshape(out_shape)
+    return _jitted_product(a2, b2, static).reshape(out_shape)

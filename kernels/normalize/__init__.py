@@ -64,6 +64,8 @@ def _forward_bwd(s, residuals, cotangents):
 
 
 _forward.defvjp(_forward_fwd, _forward_bwd)
+# Eager calls hit jit's cache instead of re-tracing and re-compiling the kernel each time.
+_jitted_forward = jax.jit(_forward, static_argnums=-1)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
@@ -120,7 +122,7 @@ def _normalize(x, scale, offset, axis, epsilon, subtract_mean, implementation, i
     params = [None if v is None else v.astype(stat_dtype).reshape(problem.param_shape)
               for v in (scale, offset)]
     static = _Static(name, interpret, config, problem)
-    y, _, _ = _forward(moved.reshape(problem.view_shape), *params, static)
+    y, _, _ = _jitted_forward(moved.reshape(problem.view_shape), *params, static)
     y = y.reshape(moved.shape)
     return y if perm is None else jnp.transpose(y, np.argsort(perm))
 
