@@ -1,11 +1,12 @@
-"""Block-size arithmetic and config checks that every op's kernels share."""
+"""Block-size arithmetic, config checks and loop and dtype helpers that every op's kernels share."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax.numpy as jnp
+from jax import lax
 
 LANES = 128  # the last dim of a TPU memory tile
 MIN_TRITON_DOT = 16  # Triton's dot needs every tile dim >= 16
@@ -39,3 +40,18 @@ def check_triton_config(config: Any, block_fields: Iterable[str],
     if (not isinstance(config.num_stages, int) or isinstance(config.num_stages, bool)
             or config.num_stages < 1):
         raise ValueError(f"config.num_stages must be a positive int, got {config.num_stages!r}")
+
+
+def require_floating(**dtypes: Any) -> None:
+    """Declines (NotImplementedError, so a sequence falls through to `xla`) unless every named
+    operand has a floating-point dtype: the kernels multiply floats only."""
+    for name, dtype in dtypes.items():
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise NotImplementedError(f"{name} has dtype {jnp.dtype(dtype).name}; the kernel "
+                                      "takes floating-point operands only")
+
+
+def int32_loop(num: Any, body: Callable[[Any, Any], Any], init: Any) -> Any:
+    """`lax.fori_loop` over range(num) with int32 bounds: under x64, Python-int bounds make the
+    loop index 64-bit, which Mosaic's verifier rejects and which costs registers on a GPU."""
+    return lax.fori_loop(jnp.int32(0), jnp.int32(num), body, init)

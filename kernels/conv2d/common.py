@@ -137,10 +137,3 @@ def flops_and_bytes(p: Problem) -> tuple[int, int]:
 def cost_estimate(p: Problem) -> pl.CostEstimate:
     flops, nbytes = flops_and_bytes(p)
     return pl.CostEstimate(flops=flops, transcendentals=0, bytes_accessed=nbytes)
-
-
-def check_floating(p: Problem) -> None:
-    for name, dtype in (("x", p.x_dtype), ("w", p.w_dtype)):
-        if not jnp.issubdtype(dtype, jnp.floating):
-            raise NotImplementedError(f"{name} has dtype {dtype.name}; the kernel convolves "
-                                      "floating-point operands only")

@@ -49,9 +49,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kernels._blocks import LANES, sublanes
+from kernels._blocks import LANES, require_floating, sublanes
 from kernels._pallas import mosaic_call, pl, pltpu
-from kernels.conv2d.common import Conv2dConfig, Problem, check_floating, cost_estimate
+from kernels.conv2d.common import Conv2dConfig, Problem, cost_estimate
 
 _MAX_CHANNEL_BLOCK = 512
 _TARGET_PIXELS = 512  # rows of the per-tap matmul a step aims for
@@ -118,7 +118,7 @@ def _vmem_bytes(p: Problem, layout: _Layout, block_n: int) -> int:
 def check(p: Problem, config: Conv2dConfig | None) -> None:
     """Declines float64, non-float operands and tiles that do not fit VMEM; rejects configs
     that break TPU tiling."""
-    check_floating(p)
+    require_floating(x=p.x_dtype, w=p.w_dtype)
     if jnp.float64 in (p.x_dtype, p.w_dtype, p.out_dtype):
         raise NotImplementedError("float64 is not supported on TPU")
     config = resolve_config(p, config)

@@ -46,9 +46,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kernels._blocks import check_triton_config, next_power_of_2
+from kernels._blocks import check_triton_config, int32_loop, next_power_of_2, require_floating
 from kernels._pallas import pl, triton_call, triton_load, triton_store
-from kernels.conv2d.common import Conv2dConfig, Problem, check_floating, cost_estimate
+from kernels.conv2d.common import Conv2dConfig, Problem, cost_estimate
 
 _MAX_OFFSET = 2**31 - 1
 
@@ -76,7 +76,7 @@ def resolve_config(p: Problem, config: Conv2dConfig | None) -> Conv2dConfig:
 
 def check(p: Problem, config: Conv2dConfig | None) -> None:
     """Declines non-float operands and int32-overflowing sizes; rejects bad configs."""
-    check_floating(p)
+    require_floating(x=p.x_dtype, w=p.w_dtype)
     sizes = {"x": p.n * p.h * p.w * p.c, "output": p.m * p.o, "w": p.k * p.o}
     for name, size in sizes.items():
         if size > _MAX_OFFSET:
@@ -165,7 +165,7 @@ def _conv_kernel(x_ref, w_ref, out_ref, *, p: Problem, config: Conv2dConfig, pre
                            cols_valid)
         return acc + _dot(patches, weights, p, precision)
 
-    acc = lax.fori_loop(jnp.int32(0), jnp.int32(pl.cdiv(p.k, block_k)), step,
+    acc = int32_loop(pl.cdiv(p.k, block_k), step,
                         jnp.zeros((block_m, block_n), p.accumulator_dtype))
     _store_2d(out_ref, acc, row_start, pixels[0], col_start, cols_valid)
 
@@ -187,7 +187,7 @@ def _depthwise_kernel(x_ref, w_ref, out_ref, *, p: Problem, config: Conv2dConfig
                               other=0)
         return acc + values.astype(acc.dtype) * weights.astype(acc.dtype)[None, :]
 
-    acc = lax.fori_loop(jnp.int32(0), jnp.int32(p.kh * p.kw), step,
+    acc = int32_loop(p.kh * p.kw, step,
                         jnp.zeros((block_m, block_n), p.accumulator_dtype))
     _store_2d(out_ref, acc, row_start, m_valid, col_start, cols_valid)
 
@@ -228,7 +228,7 @@ def _weight_grad_kernel(x_ref, dy_ref, dw_ref, *, p: Problem, config: Conv2dConf
         dy = _load_2d(dy_ref, m_block * block_m, pixels[0], col_start, cols_valid)
         return acc + _dot(patches, dy, p, precision, transpose_a=True)
 
-    acc = lax.fori_loop(jnp.int32(0), jnp.int32(pl.cdiv(p.m, block_m)), step,
+    acc = int32_loop(pl.cdiv(p.m, block_m), step,
                         jnp.zeros((block_k, block_n), p.accumulator_dtype))
     _store_2d(dw_ref, acc, k_start, _arange_valid(k_start, block_k, p.k), col_start,
               cols_valid)
@@ -249,7 +249,7 @@ def _depthwise_weight_grad_kernel(x_ref, dy_ref, dw_ref, *, p: Problem, config: 
         dy = _load_2d(dy_ref, m_block * block_m, m_valid, col_start, cols_valid)
         return acc + values.astype(acc.dtype) * dy.astype(acc.dtype)
 
-    acc = lax.fori_loop(jnp.int32(0), jnp.int32(pl.cdiv(p.m, block_m)), step,
+    acc = int32_loop(pl.cdiv(p.m, block_m), step,
                         jnp.zeros((block_m, block_n), p.accumulator_dtype))
     triton_store(dw_ref.at[tap, pl.ds(col_start, block_n)], acc.sum(axis=0).astype(dw_ref.dtype),
                  mask=cols_valid)

@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kernels._blocks import LANES, sublanes
+from kernels._blocks import LANES, int32_loop, sublanes
 from kernels._pallas import mosaic_call, pl, pltpu
 from kernels.gather.common import (GatherConfig, Problem, ScatterPlan, check_int, gather_cost,
                                    normalize_row, scatter_cost)
@@ -165,8 +165,8 @@ def _gather_kernel(indices_hbm, x_hbm, fill_hbm, out_hbm, indices_smem, sem, *, 
         return carry
 
     # int32 bounds: under x64 Python ints would make the TPU index arithmetic 64-bit.
-    lax.fori_loop(jnp.int32(0), jnp.int32(block_indices), start, 0)
-    lax.fori_loop(jnp.int32(0), jnp.int32(block_indices), wait, 0)
+    int32_loop(block_indices, start, 0)
+    int32_loop(block_indices, wait, 0)
 
 
 def gather(x: jax.Array, indices: jax.Array, p: Problem, *, config: GatherConfig | None,

@@ -121,11 +121,3 @@ def dot(a: jax.Array, b: jax.Array, p: Problem, precision) -> jax.Array:
     dims = (((0,) if p.transpose_a else (1,), (1,) if p.transpose_b else (0,)), ((), ()))
     return jax.lax.dot_general(a, b, dims, precision=precision,
                                preferred_element_type=p.accumulator_dtype)
-
-
-def check_floating(p: Problem) -> None:
-    """Kernels multiply floating-point operands only; integer products go to `xla`."""
-    for name, dtype in (("a", p.a_dtype), ("b", p.b_dtype)):
-        if not jnp.issubdtype(dtype, jnp.floating):
-            raise NotImplementedError(f"{name} has dtype {jnp.dtype(dtype).name}; the kernel "
-                                      "multiplies floating-point operands only")

@@ -36,9 +36,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kernels._blocks import LANES, sublanes
+from kernels._blocks import LANES, require_floating, sublanes
 from kernels._pallas import mosaic_call, pl, pltpu
-from kernels.matmul.common import (MatmulConfig, Problem, batch_index, check_floating,
+from kernels.matmul.common import (MatmulConfig, Problem, batch_index,
                                    cost_estimate, dot)
 
 _MAX_BLOCK = 512
@@ -73,7 +73,7 @@ def _block_shapes(p: Problem, config: MatmulConfig) -> list[tuple[int, int]]:
 
 def check(p: Problem, config: MatmulConfig | None) -> None:
     """Declines float64 and non-float operands; rejects blocks that break TPU tiling."""
-    check_floating(p)
+    require_floating(a=p.a_dtype, b=p.b_dtype)
     if jnp.float64 in (p.a_dtype, p.b_dtype, p.out_dtype):
         raise NotImplementedError("float64 is not supported on TPU")
     if p.is_empty:

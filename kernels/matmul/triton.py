@@ -31,11 +31,10 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
-from kernels._blocks import check_triton_config, next_power_of_2
+from kernels._blocks import check_triton_config, int32_loop, next_power_of_2, require_floating
 from kernels._pallas import pl, triton_call, triton_load, triton_store
-from kernels.matmul.common import (MatmulConfig, Problem, batch_index, check_floating,
+from kernels.matmul.common import (MatmulConfig, Problem, batch_index,
                                    cost_estimate, dot)
 
 
@@ -60,7 +59,7 @@ def resolve_config(p: Problem, config: MatmulConfig | None) -> MatmulConfig:
 
 def check(p: Problem, config: MatmulConfig | None) -> None:
     """Declines non-float operands; rejects a config that Triton cannot compile."""
-    check_floating(p)
+    require_floating(a=p.a_dtype, b=p.b_dtype)
     config = resolve_config(p, config)
     check_triton_config(config, ("block_m", "block_n", "block_k"))
     if not isinstance(config.group_m, int) or config.group_m < 1:
@@ -132,7 +131,7 @@ def _matmul_kernel(a_ref, b_ref, out_ref, *, p: Problem, config: MatmulConfig, p
                          precision)
 
     num_k_blocks = pl.cdiv(p.k, block_k)
-    acc = lax.fori_loop(jnp.int32(0), jnp.int32(num_k_blocks), step,
+    acc = int32_loop(num_k_blocks, step,
                         jnp.zeros((block_m, block_n), p.accumulator_dtype))
     triton_store(_tile(out_ref, batch, rows, cols), acc.astype(p.out_dtype),
                  mask=_tile_mask(rows, cols))

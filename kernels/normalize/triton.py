@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kernels._blocks import check_triton_config, is_power_of_2, next_power_of_2
+from kernels._blocks import check_triton_config, int32_loop, is_power_of_2, next_power_of_2
 from kernels._pallas import pl, triton_call, triton_load, triton_store
 from kernels.normalize import common
 from kernels.normalize.common import NormalizeConfig, Problem, unpack_refs
@@ -157,12 +157,6 @@ class _Tiles:
                            other=0).astype(dtype)
 
 
-def _loop(num: int, body, init):
-    """`fori_loop` over range(num) with int32 bounds (64-bit bounds under x64 break TPU-style
-    index arithmetic and cost registers on GPU)."""
-    return lax.fori_loop(jnp.int32(0), jnp.int32(num), body, init)
-
-
 def _forward_kernel(*refs, p: Problem, config: NormalizeConfig):
     x_ref, scale_ref, offset_ref, outputs = unpack_refs(refs, p.has_scale, p.has_offset)
     y_ref, mean_ref, rstd_ref = outputs
@@ -197,7 +191,7 @@ def _forward_kernel(*refs, p: Problem, config: NormalizeConfig):
             write(chunk, load(chunk), mean, rstd)
             return carry
 
-        _loop(num_chunks, write_chunk, 0)
+        int32_loop(num_chunks, write_chunk, 0)
     tiles.store_stats(mean_ref, outer, mean)
     tiles.store_stats(rstd_ref, outer, rstd)
 
@@ -275,7 +269,7 @@ def _backward_kernel(*refs, p: Problem, config: NormalizeConfig, partials: int):
             return common.RowSums(*(a + b for a, b in zip(sums, chunk_sums)))
 
         zeros = jnp.zeros(p.tile_shape(config.block_groups, 1), dtype)
-        sums = _loop(num_chunks, add_sums, common.RowSums(zeros, zeros))
+        sums = int32_loop(num_chunks, add_sums, common.RowSums(zeros, zeros))
 
         def write_chunk(chunk, carry):
             dscale, doffset = write(chunk, *load(chunk), sums)
@@ -287,7 +281,7 @@ def _backward_kernel(*refs, p: Problem, config: NormalizeConfig, partials: int):
                 triton_store(doffset_ref.at[partial_row, columns], doffset, mask=valid)
             return carry
 
-        _loop(num_chunks, write_chunk, 0)
+        int32_loop(num_chunks, write_chunk, 0)
         return accumulators
 
     zeros = jnp.zeros((config.block_reduced,), dtype)
@@ -296,7 +290,7 @@ def _backward_kernel(*refs, p: Problem, config: NormalizeConfig, partials: int):
             return block_gradient(program + i * partials, accumulators)
 
         # Blocks past the last are fully masked: they add 0 and write nothing.
-        dscale, doffset = _loop(pl.cdiv(num_blocks, partials), step, (zeros, zeros))
+        dscale, doffset = int32_loop(pl.cdiv(num_blocks, partials), step, (zeros, zeros))
         columns = pl.ds(jnp.int32(0), config.block_reduced)  # see _Tiles.chunk_start
         valid = jnp.arange(config.block_reduced, dtype=jnp.int32) < p.reduced
         if dscale_ref is not None:
