@@ -18,6 +18,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plt
 
+from kernels import _targets
+
 __all__ = [
     "pl",
     "pltpu",
@@ -133,19 +135,31 @@ def reset_tpu_interpret_state() -> None:
     pltpu.reset_tpu_interpret_mode_state()
 
 
-_ABSTRACT_DEVICES = {
-    "cuda": dict(device_kind="NVIDIA H100 80GB HBM3", num_cores=None, platform="gpu"),
-    "tpu": dict(device_kind="TPU v5 lite", num_cores=1, platform="tpu"),
-}
+_PLATFORMS = {"cuda": "gpu", "tpu": "tpu"}
 
 
 @contextlib.contextmanager
-def _abstract_device(platform: str) -> Iterator[None]:
-    """Puts an abstract `platform` device in scope (jax 0.11+ needs one to lower without it)."""
-    device = jax.sharding.AbstractDevice(**_ABSTRACT_DEVICES[platform])
-    mesh = jax.sharding.AbstractMesh((), (), abstract_device=device)
-    with jax.sharding.use_abstract_mesh(mesh):
+def on_target(target: _targets.Target) -> Iterator[None]:
+    """Puts `target`'s abstract device in scope: jax 0.11+ needs one to lower a kernel for a
+    device this machine does not have, and the kernels pick their blocks for it."""
+    mesh = jax.sharding.AbstractMesh((), (), abstract_device=_targets.abstract_device(target))
+    with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(mesh):
+        # jax 0.11+ warns that Triton lowering is deprecated in favour of Mosaic GPU; this
+        # library uses Triton on purpose, so the warning says nothing to its users.
+        warnings.simplefilter("ignore", DeprecationWarning)
         yield
+
+
+def lower(fn: Callable[..., Any], *args: Any, target: _targets.Target) -> Any:
+    """`jax.jit(fn)` lowered for `target` on any machine (`jax.stages.Lowered`).
+
+    Kernels must be called with `interpret=False` inside `fn`. For a TPU target, `args` must
+    carry a sharding on a device of that target's topology if the result is to be compiled.
+    """
+    with on_target(target):
+        traced = jax.jit(fn).trace(*args)
+        platform = "cuda" if target.platform == "gpu" else "tpu"
+        return traced.lower(lowering_platforms=(platform,))
 
 
 def lowered_text(fn: Callable[..., Any], *args: Any, platform: str) -> str:
@@ -155,11 +169,6 @@ def lowered_text(fn: Callable[..., Any], *args: Any, platform: str) -> str:
     which a Triton kernel appears as `TRITON_CALL_MARKER` and a Mosaic one as
     `MOSAIC_CALL_MARKER`.
     """
-    if platform not in _ABSTRACT_DEVICES:
+    if platform not in _PLATFORMS:
         raise ValueError(f"platform must be 'cuda' or 'tpu', got {platform!r}")
-    with warnings.catch_warnings(), _abstract_device(platform):
-        # jax 0.11+ warns that Triton lowering is deprecated in favour of Mosaic GPU; this
-        # library uses Triton on purpose, so the warning says nothing to its users.
-        warnings.simplefilter("ignore", DeprecationWarning)
-        traced = jax.jit(fn).trace(*args)
-        return traced.lower(lowering_platforms=(platform,)).as_text()
+    return lower(fn, *args, target=_targets.DEFAULT[_PLATFORMS[platform]]).as_text()

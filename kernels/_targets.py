@@ -1,0 +1,84 @@
+"""The hardware targets the kernels are built for, their resource budgets, and which one a call
+will run on.
+
+Block sizes are chosen from the target a call runs on (`current`): the device present, or the
+abstract device in scope while lowering or compiling for a target this machine does not have
+(`jax.sharding.use_abstract_mesh`), or, off any accelerator (interpret mode), the default
+target of the platform, so an interpreted kernel runs exactly the schedule it would run there.
+The figures are the vendors' and were checked against the real compilers (`kernels.compile`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+MIB = 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """One compile target.
+
+    GPU: `shared_memory` is the per-block opt-in limit of shared memory in bytes (Triton only
+    fails at kernel load when a kernel needs more, so the library checks it itself).
+    TPU: `vmem` is the physical VMEM of a core; `scoped_vmem` what a kernel may use unless it
+    passes `vmem_limit_bytes` (the compiler's default scoped limit).
+    """
+
+    name: str
+    platform: str  # "gpu" or "tpu"
+    device_kind: str
+    compute_capability: int | None = None
+    shared_memory: int | None = None
+    vmem: int | None = None
+    scoped_vmem: int | None = None
+    topology: tuple[tuple[str, str], ...] = ()  # keyword arguments of get_topology_desc
+    num_cores: int | None = None
+
+    @property
+    def vmem_budget(self) -> int:
+        """The most VMEM one kernel step may plan for: physical VMEM less an eighth left to
+        the compiler's own temporaries (values a kernel computes live in VMEM too)."""
+        return self.vmem - self.vmem // 8
+
+
+TARGETS = {
+    "sm_90": Target("sm_90", "gpu", "NVIDIA H100 80GB HBM3", compute_capability=90,
+                    shared_memory=232_448),
+    "sm_80": Target("sm_80", "gpu", "NVIDIA A100-SXM4-80GB", compute_capability=80,
+                    shared_memory=166_912),
+    "v5e": Target("v5e", "tpu", "TPU v5 lite", vmem=128 * MIB, scoped_vmem=16 * MIB,
+                  topology=(("topology_name", "v5e:1x1"),), num_cores=1),
+    "v6e": Target("v6e", "tpu", "TPU v6 lite", vmem=128 * MIB, scoped_vmem=32 * MIB,
+                  topology=(("topology_name", "v6e:1x1"),), num_cores=1),
+    "v4": Target("v4", "tpu", "TPU v4", vmem=16 * MIB, scoped_vmem=16 * MIB,
+                 topology=(("topology_name", "v4:1x1x1"), ("chip_config_name", "megacore")),
+                 num_cores=2),
+}
+DEFAULT = {"gpu": TARGETS["sm_90"], "tpu": TARGETS["v5e"]}
+_PLATFORMS = {"gpu": ("gpu", "cuda", "rocm"), "tpu": ("tpu",)}
+
+
+def _by_device_kind(platform: str, device_kind: str) -> Target:
+    for target in TARGETS.values():
+        if target.platform == platform and device_kind.startswith(target.device_kind[:11]):
+            return target
+    return DEFAULT[platform]
+
+
+def current(platform: str) -> Target:
+    """The target of `platform` ("gpu" or "tpu") that a call made now would run on."""
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    if device is not None and device.platform in _PLATFORMS[platform]:
+        return _by_device_kind(platform, device.device_kind)
+    for device in jax.devices():
+        if device.platform in _PLATFORMS[platform]:
+            return _by_device_kind(platform, device.device_kind)
+    return DEFAULT[platform]
+
+
+def abstract_device(target: Target) -> jax.sharding.AbstractDevice:
+    return jax.sharding.AbstractDevice(device_kind=target.device_kind,
+                                       num_cores=target.num_cores, platform=target.platform)
