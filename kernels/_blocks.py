@@ -51,6 +51,16 @@ def require_floating(**dtypes: Any) -> None:
                                       "takes floating-point operands only")
 
 
+def require_int32_offsets(**sizes: int) -> None:
+    """Declines arrays of 2**31 elements or more: Triton kernels address them with int32
+    offsets (Pallas widens pointers only past 2**32 bytes, so a 1-byte array of 2**31 to 2**32
+    elements would wrap)."""
+    for name, size in sizes.items():
+        if size >= 2**31:
+            raise NotImplementedError(f"{name} has {size} elements; the kernel's int32 offsets "
+                                      "cover fewer than 2**31")
+
+
 def int32_loop(num: Any, body: Callable[[Any, Any], Any], init: Any) -> Any:
     """`lax.fori_loop` over range(num) with int32 bounds: under x64, Python-int bounds make the
     loop index 64-bit, which Mosaic's verifier rejects and which costs registers on a GPU."""

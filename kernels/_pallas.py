@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plt
@@ -27,6 +28,7 @@ __all__ = [
     "triton_store",
     "triton_call",
     "mosaic_call",
+    "mosaic_precision",
     "lowered_text",
     "TRITON_CALL_MARKER",
     "MOSAIC_CALL_MARKER",
@@ -37,6 +39,18 @@ MOSAIC_CALL_MARKER = "tpu_custom_call"
 
 triton_load = plt.load
 triton_store = plt.store
+
+
+def mosaic_precision(precision: Any) -> Any:
+    """`precision` as Mosaic takes it: one precision for both operands, DEFAULT or HIGHEST.
+    HIGH (three bfloat16 passes on a TPU) and a pair naming anything above DEFAULT become
+    HIGHEST: more precise than asked, never less."""
+    if precision is None:
+        return None
+    pair = tuple(precision) if isinstance(precision, (tuple, list)) else (precision, precision)
+    canonical = {lax.Precision(p) for p in pair}
+    return (lax.Precision.DEFAULT if canonical == {lax.Precision.DEFAULT}
+            else lax.Precision.HIGHEST)
 
 
 def _tpu_interpret_params() -> pltpu.InterpretParams:

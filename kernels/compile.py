@@ -124,7 +124,8 @@ def pallas_calls(fn: Callable[..., Any], *args: Any, target: Target) -> list:
         jaxpr = jax.make_jaxpr(fn)(*args)
     calls, seen = [], set()
     for eqn in _find_pallas_calls(jaxpr.jaxpr, []):
-        key = (eqn.params["name"], _operands(eqn), eqn.params["grid_mapping"].grid)
+        key = (eqn.params["name"], _operands(eqn), eqn.params["grid_mapping"].grid,
+               str(eqn.params["jaxpr"]))
         if key not in seen:
             seen.add(key)
             calls.append(eqn)

@@ -48,24 +48,32 @@ def check_arguments(x: jax.Array, indices: jax.Array, axis: int, mode: str | Non
     return axis
 
 
-def bounded_indices(indices: jax.Array, n: int, mode: str | None) -> jax.Array:
+def bounded_indices(indices, n: int, mode: str | None):
     """int32 indices with the same outcome as `indices` under `mode`, for an axis of size n.
 
     "wrap": `indices mod n`, computed in the indices' own dtype when it is wider than int32 (the
     result is in [0, n)). Other modes: indices saturated to [-n - 1, n], which keeps every
     in-range index (negative ones included) and keeps every out-of-range one out of range on the
     same side, so clamping and filling give the same answer. Narrow dtypes are widened to int32
-    first, so no step overflows.
+    first, so no step overflows. A NumPy array is narrowed with NumPy (on the host).
     """
-    dtype = jnp.dtype(indices.dtype)
-    fits_int32 = dtype.itemsize < 4 or dtype == jnp.int32
+    xp = np if isinstance(indices, np.ndarray) else jnp
+    dtype = np.dtype(indices.dtype)
+    fits_int32 = dtype.itemsize < 4 or dtype == np.int32
     if fits_int32:
-        return indices.astype(jnp.int32)
+        return indices.astype(np.int32)
     if mode == "wrap":
-        return jnp.remainder(indices, jnp.asarray(max(n, 1), dtype)).astype(jnp.int32)
-    if jnp.issubdtype(dtype, jnp.unsignedinteger):
-        return jnp.minimum(indices, jnp.asarray(n, dtype)).astype(jnp.int32)
-    return jnp.clip(indices, jnp.asarray(-n - 1, dtype), jnp.asarray(n, dtype)).astype(jnp.int32)
+        return xp.remainder(indices, xp.asarray(max(n, 1), dtype)).astype(np.int32)
+    if np.issubdtype(dtype, np.unsignedinteger):
+        return xp.minimum(indices, xp.asarray(n, dtype)).astype(np.int32)
+    return xp.clip(indices, xp.asarray(-n - 1, dtype), xp.asarray(n, dtype)).astype(np.int32)
+
+
+def host_indices(indices):
+    """`indices` as an array, left on the host when it came from there: with 64-bit types
+    disabled, `jnp.asarray` would truncate 64-bit integers to 32 bits (2**32 + 3 becomes 3,
+    with only a warning), so host indices reach `bounded_indices` as NumPy arrays instead."""
+    return indices if isinstance(indices, jax.Array) else np.asarray(indices)
 
 
 def default_fill_value(dtype: jnp.dtype):
@@ -92,10 +100,10 @@ def gather(
     """`x.at[(slice(None),) * axis + (indices,)].get(mode=mode, fill_value=fill_value)`, or
     `jnp.take(x, indices, axis=axis, mode="wrap")` for mode="wrap", with NumPy's answer for
     every index value and index dtype."""
-    x, indices = jnp.asarray(x), jnp.asarray(indices)
+    x, indices = jnp.asarray(x), host_indices(indices)
     axis = check_arguments(x, indices, axis, mode)
     n = x.shape[axis]
-    safe = bounded_indices(indices, n, mode)
+    safe = jnp.asarray(bounded_indices(indices, n, mode))
     if safe.size == 0:
         return jnp.zeros(x.shape[:axis] + indices.shape + x.shape[axis + 1:], x.dtype)
     if mode == "wrap":

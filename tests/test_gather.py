@@ -427,7 +427,7 @@ def test_small_blocks_config(implementation):
     x = random((3, 40, 256), jnp.float32, seed=26)
     indices = jnp.asarray(np.random.default_rng(27).integers(-45, 45, 13), jnp.int32)
     configs = {"triton": GatherConfig(block_indices=4, block_columns=64, num_warps=2),
-               "mosaic": GatherConfig(block_indices=5, block_batch=2, block_rows=16,
+               "mosaic": GatherConfig(block_batch=2, block_rows=16,
                                       block_columns=128)}
     config = configs.get(implementation)
     check_gather(implementation, x, indices, axis=1, mode="fill", config=config)
@@ -443,6 +443,7 @@ def test_small_blocks_config(implementation):
     ("triton", GatherConfig(block_columns=0), "block_columns"),
     ("mosaic", GatherConfig(block_columns=100), "block_columns"),
     ("mosaic", GatherConfig(block_rows=5), "block_rows"),
+    ("mosaic", GatherConfig(block_indices=64), "block_indices"),
     ("mosaic", GatherConfig(block_batch=-1), "block_batch"),
 ])
 def test_invalid_config(kernel, config, field):

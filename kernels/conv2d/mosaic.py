@@ -50,7 +50,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from kernels._blocks import LANES, require_floating, sublanes
-from kernels._pallas import mosaic_call, pl, pltpu
+from kernels._pallas import mosaic_call, mosaic_precision, pl, pltpu
 from kernels.conv2d.common import Conv2dConfig, Problem, cost_estimate
 
 _MAX_CHANNEL_BLOCK = 512
@@ -265,7 +265,8 @@ def conv(x: jax.Array, w: jax.Array, p: Problem, *, config: Conv2dConfig | None,
         out_shape = (p.n, p.groups, layout.out_rows, layout.out_cols, p.og)
         out_spec = pl.BlockSpec((None, None, layout.block_rows, layout.out_cols, block_n),
                                 lambda n, g, j, r: (n, g, r, 0, j))
-        kernel = functools.partial(_conv_kernel, p=p, layout=layout, precision=precision)
+        kernel = functools.partial(_conv_kernel, p=p, layout=layout,
+                                   precision=mosaic_precision(precision))
     out = mosaic_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(out_shape, p.out_dtype),
@@ -380,7 +381,8 @@ def weight_grad(x: jax.Array, dy: jax.Array, p: Problem, *, precision, interpret
         scratch = (p.kh, p.kw, p.cg, block_n)
         out_spec = pl.BlockSpec((None, p.kh, p.kw, p.cg, block_n),
                                 lambda g, j, n, r: (g, 0, 0, 0, j))
-        kernel = functools.partial(_weight_grad_kernel, p=p, layout=layout, precision=precision)
+        kernel = functools.partial(_weight_grad_kernel, p=p, layout=layout,
+                                   precision=mosaic_precision(precision))
     dw = mosaic_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(out_shape, dtype),

@@ -46,12 +46,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kernels._blocks import check_triton_config, int32_loop, next_power_of_2, require_floating
+from kernels._blocks import (check_triton_config, int32_loop, next_power_of_2, require_floating,
+                             require_int32_offsets)
 from kernels._pallas import pl, triton_call, triton_load, triton_store
 from kernels.conv2d.common import Conv2dConfig, Problem, cost_estimate
-
-_MAX_OFFSET = 2**31 - 1
-
 
 def _fit(dim: int, cap: int) -> int:
     return min(cap, max(16, next_power_of_2(dim)))
@@ -77,11 +75,7 @@ def resolve_config(p: Problem, config: Conv2dConfig | None) -> Conv2dConfig:
 def check(p: Problem, config: Conv2dConfig | None) -> None:
     """Declines non-float operands and int32-overflowing sizes; rejects bad configs."""
     require_floating(x=p.x_dtype, w=p.w_dtype)
-    sizes = {"x": p.n * p.h * p.w * p.c, "output": p.m * p.o, "w": p.k * p.o}
-    for name, size in sizes.items():
-        if size > _MAX_OFFSET:
-            raise NotImplementedError(f"{name} has {size} elements; the kernel's int32 offsets "
-                                      "cover fewer than 2**31")
+    require_int32_offsets(x=p.n * p.h * p.w * p.c, output=p.m * p.o, w=p.k * p.o)
     config = resolve_config(p, config)
     check_triton_config(config, ("block_m", "block_n", "block_k"))
 

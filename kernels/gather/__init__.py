@@ -16,7 +16,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from reference.gather import bounded_indices, check_arguments, default_fill_value
+from reference.gather import (bounded_indices, check_arguments, default_fill_value,
+                              host_indices)
 from reference.gather import gather as reference_gather
 from kernels import _dispatch
 from kernels.gather import mosaic, triton
@@ -120,7 +121,7 @@ def gather(
     out-of-range indices in the backward). `implementation` and `interpret` choose the kernel as
     in DESIGN.md; `config` sets block sizes.
     """
-    x, indices = jnp.asarray(x), jnp.asarray(indices)
+    x, indices = jnp.asarray(x), host_indices(indices)
     axis = _validate(x, indices, axis, mode, config)
     out_shape = x.shape[:axis] + indices.shape + x.shape[axis + 1:]
     batch, n, columns = table_view(x.shape, axis)
@@ -140,7 +141,7 @@ def gather(
         return reference_gather(x, indices, axis=axis, mode=mode, fill_value=fill_value)
     if math.prod(out_shape) == 0:
         return jnp.zeros(out_shape, x.dtype)
-    flat_indices = bounded_indices(indices, n, mode).reshape(-1)
+    flat_indices = jnp.asarray(bounded_indices(indices, n, mode)).reshape(-1)
     static = _Static(name, interpret, config, problem, SCATTER_MODE[mode])
     table = x.astype(kernel_dtype).reshape(batch, n, columns)
     out = _jitted_gather(table, flat_indices, static)

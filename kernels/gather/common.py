@@ -42,7 +42,8 @@ TRANSPOSED_MODE = {"drop": "fill", "clip": "clip", "wrap": "wrap"}
 class GatherConfig:
     """Block sizes of the gather and scatter-add kernels; `None` fields are picked from shapes.
 
-    block_indices: indices one program (Triton) or grid step (Mosaic) gathers in the forward.
+    block_indices: Triton only; indices one program gathers in the forward (Mosaic stages
+      indices 128 at a time, one SMEM tile, and takes no other value).
     block_columns: table columns one program handles (Triton, forward and backward: a power of
       2) or one backward grid step accumulates (Mosaic: a multiple of 128 dividing the row
       length, or the whole row).

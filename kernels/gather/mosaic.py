@@ -1,40 +1,57 @@
 """Gather and its scatter-add gradient as Pallas kernels lowered through Mosaic (TPU).
 
-Both kernels work on the `(batch, n, columns)` view of the table (see common.py).
+Both kernels work on the `(batch, n, columns)` view of the table (see common.py), bit-cast in
+the wrapper to the signed integer of the table's width (a free view): the kernels copy bits,
+never arithmetic values, so NaN payloads and -0.0 survive.
 
-Forward block schedule: DMA row copies, HBM to HBM
---------------------------------------------------
-The table, the output and a small `fill` block stay in HBM (`memory_space=pl.ANY`); nothing
-passes through vector registers. grid = (cdiv(batch, block_batch), cdiv(m, block_indices)),
-both "parallel". Step (i, j) copies its block_indices int32 indices from HBM into SMEM, then
-for each index counts a negative one from the end, applies the mode with scalar arithmetic and
-starts one DMA of the (block_batch, 1, columns) slab `x[batch block, row, :]` (for an
-out-of-range index under "fill": of the `fill` block) to `out[batch block, position, :]`; then
-it waits for all of them. Rows are in [0, n) before any DMA starts, so no read leaves the table.
-The last batch and index blocks are shifted back to end at the array's edge instead of hanging
-over it (they recopy a few rows with identical values), so every DMA has the same static shape
-and stays inside both arrays. For axis=0 a slab is one table row (an embedding lookup); for the
-last axis it is a strided column of block_batch elements.
+What the TPU's memory layout allows (checked with the real compiler, `kernels.compile`): a
+32-bit table row is one contiguous run of each (8, 128) memory tile, so a DMA can move a single
+row at any offset. 16-bit and 8-bit tables pack 2 or 4 rows into each 32-bit word of a tile, so
+a DMA can only start at a multiple of the packed tile's rows (`_dma_rows`: 16 and 32), and a
+single row must then be picked out of the tile in registers. The two paths below follow.
 
-Memory traffic: each gathered row read once, each output element written once, the indices
-read once; block_indices DMAs are in flight per step.
+Indices are staged from HBM into SMEM `_INDEX_BLOCK` (128) at a time, at offsets that are
+multiples of 128 (1-D int32 arrays are tiled by 128 words); the wrapper pads the index vector to
+a multiple of 128 so every staging copy stays inside it, and no step uses a padded entry.
 
-Backward block schedule: deterministic scatter-add, one owner per table block
---------------------------------------------------------------------------------
+Forward, 32-bit tables: row DMAs, HBM to HBM
+---------------------------------------------
+The table, the output and a small `fill` block stay in HBM (`memory_space=pl.ANY`).
+grid = (cdiv(batch, block_batch), cdiv(m, 128)), both "parallel". Step (i, j) stages its 128
+indices, then for each of its (at most 128) positions counts a negative index from the end,
+applies the mode with scalar arithmetic and starts one DMA of the (block_batch, 1, columns) slab
+`x[batch block, row, :]` (for an out-of-range index under "fill": of the `fill` block) to
+`out[batch block, position, :]`; then waits for all of them: up to 128 DMAs in flight. The last
+batch block is shifted back to end at the array's edge (it recopies identical values), so
+every DMA has one static shape. Rows are in [0, n) before any DMA starts, so no read leaves the
+table. Traffic: each gathered row read once, each output element written once.
+
+Forward, 16-bit and 8-bit tables: tile DMAs into VMEM
+------------------------------------------------------
+grid = (batch, cdiv(m, 128)), both "parallel". Step (b, j) stages its 128 indices; for each,
+it DMAs the aligned (`_dma_rows`, columns) tile group that holds the row into VMEM, selects the
+row in registers (a masked sum over the group's rows in int32: exact) or the fill value, and
+writes it into row j of a (128, columns) int32 VMEM scratch. The scratch is narrowed into the
+(128, columns) output block, which the BlockSpec pipeline writes back (rows past m dropped).
+Traffic: `_dma_rows` rows read per index (16x for 16-bit tables, 32x for 8-bit: the price of
+the packed layout; XLA's own gather pays it too), each output element written once.
+
+Backward: deterministic scatter-add, one owner per table block
+--------------------------------------------------------------
 The wrapper sorts the index vector with XLA (`common.scatter_plan`); the boundaries of the
 segments of table-row blocks are scalar-prefetched into SMEM. grid = (batch, cdiv(n,
 block_rows), columns // block_columns), all "parallel": step (b, r, c) owns the
 (block_rows, block_columns) block of the table gradient, accumulated in a float32 VMEM scratch
-zeroed at the start. It walks the sorted indices that land in its rows, copying their positions
-and targets from HBM into SMEM 128 at a time (the chunk is shifted back at the end of the
-arrays so the copy stays inside), and for each one DMAs the cotangent row `g[b, position,
-column block]` into VMEM and adds it into accumulator row `target - first row`. Finally the
-block is cast and written once by the BlockSpec pipeline. Rows past n in a ragged last block
-are never targeted and their writes are dropped. No atomics: one owner per output block and a
-fixed summation order, so every run gives the same bits.
+zeroed at the start. It walks the sorted indices that land in its rows, staging their positions
+and targets into SMEM 128 at a time from aligned offsets, and for each one DMAs the cotangent's
+tile group holding row `g[b, position, column block]` into VMEM (one row for 32-bit cotangents,
+`_dma_rows` for narrower ones), selects the row and adds it into accumulator row
+`target - first row`. Finally the block is cast and written once by the BlockSpec pipeline. Rows
+past n in a ragged last block are never targeted and their writes are dropped. No atomics: one
+owner per output block and a fixed summation order, so every run gives the same bits.
 
-Memory traffic: the cotangent read once, the table gradient written once; one DMA (one row of
-block_columns) per index, waited for before the add.
+Memory traffic: the cotangent read once (times `_dma_rows` for 16-bit cotangents), the table
+gradient written once; one synchronous DMA per index.
 """
 
 from __future__ import annotations
@@ -44,6 +61,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from kernels._blocks import LANES, int32_loop, sublanes
@@ -51,11 +69,16 @@ from kernels._pallas import mosaic_call, pl, pltpu
 from kernels.gather.common import (GatherConfig, Problem, ScatterPlan, check_int, gather_cost,
                                    normalize_row, scatter_cost)
 
-_DEFAULT_BLOCK_INDICES = 64
 _SLAB_BYTES = 1 << 20        # target bytes of one forward DMA when the batch is split
 _MAX_BLOCK_COLUMNS = 1024
 _ACCUMULATOR_BYTES = 2 << 20  # float32 accumulator per backward step
-_INDEX_CHUNK = 128
+_INDEX_BLOCK = 128            # indices staged into SMEM at once (1-D int32 tile: 128 words)
+_BITS = {1: jnp.int8, 2: jnp.int16, 4: jnp.int32}
+
+
+def _dma_rows(dtype) -> int:
+    """Rows one DMA must move together: 1 for 32-bit data, the packed tile's rows below."""
+    return 1 if jnp.dtype(dtype).itemsize == 4 else sublanes(dtype)
 
 
 def _default_block_columns(columns: int) -> int:
@@ -74,7 +97,7 @@ def resolve_config(p: Problem, config: GatherConfig | None) -> GatherConfig:
         p.n if p.n <= rows_that_fit else max(tile, rows_that_fit // tile * tile))
     return dataclasses.replace(
         config,
-        block_indices=config.block_indices or _DEFAULT_BLOCK_INDICES,
+        block_indices=config.block_indices or _INDEX_BLOCK,
         block_batch=config.block_batch or max(1, _SLAB_BYTES // slab_bytes),
         block_columns=block_columns, block_rows=block_rows)
 
@@ -89,6 +112,9 @@ def check(p: Problem, config: GatherConfig | None) -> None:
     for field in ("block_indices", "block_columns", "block_batch", "block_rows"):
         check_int(config or GatherConfig(), field)
     config = resolve_config(p, config)
+    if config.block_indices != _INDEX_BLOCK:
+        raise ValueError(f"config.block_indices={config.block_indices} must be {_INDEX_BLOCK} "
+                         "for mosaic: indices are staged into SMEM one 128-word tile at a time")
     if p.columns % config.block_columns:
         raise ValueError(f"config.block_columns={config.block_columns} must divide the row "
                          f"length {p.columns} for mosaic")
@@ -126,20 +152,63 @@ def _mapped_under_vmap(fn):
     return wrapped
 
 
-def _shifted_start(block: jax.Array, size: int, total: int) -> jax.Array:
-    """Start of block `block` of `size`, moved back so the block ends inside [0, total)."""
-    return jnp.minimum(block * size, total - size)
+def _padded_to_blocks(vector: jax.Array) -> jax.Array:
+    """`vector` padded to a multiple of the SMEM staging block, so staging copies from aligned
+    offsets stay inside it (the padding is never used)."""
+    padding = -vector.shape[0] % _INDEX_BLOCK
+    return jnp.pad(vector, (0, padding)) if padding else vector
 
 
-def _gather_kernel(indices_hbm, x_hbm, fill_hbm, out_hbm, indices_smem, sem, *, p: Problem,
-                   block_batch: int, block_indices: int):
-    first_batch = _shifted_start(pl.program_id(0), block_batch, p.batch)
-    first_index = _shifted_start(pl.program_id(1), block_indices, p.num_indices)
-    pltpu.sync_copy(indices_hbm.at[pl.ds(first_index, block_indices)], indices_smem)
+def _stage(hbm, block: jax.Array, smem) -> None:
+    """Copies the 128-entry block `block` of an int32 vector in HBM into SMEM."""
+    pltpu.sync_copy(hbm.at[pl.ds(pl.multiple_of(block * _INDEX_BLOCK, _INDEX_BLOCK),
+                                 _INDEX_BLOCK)], smem)
+
+
+def _pick_row(group: jax.Array, offset: jax.Array, dtype) -> jax.Array:
+    """Row `offset` of a (rows, columns) tile group, as a (1, columns) array of `dtype`:
+    a masked sum (exact: every other row contributes a zero)."""
+    rows = lax.broadcasted_iota(jnp.int32, group.shape, 0)
+    values = group.astype(dtype)
+    return jnp.sum(jnp.where(rows == offset, values, jnp.zeros_like(values)), axis=0,
+                   keepdims=True)
+
+
+def _fetch_row(hbm, row: jax.Array, n: int, vmem) -> jax.Array:
+    """DMAs the aligned group of `vmem.shape[0]` rows of the (n, columns) HBM ref `hbm` that
+    holds `row` into `vmem`; returns the row's offset in it. A group cut by the table's end
+    copies only the rows that exist (a second, static DMA shape), so no read leaves the table."""
+    rows = vmem.shape[0]
+    if rows == 1:
+        pltpu.sync_copy(hbm.at[pl.ds(row, 1)], vmem)
+        return jnp.int32(0)
+    start = pl.multiple_of(row // rows * rows, rows)
+    whole, tail = n // rows * rows, n % rows
+    if whole:
+        @pl.when(start < whole)
+        def _():
+            pltpu.sync_copy(hbm.at[pl.ds(start, rows)], vmem)
+    if tail:
+        @pl.when(start >= whole)
+        def _():
+            pltpu.sync_copy(hbm.at[pl.ds(whole, tail)], vmem.at[pl.ds(0, tail)])
+    return row - start
+
+
+def _valid_positions(block: jax.Array, p: Problem) -> jax.Array:
+    return jnp.minimum(_INDEX_BLOCK, p.num_indices - block * _INDEX_BLOCK)
+
+
+def _slab_gather_kernel(indices_hbm, x_hbm, fill_hbm, out_hbm, indices_smem, sem, *,
+                        p: Problem, block_batch: int):
+    first_batch = jnp.minimum(pl.program_id(0) * block_batch, p.batch - block_batch)
+    block = pl.program_id(1)
+    _stage(indices_hbm, block, indices_smem)
     batches = pl.ds(first_batch, block_batch)
+    count = _valid_positions(block, p)
 
     def destination(j):
-        return out_hbm.at[batches, pl.ds(first_index + j, 1), :]
+        return out_hbm.at[batches, pl.ds(block * _INDEX_BLOCK + j, 1), :]
 
     def start(j, carry):
         row, in_range = normalize_row(indices_smem[j], p.n, p.mode)
@@ -164,65 +233,97 @@ def _gather_kernel(indices_hbm, x_hbm, fill_hbm, out_hbm, indices_smem, sem, *, 
         pltpu.make_async_copy(fill_hbm, destination(j), sem).wait()
         return carry
 
-    # int32 bounds: under x64 Python ints would make the TPU index arithmetic 64-bit.
-    int32_loop(block_indices, start, 0)
-    int32_loop(block_indices, wait, 0)
+    lax.fori_loop(jnp.int32(0), count, start, 0)
+    lax.fori_loop(jnp.int32(0), count, wait, 0)
+
+
+def _tile_gather_kernel(indices_hbm, x_hbm, out_ref, indices_smem, group_vmem, rows_vmem, *,
+                        p: Problem):
+    batch, block = pl.program_id(0), pl.program_id(1)
+    _stage(indices_hbm, block, indices_smem)
+    fill = int(np.asarray(p.fill_value).view(_BITS[p.itemsize]))
+
+    def gather_one(j, carry):
+        row, in_range = normalize_row(indices_smem[j], p.n, p.mode)
+        offset = _fetch_row(x_hbm.at[batch], row, p.n, group_vmem)
+        value = _pick_row(group_vmem[...], offset, jnp.int32)
+        if p.mode == "fill":
+            value = jnp.where(in_range, value, fill)
+        rows_vmem[pl.ds(j, 1), :] = value
+        return carry
+
+    lax.fori_loop(jnp.int32(0), _valid_positions(block, p), gather_one, 0)
+    out_ref[...] = rows_vmem[...].astype(out_ref.dtype)
 
 
 def gather(x: jax.Array, indices: jax.Array, p: Problem, *, config: GatherConfig | None,
            interpret: bool) -> jax.Array:
     """`x` viewed (batch, n, columns), int32 `indices` (m,) -> (batch, m, columns)."""
     config = resolve_config(p, config)
-    block_batch = min(config.block_batch, p.batch)
-    block_indices = min(config.block_indices, p.num_indices)
-    fill = jnp.full((block_batch, 1, p.columns), p.fill_value, x.dtype)
+    bits = x.dtype if x.dtype == _BITS[p.itemsize] else _BITS[p.itemsize]
+    table = lax.bitcast_convert_type(x, bits)
+    num_blocks = pl.cdiv(p.num_indices, _INDEX_BLOCK)
     hbm = pl.BlockSpec(memory_space=pl.ANY)
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=0,
-        grid=(pl.cdiv(p.batch, block_batch), pl.cdiv(p.num_indices, block_indices)),
-        in_specs=[hbm, hbm, hbm],
-        out_specs=hbm,
-        scratch_shapes=[pltpu.SMEM((block_indices,), jnp.int32), pltpu.SemaphoreType.DMA(())],
-    )
-    kernel = functools.partial(_gather_kernel, p=p, block_batch=block_batch,
-                               block_indices=block_indices)
+    out_shape = jax.ShapeDtypeStruct((p.batch, p.num_indices, p.columns), bits)
+    if _dma_rows(p.dtype) == 1:
+        block_batch = min(config.block_batch, p.batch)
+        fill = jnp.full((block_batch, 1, p.columns), p.fill_value, x.dtype)
+        grid_spec = pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=0, grid=(pl.cdiv(p.batch, block_batch), num_blocks),
+            in_specs=[hbm, hbm, hbm], out_specs=hbm,
+            scratch_shapes=[pltpu.SMEM((_INDEX_BLOCK,), jnp.int32),
+                            pltpu.SemaphoreType.DMA(())])
+        kernel = functools.partial(_slab_gather_kernel, p=p, block_batch=block_batch)
+        operands = (lax.bitcast_convert_type(fill, bits),)
+    else:
+        grid_spec = pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=0, grid=(p.batch, num_blocks), in_specs=[hbm, hbm],
+            out_specs=pl.BlockSpec((None, _INDEX_BLOCK, p.columns), lambda b, j: (b, j, 0)),
+            scratch_shapes=[pltpu.SMEM((_INDEX_BLOCK,), jnp.int32),
+                            pltpu.VMEM((_dma_rows(p.dtype), p.columns), bits),
+                            pltpu.VMEM((_INDEX_BLOCK, p.columns), jnp.int32)])
+        kernel = functools.partial(_tile_gather_kernel, p=p)
+        operands = ()
     call = mosaic_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((p.batch, p.num_indices, p.columns), x.dtype),
+        out_shape=out_shape,
         grid_spec=grid_spec,
         dimension_semantics=("parallel", "parallel"),
         interpret=interpret,
         cost_estimate=gather_cost(p),
         name="gather_mosaic",
     )
-    return _mapped_under_vmap(call)(indices, x, fill)
+    out = _mapped_under_vmap(call)(_padded_to_blocks(indices), table, *operands)
+    return lax.bitcast_convert_type(out, x.dtype)
 
 
 def _scatter_add_kernel(block_starts_smem, order_hbm, targets_hbm, g_hbm, out_ref, acc_ref,
-                        g_row_vmem, order_smem, targets_smem, *, p: Problem,
-                        block_rows: int, block_columns: int, chunk: int):
+                        group_vmem, order_smem, targets_smem, *, p: Problem,
+                        block_rows: int, block_columns: int):
     batch, row_block = pl.program_id(0), pl.program_id(1)
-    columns = pl.ds(pl.program_id(2) * block_columns, block_columns)
+    columns = (slice(None) if block_columns == p.columns else
+               pl.ds(pl.multiple_of(pl.program_id(2) * block_columns, LANES), block_columns))
     first_row = row_block * block_rows
     start, stop = block_starts_smem[row_block], block_starts_smem[row_block + 1]
     acc_ref[...] = jnp.zeros_like(acc_ref)
 
     def add(j, carry):
         source, target = order_smem[j], targets_smem[j]
-        pltpu.sync_copy(g_hbm.at[batch, pl.ds(source, 1), columns], g_row_vmem)
+        offset = _fetch_row(g_hbm.at[batch, :, columns], source, p.num_indices, group_vmem)
         local = pl.ds(target - first_row, 1)
-        acc_ref[local, :] = acc_ref[local, :] + g_row_vmem[...].astype(jnp.float32)
+        acc_ref[local, :] = acc_ref[local, :] + _pick_row(group_vmem[...], offset, jnp.float32)
         return carry
 
-    def add_chunk(k, carry):
-        chunk_start = start + k * chunk
-        loaded = jnp.minimum(chunk_start, p.num_indices - chunk)  # stay inside the arrays
-        pltpu.sync_copy(order_hbm.at[pl.ds(loaded, chunk)], order_smem)
-        pltpu.sync_copy(targets_hbm.at[pl.ds(loaded, chunk)], targets_smem)
-        lax.fori_loop(chunk_start - loaded, jnp.minimum(stop - loaded, chunk), add, 0)
+    def add_block(block, carry):
+        _stage(order_hbm, block, order_smem)
+        _stage(targets_hbm, block, targets_smem)
+        first = block * _INDEX_BLOCK
+        lax.fori_loop(jnp.maximum(start - first, 0), jnp.minimum(stop - first, _INDEX_BLOCK),
+                      add, 0)
         return carry
 
-    lax.fori_loop(jnp.int32(0), pl.cdiv(stop - start, jnp.int32(chunk)), add_chunk, 0)
+    # The aligned 128-index blocks that overlap [start, stop).
+    lax.fori_loop(start // _INDEX_BLOCK, pl.cdiv(stop, jnp.int32(_INDEX_BLOCK)), add_block, 0)
     out_ref[...] = acc_ref[...].astype(out_ref.dtype)
 
 
@@ -234,7 +335,6 @@ def scatter_add(g: jax.Array, plan: ScatterPlan, p: Problem, *, config: GatherCo
     num_row_blocks = pl.cdiv(p.n, block_rows)
     bounds = jnp.minimum(jnp.arange(num_row_blocks + 1, dtype=jnp.int32) * block_rows, p.n)
     block_starts = plan.row_starts[bounds]
-    chunk = min(_INDEX_CHUNK, p.num_indices)
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=1,
@@ -243,11 +343,12 @@ def scatter_add(g: jax.Array, plan: ScatterPlan, p: Problem, *, config: GatherCo
         out_specs=pl.BlockSpec((None, block_rows, block_columns),
                                lambda b, r, c, starts: (b, r, c)),
         scratch_shapes=[pltpu.VMEM((block_rows, block_columns), jnp.float32),
-                        pltpu.VMEM((1, block_columns), g.dtype),
-                        pltpu.SMEM((chunk,), jnp.int32), pltpu.SMEM((chunk,), jnp.int32)],
+                        pltpu.VMEM((_dma_rows(g.dtype), block_columns), g.dtype),
+                        pltpu.SMEM((_INDEX_BLOCK,), jnp.int32),
+                        pltpu.SMEM((_INDEX_BLOCK,), jnp.int32)],
     )
     kernel = functools.partial(_scatter_add_kernel, p=p, block_rows=block_rows,
-                               block_columns=block_columns, chunk=chunk)
+                               block_columns=block_columns)
     call = mosaic_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((p.batch, p.n, p.columns), g.dtype),
@@ -257,4 +358,5 @@ def scatter_add(g: jax.Array, plan: ScatterPlan, p: Problem, *, config: GatherCo
         cost_estimate=scatter_cost(p),
         name="scatter_add_mosaic",
     )
-    return _mapped_under_vmap(call)(block_starts, plan.order, plan.targets, g)
+    return _mapped_under_vmap(call)(block_starts, _padded_to_blocks(plan.order),
+                                    _padded_to_blocks(plan.targets), g)

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kernels._blocks import check_triton_config, next_power_of_2
+from kernels._blocks import check_triton_config, next_power_of_2, require_int32_offsets
 from kernels._pallas import pl, triton_call, triton_load, triton_store
 from kernels.gather.common import (GatherConfig, Problem, ScatterPlan, accumulator_dtype,
                                    check_int, gather_cost, normalize_row, scatter_cost)
@@ -64,7 +64,9 @@ def resolve_config(p: Problem, config: GatherConfig | None) -> GatherConfig:
 
 
 def check(p: Problem, config: GatherConfig | None) -> None:
-    """Takes every dtype; rejects a config that Triton cannot compile."""
+    """Takes every dtype; declines tables and outputs past int32 offsets; rejects a config
+    that Triton cannot compile."""
+    require_int32_offsets(x=p.batch * p.n * p.columns, output=p.batch * p.num_indices * p.columns)
     for field in ("block_indices", "block_columns", "num_warps", "num_stages"):
         check_int(config or GatherConfig(), field)
     # No dot here, so blocks of any power of 2 (1 included: a last-axis gather's rows).

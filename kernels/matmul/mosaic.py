@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from kernels._blocks import LANES, require_floating, sublanes
-from kernels._pallas import mosaic_call, pl, pltpu
+from kernels._pallas import mosaic_call, mosaic_precision, pl, pltpu
 from kernels.matmul.common import (MatmulConfig, Problem, batch_index,
                                    cost_estimate, dot)
 
@@ -138,7 +138,8 @@ def matmul(a: jax.Array, b: jax.Array, p: Problem, *, config: MatmulConfig | Non
         out_specs=pl.BlockSpec((None, *out_block), lambda i, r, c, k: (i, r, c)),
         scratch_shapes=[pltpu.VMEM(out_block, jnp.float32)],
     )
-    kernel = functools.partial(_matmul_kernel, p=p, block_k=config.block_k, precision=precision)
+    kernel = functools.partial(_matmul_kernel, p=p, block_k=config.block_k,
+                               precision=mosaic_precision(precision))
     out = mosaic_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((p.num_batches, p.m, p.n), p.out_dtype),
