@@ -8,6 +8,8 @@ from typing import Any
 import jax.numpy as jnp
 from jax import lax
 
+from kernels import _targets
+
 LANES = 128  # the last dim of a TPU memory tile
 MIN_TRITON_DOT = 16  # Triton's dot needs every tile dim >= 16
 
@@ -40,6 +42,25 @@ def check_triton_config(config: Any, block_fields: Iterable[str],
     if (not isinstance(config.num_stages, int) or isinstance(config.num_stages, bool)
             or config.num_stages < 1):
         raise ValueError(f"config.num_stages must be a positive int, got {config.num_stages!r}")
+
+
+def triton_dot_shared_bytes(block_m: int, block_n: int, block_k: int, itemsize: int,
+                            num_stages: int) -> int:
+    """Shared memory a Triton dot loop needs: `num_stages` pipelined (block_m, block_k) and
+    (block_k, block_n) operand tiles (what Triton 3.x allocates on sm_90; sm_80 one stage
+    fewer, checked against the compiler's figures by `kernels.compile`)."""
+    return num_stages * (block_m * block_k + block_k * block_n) * itemsize
+
+
+def require_shared_memory(needed: int) -> None:
+    """Declines (NotImplementedError, so a default sequence falls through to `xla`) blocks
+    whose shared memory exceeds the per-block limit of the GPU the call runs on: Triton itself
+    would only fail when the driver loads the kernel."""
+    target = _targets.current("gpu")
+    if needed > target.shared_memory:
+        raise NotImplementedError(
+            f"the blocks need {needed} bytes of shared memory, over {target.name}'s per-block "
+            f"limit of {target.shared_memory}")
 
 
 def require_floating(**dtypes: Any) -> None:

@@ -29,6 +29,7 @@ __all__ = [
     "triton_call",
     "mosaic_call",
     "mosaic_precision",
+    "vmem_limit",
     "lowered_text",
     "TRITON_CALL_MARKER",
     "MOSAIC_CALL_MARKER",
@@ -51,6 +52,16 @@ def mosaic_precision(precision: Any) -> Any:
     canonical = {lax.Precision(p) for p in pair}
     return (lax.Precision.DEFAULT if canonical == {lax.Precision.DEFAULT}
             else lax.Precision.HIGHEST)
+
+
+def vmem_limit(needed: int) -> int | None:
+    """`vmem_limit_bytes` for a Mosaic kernel that plans `needed` bytes of VMEM a step: None
+    (the compiler's default scope) when it fits, else the need plus a quarter for the
+    compiler's temporaries, within the physical VMEM of the target the call runs on."""
+    target = _targets.current("tpu")
+    if needed <= target.scoped_vmem:
+        return None
+    return min(target.vmem, needed + needed // 4)
 
 
 def _tpu_interpret_params() -> pltpu.InterpretParams:

@@ -209,7 +209,10 @@ def _input_spec(p: Problem, layout: _Layout, channels: int, index):
     def index_map(*grid):
         n, group, row_block, channel_block = index(*grid)
         if p.depthwise:
-            return (n, 0, row_block * layout.block_rows, 0, channel_block * channels)
+            # A literal 0 when one block holds every channel: Mosaic must prove a lane offset
+            # is a multiple of 128, and cannot from `channel_block * channels` when C < 128.
+            first_channel = 0 if channels == p.c else channel_block * channels
+            return (n, 0, row_block * layout.block_rows, 0, first_channel)
         return (n, group, 0, row_block * layout.block_rows, 0, 0)
 
     if p.depthwise:

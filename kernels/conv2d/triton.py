@@ -47,7 +47,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from kernels._blocks import (check_triton_config, int32_loop, next_power_of_2, require_floating,
-                             require_int32_offsets)
+                             require_int32_offsets, require_shared_memory,
+                             triton_dot_shared_bytes)
 from kernels._pallas import pl, triton_call, triton_load, triton_store
 from kernels.conv2d.common import Conv2dConfig, Problem, cost_estimate
 
@@ -67,7 +68,9 @@ def resolve_config(p: Problem, config: Conv2dConfig | None) -> Conv2dConfig:
     block_m = pick(config.block_m, _fit(p.m, max_mn))
     block_n = pick(config.block_n, _fit(p.o if p.depthwise else p.og, max_mn))
     block_k = pick(config.block_k, _fit(p.k, max_k))
-    num_warps = pick(config.num_warps, 8 if block_m * block_n >= 128 * 128 else 4)
+    # The patch gather computes an offset per (pixel, k) element: 128-pixel tiles need 8 warps
+    # to hold it without spilling (4 warps spill on sm_80 and sm_90).
+    num_warps = pick(config.num_warps, 8 if block_m >= 128 or block_n >= 128 else 4)
     return Conv2dConfig(block_m, block_n, block_k, config.block_rows, num_warps,
                         pick(config.num_stages, 3))
 
@@ -78,6 +81,10 @@ def check(p: Problem, config: Conv2dConfig | None) -> None:
     require_int32_offsets(x=p.n * p.h * p.w * p.c, output=p.m * p.o, w=p.k * p.o)
     config = resolve_config(p, config)
     check_triton_config(config, ("block_m", "block_n", "block_k"))
+    if not p.depthwise:
+        require_shared_memory(triton_dot_shared_bytes(
+            config.block_m, config.block_n, config.block_k,
+            max(p.x_dtype.itemsize, p.w_dtype.itemsize), config.num_stages))
 
 
 def _source(p: Problem, out_pos, tap, axis: int):
@@ -249,15 +256,23 @@ def _depthwise_weight_grad_kernel(x_ref, dy_ref, dw_ref, *, p: Problem, config: 
                  mask=cols_valid)
 
 
+def weight_grad_config(p: Problem) -> Conv2dConfig:
+    """Blocks of the weight gradient: a (block_k, block_n) dW tile of up to 128x128 held in
+    registers by 8 warps, and a pixel slice per reduction step sized so that the pipelined
+    patch and output-gradient tiles (num_stages of each) stay near 96 KiB of shared memory,
+    inside both A100's and H100's limits: 64 pixels of 16-bit data, 32 of 32-bit, 16 of
+    64-bit."""
+    itemsize = p.compute_dtype.itemsize
+    block_n = resolve_config(p, None).block_n
+    block_k = _fit(p.k, 64 if itemsize >= 8 else 128)
+    block_m = _fit(p.m, {2: 64, 4: 32, 8: 16}.get(itemsize, 64))
+    return Conv2dConfig(block_m, block_n, block_k, None, 8, 3)
+
+
 def weight_grad(x: jax.Array, dy: jax.Array, p: Problem, *, precision, interpret: bool,
                 dtype: jnp.dtype) -> jax.Array:
     """dW (KH, KW, C/G, O) in `dtype` of problem `p` from its input and output gradient."""
-    config = resolve_config(p, None)
-    wide = p.compute_dtype.itemsize >= 8
-    # The reduction now runs over pixels: a long slice per step; the dW tile's rows are K.
-    config = Conv2dConfig(_fit(p.m, 64 if wide else 128), config.block_n,
-                          _fit(p.k, 64 if wide else 128), None, config.num_warps,
-                          config.num_stages)
+    config = weight_grad_config(p)
     if p.depthwise:
         kernel = functools.partial(_depthwise_weight_grad_kernel, p=p, config=config)
         grid = (p.kh * p.kw, pl.cdiv(p.o, config.block_n))

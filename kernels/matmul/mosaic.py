@@ -36,8 +36,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kernels import _targets
 from kernels._blocks import LANES, require_floating, sublanes
-from kernels._pallas import mosaic_call, mosaic_precision, pl, pltpu
+from kernels._pallas import mosaic_call, mosaic_precision, pl, pltpu, vmem_limit
 from kernels.matmul.common import (MatmulConfig, Problem, batch_index,
                                    cost_estimate, dot)
 
@@ -72,7 +73,8 @@ def _block_shapes(p: Problem, config: MatmulConfig) -> list[tuple[int, int]]:
 
 
 def check(p: Problem, config: MatmulConfig | None) -> None:
-    """Declines float64 and non-float operands; rejects blocks that break TPU tiling."""
+    """Declines float64, non-float operands and blocks over the TPU's VMEM; rejects blocks
+    that break TPU tiling."""
     require_floating(a=p.a_dtype, b=p.b_dtype)
     if jnp.float64 in (p.a_dtype, p.b_dtype, p.out_dtype):
         raise NotImplementedError("float64 is not supported on TPU")
@@ -87,6 +89,21 @@ def check(p: Problem, config: MatmulConfig | None) -> None:
                     f"config.{field}={size!r} breaks TPU tiling for mosaic: this block dim of a "
                     f"{jnp.dtype(dtype).name} array must be a multiple of {multiple} or equal "
                     f"the array dim {dim}")
+    needed, target = vmem_bytes(p, config), _targets.current("tpu")
+    if needed > target.vmem_budget:
+        raise NotImplementedError(
+            f"blocks of {config.block_m}x{config.block_n}x{config.block_k} need about {needed} "
+            f"bytes of VMEM a step, over {target.name}'s budget of {target.vmem_budget}")
+
+
+def vmem_bytes(p: Problem, config: MatmulConfig) -> int:
+    """VMEM of one step: A, B and output blocks double-buffered, the float32 accumulator, and
+    the float32 product of the step's dot before it is added."""
+    a_block, b_block, out_block = _block_shapes(p, config)
+    blocks = (math.prod(a_block) * jnp.dtype(p.a_dtype).itemsize
+              + math.prod(b_block) * jnp.dtype(p.b_dtype).itemsize
+              + math.prod(out_block) * jnp.dtype(p.out_dtype).itemsize)
+    return 2 * blocks + 2 * 4 * math.prod(out_block)
 
 
 def _zero_past_k(x: jax.Array, k_axis: int, p: Problem, block_k: int) -> jax.Array:
@@ -147,6 +164,7 @@ def matmul(a: jax.Array, b: jax.Array, p: Problem, *, config: MatmulConfig | Non
         dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
         interpret=interpret,
         cost_estimate=cost_estimate(p),
+        vmem_limit_bytes=vmem_limit(vmem_bytes(p, config)),
         name="matmul_mosaic",
     )(a.reshape(math.prod(p.a_batch), *a.shape[-2:]),
       b.reshape(math.prod(p.b_batch), *b.shape[-2:]))

@@ -32,7 +32,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from kernels._blocks import check_triton_config, int32_loop, next_power_of_2, require_floating
+from kernels._blocks import (check_triton_config, int32_loop, next_power_of_2, require_floating,
+                             require_shared_memory, triton_dot_shared_bytes)
 from kernels._pallas import pl, triton_call, triton_load, triton_store
 from kernels.matmul.common import (MatmulConfig, Problem, batch_index,
                                    cost_estimate, dot)
@@ -58,10 +59,14 @@ def resolve_config(p: Problem, config: MatmulConfig | None) -> MatmulConfig:
 
 
 def check(p: Problem, config: MatmulConfig | None) -> None:
-    """Declines non-float operands; rejects a config that Triton cannot compile."""
+    """Declines non-float operands and blocks over the GPU's shared memory; rejects a config
+    that Triton cannot compile."""
     require_floating(a=p.a_dtype, b=p.b_dtype)
     config = resolve_config(p, config)
     check_triton_config(config, ("block_m", "block_n", "block_k"))
+    itemsize = max(jnp.dtype(p.a_dtype).itemsize, jnp.dtype(p.b_dtype).itemsize)
+    require_shared_memory(triton_dot_shared_bytes(config.block_m, config.block_n, config.block_k,
+                                                  itemsize, config.num_stages))
     if not isinstance(config.group_m, int) or config.group_m < 1:
         raise ValueError(f"config.group_m must be a positive int, got {config.group_m!r}")
 

@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kernels import _targets
 from kernels._blocks import LANES, sublanes
 from kernels._pallas import mosaic_call, pl, pltpu
 from kernels.normalize import common
@@ -64,21 +65,49 @@ def _fit(dim: int, limit: int, multiple: int) -> int:
     return dim if dim <= limit else max(multiple, limit // multiple * multiple)
 
 
+def _step_bytes_per_element(p: Problem) -> int:
+    """VMEM one block element costs a backward step (the larger of the two kernels): x, dy and
+    dx double-buffered, and about six float32 temporaries the compiler keeps in VMEM."""
+    return 2 * 3 * jnp.dtype(p.dtype).itemsize + 6 * 4
+
+
+def _block_elements(p: Problem, block_groups: int, block_reduced: int) -> int:
+    """Elements of a block as VMEM holds it: the lane dim padded to 128, sublanes to a tile."""
+    lanes, rows = (block_reduced, block_groups) if p.rows else (block_groups, block_reduced)
+    sub = sublanes(p.dtype)
+    return (-(-rows // sub) * sub) * (-(-lanes // LANES) * LANES)
+
+
+def vmem_bytes(p: Problem, config: NormalizeConfig) -> int:
+    return _block_elements(p, config.block_groups, config.block_reduced) * \
+        _step_bytes_per_element(p)
+
+
 def resolve_config(p: Problem, config: NormalizeConfig | None) -> NormalizeConfig:
+    """Blocks of at most half the target's scoped VMEM (and _TARGET_BLOCK elements): the whole
+    group when it fits (<= 16384), else chunks; as many groups as fit beside it. In the columns
+    layout the lane dim (groups) cannot go below 128, so a long reduced axis is chunked instead
+    (the two-phase schedule) rather than overflowing VMEM."""
     config = config or NormalizeConfig()
     tiling = _tiling(p)
+    budget = min(_TARGET_BLOCK,
+                 _targets.current("tpu").scoped_vmem // 2 // _step_bytes_per_element(p))
     block_reduced = config.block_reduced
     if block_reduced is None:
         block_reduced = _fit(p.reduced, _MAX_BLOCK_REDUCED, tiling["block_reduced"][0])
     block_groups = config.block_groups
     if block_groups is None and isinstance(block_reduced, int) and block_reduced > 0:
-        block_groups = _fit(p.groups, max(1, _TARGET_BLOCK // block_reduced),
-                            tiling["block_groups"][0])
+        block_groups = _fit(p.groups, max(1, budget // block_reduced), tiling["block_groups"][0])
+        padded_groups = -(-block_groups // tiling["block_groups"][0]) * tiling["block_groups"][0]
+        if config.block_reduced is None and padded_groups * block_reduced > budget:
+            block_reduced = _fit(p.reduced, max(1, budget // padded_groups),
+                                 tiling["block_reduced"][0])
     return dataclasses.replace(config, block_groups=block_groups, block_reduced=block_reduced)
 
 
 def check(p: Problem, config: NormalizeConfig | None) -> None:
-    """Declines float64 (no float64 on TPU); rejects blocks that break TPU tiling."""
+    """Declines float64 (no float64 on TPU) and blocks over the target's scoped VMEM; rejects
+    blocks that break TPU tiling."""
     common.check_dtype(p, _DTYPES)
     if p.size == 0:
         return  # nothing to launch: the wrapper returns the empty result itself
@@ -89,6 +118,12 @@ def check(p: Problem, config: NormalizeConfig | None) -> None:
                 or (size % multiple and size != dim)):
             raise ValueError(f"config.{field}={size!r} breaks TPU tiling for mosaic: it must be "
                              f"a multiple of {multiple} or equal the array dim {dim}")
+    target = _targets.current("tpu")
+    needed = vmem_bytes(p, config)
+    if needed > target.scoped_vmem:
+        raise NotImplementedError(
+            f"blocks of {config.block_groups}x{config.block_reduced} need about {needed} bytes "
+            f"of VMEM a step, over {target.name}'s {target.scoped_vmem}-byte scoped VMEM budget")
 
 
 class _Schedule:

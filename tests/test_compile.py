@@ -1,0 +1,163 @@
+"""Every kernel, forward and backward, compiled by the real back ends on this CPU machine:
+Triton's for sm_90 and sm_80 (within shared memory, no register spills) and libtpu's for v5e,
+v6e and v4 (within VMEM), at the bench's device shapes, realistic model shapes and odd small
+ones (`kernels.compile.CASES`). Oversized configs are declined before compiling."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kernels
+from bench import conv2d as conv2d_bench
+from bench import gather as gather_bench
+from bench import matmul as matmul_bench
+from kernels import MatmulConfig, _targets
+from kernels._pallas import mosaic_call, on_target, pl, pltpu, triton_call
+from kernels.compile import CASES, compile_kernels, implementation_for
+
+TARGETS = ("sm_90", "sm_80", "v5e", "v6e", "v4")
+TIMEOUT_S = 240
+# Kernels a case's forward and backward launch at least: matmul 3 (C, dA, dB), conv2d 3
+# (y, dX, dW), normalize 2, gather 2 (the gather and its scatter-add).
+MIN_KERNELS = {"matmul": 3, "conv2d": 3, "normalize": 2, "gather": 2}
+
+
+def _case_ids():
+    return [(op, i) for op, cases in CASES.items() for i in range(len(cases))]
+
+
+@pytest.mark.timeout(4 * TIMEOUT_S)
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("op,index", _case_ids(),
+                         ids=[f"{op}-{CASES[op][i].description}" for op, i in _case_ids()])
+def test_every_kernel_compiles_and_fits(op, index, target):
+    case = CASES[op][index]
+    reports = compile_kernels(case.function(implementation_for(target)), *case.args,
+                              target=target, timeout_s=TIMEOUT_S)
+    assert len(reports) >= 2  # forward and backward kernels, each compiled once
+    failures = [r.error for r in reports if not r.fits]
+    assert not failures, "\n".join(failures)
+    for r in reports:
+        if r.shared_limit is not None:  # Triton: the figures the verdict rests on
+            assert 0 <= r.shared_bytes <= r.shared_limit and r.spill_bytes == 0
+            assert 0 < r.registers <= 255
+        else:
+            assert r.memory["argument"] > 0
+
+
+def test_a_case_compiles_every_kernel_of_forward_and_backward():
+    case = CASES["matmul"][-1]  # 7x5 @ 5x13: forward, dA and dB all differ in shape
+    names = [r.name for r in compile_kernels(case.function("triton"), *case.args,
+                                             target="sm_80")]
+    assert names == ["matmul_triton"] * MIN_KERNELS["matmul"]
+
+
+def test_cases_include_the_bench_device_shapes():
+    described = {op: " | ".join(c.description for c in cases) for op, cases in CASES.items()}
+    for m, n, k in matmul_bench.NATIVE_SHAPES:
+        assert f"{m}x{k} @ {k}x{n}" in described["matmul"]
+    for x_shape, w_shape, _ in conv2d_bench.NATIVE_SHAPES:
+        assert f"{'x'.join(map(str, x_shape))} * {'x'.join(map(str, w_shape))}" in described[
+            "conv2d"]
+    for vocabulary, features, ids in gather_bench.NATIVE_SHAPES:
+        assert f"table {vocabulary}x{features} bfloat16, {ids} ids" in described["gather"]
+
+
+# ----------------------------------------------------------------------------- budgets
+
+
+def test_oversized_triton_config_is_declined_naming_the_budget():
+    a = jnp.ones((64, 64), jnp.bfloat16)
+    big = MatmulConfig(block_m=256, block_n=256, block_k=256, num_stages=4)
+    with pytest.raises(NotImplementedError, match=r"1048576 bytes of shared memory.*sm_90.*232448"):
+        kernels.matmul(a, a, implementation="triton", config=big)
+    with on_target(_targets.TARGETS["sm_80"]), pytest.raises(NotImplementedError,
+                                                              match="sm_80.*166912"):
+        jax.eval_shape(lambda a: kernels.matmul(a, a, implementation="triton", config=big), a)
+    # A default sequence falls through to xla instead of failing.
+    out = kernels.matmul(a, a, implementation=("triton", "xla"), config=big)
+    np.testing.assert_allclose(np.asarray(out, np.float32), 64.0)
+
+
+@pytest.mark.parametrize("target", ["v5e", "v6e", "v4"])
+def test_oversized_mosaic_config_is_declined_naming_the_budget(target):
+    a = jax.ShapeDtypeStruct((4096, 4096), jnp.float32)
+    big = MatmulConfig(block_m=2048, block_n=2048, block_k=2048)
+    with on_target(_targets.TARGETS[target]), pytest.raises(
+            NotImplementedError, match=f"VMEM a step, over {target}'s budget"):
+        jax.eval_shape(lambda a: kernels.matmul(a, a, implementation="mosaic", interpret=False,
+                                                config=big), a)
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_large_mosaic_config_within_budget_raises_the_vmem_limit_and_compiles():
+    a = jax.ShapeDtypeStruct((4096, 4096), jnp.float32)
+    config = MatmulConfig(block_m=1024, block_n=1024, block_k=1024)  # ~28 MiB of VMEM a step
+    (report,) = compile_kernels(
+        lambda a: kernels.matmul(a, a, implementation="mosaic", interpret=False, config=config),
+        a, target="v5e")
+    assert report.fits, report.error
+    assert report.vmem_limit > _targets.TARGETS["v5e"].scoped_vmem
+
+
+def test_blocks_are_chosen_for_the_target_the_call_runs_on():
+    x = jax.ShapeDtypeStruct((4096, 8192), jnp.bfloat16)
+    assert _targets.current("gpu") is _targets.DEFAULT["gpu"]  # no GPU here: H100's budget
+    for name in TARGETS:
+        with on_target(_targets.TARGETS[name]):
+            assert _targets.current(_targets.TARGETS[name].platform).name == name
+    from kernels.normalize import common, mosaic
+    _, (outer, groups, reduced, rows) = common.plan(x.shape, (0,))
+    p = common.Problem(outer, groups, reduced, rows, jnp.dtype(x.dtype), True, 1e-5, False,
+                       False)
+    for name in ("v5e", "v6e", "v4"):
+        with on_target(_targets.TARGETS[name]):
+            config = mosaic.resolve_config(p, None)
+            assert mosaic.vmem_bytes(p, config) <= _targets.TARGETS[name].scoped_vmem // 2
+
+
+# ----------------------------------------------------------------------------- verdicts
+
+
+def _huge_block_kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] * 2
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_a_compiler_error_names_the_kernel_the_target_and_the_diagnostic():
+    x = jax.ShapeDtypeStruct((8192, 4096), jnp.float32)  # one 128 MiB block, double-buffered
+
+    def too_big(x):
+        spec = pl.BlockSpec((8192, 4096), lambda i: (0, 0))
+        return mosaic_call(_huge_block_kernel, out_shape=x, dimension_semantics=("parallel",),
+                           grid_spec=pltpu.PrefetchScalarGridSpec(
+                               num_scalar_prefetch=0, grid=(1,), in_specs=[spec],
+                               out_specs=spec),
+                           interpret=False, name="huge_block")(x)
+
+    (report,) = compile_kernels(too_big, x, target="v4")
+    assert not report.compiled and not report.fits
+    assert report.error.startswith("huge_block for v4: ")
+    assert "vmem" in report.error.lower()
+
+
+def _tile_product_kernel(a_ref, b_ref, o_ref):
+    o_ref[...] = jnp.dot(a_ref[...], b_ref[...], preferred_element_type=jnp.float32)
+
+
+def test_triton_shared_memory_over_the_limit_is_reported():
+    a = jax.ShapeDtypeStruct((256, 512), jnp.float32)
+    b = jax.ShapeDtypeStruct((512, 256), jnp.float32)
+
+    def whole_tiles(a, b):  # 1 MiB of operand tiles: no GPU can hold it in shared memory
+        return triton_call(_tile_product_kernel, out_shape=jax.ShapeDtypeStruct(
+            (256, 256), jnp.float32), grid=(1,), num_warps=8, num_stages=1, interpret=False,
+            name="whole_tiles")(a, b)
+
+    (report,) = compile_kernels(whole_tiles, a, b, target="sm_90")
+    assert report.compiled and not report.fits
+    assert report.shared_bytes > report.shared_limit == 232_448
+    assert report.error.startswith("whole_tiles for sm_90: needs ")
