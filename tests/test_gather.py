@@ -488,3 +488,32 @@ def test_default_implementation_is_xla_on_cpu():
     x, indices = random((4, 2), jnp.float32), jnp.asarray([3, -1], jnp.int32)
     assert_exact(gather(x, indices), expected_gather(x, indices))
 
+
+
+@pytest.mark.parametrize("mode,expected_row", [("fill", None), ("clip", 5), ("wrap", 1),
+                                               (None, 5)])
+def test_numpy_int64_indices_keep_their_meaning_with_x64_off(implementation, mode, expected_row):
+    # jnp.asarray would truncate 2**32 + 3 to 3 (JAX only warns); the op saturates on the host.
+    assert not jax.config.jax_enable_x64
+    x = random((6, 4), jnp.float32, seed=40)
+    indices = np.array([2**32 + 3, -(2**40), 2], np.int64)
+    out = gather(x, indices, mode=mode, implementation=implementation)
+    expected = reference_gather(x, indices, mode=mode)
+    chex.assert_trees_all_equal(np.asarray(out), np.asarray(expected))
+    if expected_row is None:
+        assert np.isnan(np.asarray(out[:2])).all()
+    else:
+        np.testing.assert_array_equal(np.asarray(out[0]), np.asarray(x[expected_row]))
+    np.testing.assert_array_equal(np.asarray(out[2]), np.asarray(x[2]))
+
+
+def test_triton_declines_tables_past_int32_offsets():
+    # 2**31 one-byte elements: within Pallas's 32-bit byte addressing, past int32 offsets.
+    table = jax.ShapeDtypeStruct((2**16, 2**15), jnp.int8)
+    indices = jax.ShapeDtypeStruct((4,), jnp.int32)
+    with pytest.raises(NotImplementedError, match=r"x has 2147483648 elements; the kernel's "
+                                                  r"int32 offsets"):
+        jax.eval_shape(lambda x, i: gather(x, i, implementation="triton"), table, indices)
+    out = jax.eval_shape(lambda x, i: gather(x, i, implementation=("triton", "xla")), table,
+                         indices)
+    assert out.shape == (4, 2**15)

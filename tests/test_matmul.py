@@ -295,3 +295,20 @@ def test_lowers_under_x64(impl, dtype):
         grad = jax.grad(lambda a, b: jnp.sum(matmul(a, b, implementation=impl,
                                                     interpret=False)), argnums=(0, 1))
         assert_lowers(grad, a, b, implementation=impl, min_kernels=2)
+
+
+@pytest.mark.parametrize("precision", [jax.lax.Precision.HIGH, "high",
+                                       (jax.lax.Precision.HIGH, jax.lax.Precision.DEFAULT)],
+                         ids=["HIGH", "high", "HIGH-DEFAULT"])
+def test_precision_high_compiles_for_tpu(precision):
+    # Mosaic takes DEFAULT or HIGHEST for both operands; HIGH and mixed pairs become HIGHEST.
+    from kernels.compile import compile_kernels
+
+    a = jax.ShapeDtypeStruct((128, 256), jnp.float32)
+    loss = lambda a, b: jnp.sum(matmul(a, b, precision=precision, implementation="mosaic",
+                                       interpret=False))
+    reports = compile_kernels(jax.grad(loss, argnums=(0, 1)), a, a.update(shape=(256, 128)),
+                              target="v5e")
+    assert len(reports) == 3 and all(r.fits for r in reports), [r.error for r in reports]
+    x, y = random((33, 70), jnp.float32, 9), random((70, 17), jnp.float32, 10)
+    _check_against_ground_truth(x, y, matmul(x, y, precision=precision, implementation="mosaic"))
