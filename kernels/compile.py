@@ -404,8 +404,9 @@ def _cases() -> dict[str, list[Case]]:
     bf16, f32 = jnp.bfloat16, jnp.float32
     return {
         "matmul": [
-            *(_matmul_case((m, k), (k, n), dtype) for m, n, k in
-              ((1024, 1024, 1024), (4096, 4096, 4096), (8192, 1024, 4096)) for dtype in (f32, bf16)),
+            *(_matmul_case((m, k), (k, n), dtype)
+              for m, n, k in ((1024, 1024, 1024), (4096, 4096, 4096), (8192, 1024, 4096))
+              for dtype in (f32, bf16)),
             _matmul_case((129, 65), (65, 257), f32),
             _matmul_case((8, 1000, 1000), (8, 1000, 1000), bf16),
             _matmul_case((7, 5), (5, 13), f32),
@@ -454,7 +455,8 @@ def _row(case: Case, r: KernelReport) -> dict[str, Any]:
                      f"spill {r.spill_bytes} warps {r.num_warps} stages {r.num_stages}"
                      if r.compiled else "")
     else:
-        resources = f"vmem {r.vmem_planned / 2**20:.1f}/{r.vmem_limit / 2**20:.0f} MiB (planned/limit)"
+        resources = (f"vmem {r.vmem_planned / 2**20:.1f}/{r.vmem_limit / 2**20:.0f} MiB "
+                     "(planned/limit)")
     return {"op": case.op, "case": case.description, "kernel": r.name, "target": r.target,
             "verdict": "ok" if r.fits else "FAIL", "grid": "x".join(map(str, r.grid)),
             "resources": resources, "seconds": round(r.seconds, 2), "error": r.error}

@@ -31,7 +31,10 @@ Forward, 16-bit and 8-bit tables: tile DMAs into VMEM
 grid = (batch, cdiv(m, 128)), both "parallel". Step (b, j) stages its 128 indices; for each,
 it DMAs the aligned (`_dma_rows`, columns) tile group that holds the row into VMEM, selects the
 row in registers (a masked sum over the group's rows in int32: exact) or the fill value, and
-writes it into row j of a (128, columns) int32 VMEM scratch. The scratch is narrowed into the
+writes it into row j of a (128, columns) int32 VMEM scratch. A DMA can neither leave the table
+nor move a partial tile, so the rows of a last, partial group come from a copy of that group
+zero-padded to whole, made by the wrapper (fewer than `_dma_rows` rows; the backward does the
+same for the cotangent). The scratch is narrowed into the
 (128, columns) output block, which the BlockSpec pipeline writes back (rows past m dropped).
 Traffic: `_dma_rows` rows read per index (16x for 16-bit tables, 32x for 8-bit: the price of
 the packed layout; XLA's own gather pays it too), each output element written once.
@@ -174,25 +177,34 @@ def _pick_row(group: jax.Array, offset: jax.Array, dtype) -> jax.Array:
                    keepdims=True)
 
 
-def _fetch_row(hbm, row: jax.Array, n: int, vmem) -> jax.Array:
+def _fetch_row(hbm, tail_hbm, row: jax.Array, n: int, vmem) -> jax.Array:
     """DMAs the aligned group of `vmem.shape[0]` rows of the (n, columns) HBM ref `hbm` that
-    holds `row` into `vmem`; returns the row's offset in it. A group cut by the table's end
-    copies only the rows that exist (a second, static DMA shape), so no read leaves the table."""
+    holds `row` into `vmem`; returns the row's offset in it. Rows of the last, partial group
+    come from `tail_hbm`, that group padded to whole (a DMA may neither leave the table nor
+    move a partial tile), so no read leaves the table."""
     rows = vmem.shape[0]
     if rows == 1:
         pltpu.sync_copy(hbm.at[pl.ds(row, 1)], vmem)
         return jnp.int32(0)
     start = pl.multiple_of(row // rows * rows, rows)
-    whole, tail = n // rows * rows, n % rows
+    whole = n // rows * rows
     if whole:
         @pl.when(start < whole)
         def _():
             pltpu.sync_copy(hbm.at[pl.ds(start, rows)], vmem)
-    if tail:
+    if n % rows:
         @pl.when(start >= whole)
         def _():
-            pltpu.sync_copy(hbm.at[pl.ds(whole, tail)], vmem.at[pl.ds(0, tail)])
+            pltpu.sync_copy(tail_hbm, vmem)
     return row - start
+
+
+def _tail_group(x: jax.Array, rows: int) -> jax.Array:
+    """(batch, rows, columns): the rows of `x` (batch, n, columns) past its last whole group of
+    `rows`, zero-padded to a whole group (a copy of fewer than `rows` rows)."""
+    whole = x.shape[1] // rows * rows
+    tail = x[:, whole:, :]
+    return jnp.pad(tail, ((0, 0), (0, rows - tail.shape[1]), (0, 0)))
 
 
 def _valid_positions(block: jax.Array, p: Problem) -> jax.Array:
@@ -237,15 +249,15 @@ def _slab_gather_kernel(indices_hbm, x_hbm, fill_hbm, out_hbm, indices_smem, sem
     lax.fori_loop(jnp.int32(0), count, wait, 0)
 
 
-def _tile_gather_kernel(indices_hbm, x_hbm, out_ref, indices_smem, group_vmem, rows_vmem, *,
-                        p: Problem):
+def _tile_gather_kernel(indices_hbm, x_hbm, tail_hbm, out_ref, indices_smem, group_vmem,
+                        rows_vmem, *, p: Problem):
     batch, block = pl.program_id(0), pl.program_id(1)
     _stage(indices_hbm, block, indices_smem)
     fill = int(np.asarray(p.fill_value).view(_BITS[p.itemsize]))
 
     def gather_one(j, carry):
         row, in_range = normalize_row(indices_smem[j], p.n, p.mode)
-        offset = _fetch_row(x_hbm.at[batch], row, p.n, group_vmem)
+        offset = _fetch_row(x_hbm.at[batch], tail_hbm.at[batch], row, p.n, group_vmem)
         value = _pick_row(group_vmem[...], offset, jnp.int32)
         if p.mode == "fill":
             value = jnp.where(in_range, value, fill)
@@ -277,13 +289,13 @@ def gather(x: jax.Array, indices: jax.Array, p: Problem, *, config: GatherConfig
         operands = (lax.bitcast_convert_type(fill, bits),)
     else:
         grid_spec = pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=0, grid=(p.batch, num_blocks), in_specs=[hbm, hbm],
+            num_scalar_prefetch=0, grid=(p.batch, num_blocks), in_specs=[hbm, hbm, hbm],
             out_specs=pl.BlockSpec((None, _INDEX_BLOCK, p.columns), lambda b, j: (b, j, 0)),
             scratch_shapes=[pltpu.SMEM((_INDEX_BLOCK,), jnp.int32),
                             pltpu.VMEM((_dma_rows(p.dtype), p.columns), bits),
                             pltpu.VMEM((_INDEX_BLOCK, p.columns), jnp.int32)])
         kernel = functools.partial(_tile_gather_kernel, p=p)
-        operands = ()
+        operands = (_tail_group(table, _dma_rows(p.dtype)),)
     call = mosaic_call(
         kernel,
         out_shape=out_shape,
@@ -297,7 +309,8 @@ def gather(x: jax.Array, indices: jax.Array, p: Problem, *, config: GatherConfig
     return lax.bitcast_convert_type(out, x.dtype)
 
 
-def _scatter_add_kernel(block_starts_smem, order_hbm, targets_hbm, g_hbm, out_ref, acc_ref,
+def _scatter_add_kernel(block_starts_smem, order_hbm, targets_hbm, g_hbm, g_tail_hbm, out_ref,
+                        acc_ref,
                         group_vmem, order_smem, targets_smem, *, p: Problem,
                         block_rows: int, block_columns: int):
     batch, row_block = pl.program_id(0), pl.program_id(1)
@@ -309,7 +322,8 @@ def _scatter_add_kernel(block_starts_smem, order_hbm, targets_hbm, g_hbm, out_re
 
     def add(j, carry):
         source, target = order_smem[j], targets_smem[j]
-        offset = _fetch_row(g_hbm.at[batch, :, columns], source, p.num_indices, group_vmem)
+        offset = _fetch_row(g_hbm.at[batch, :, columns], g_tail_hbm.at[batch, :, columns], source,
+                            p.num_indices, group_vmem)
         local = pl.ds(target - first_row, 1)
         acc_ref[local, :] = acc_ref[local, :] + _pick_row(group_vmem[...], offset, jnp.float32)
         return carry
@@ -339,7 +353,7 @@ def scatter_add(g: jax.Array, plan: ScatterPlan, p: Problem, *, config: GatherCo
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=1,
         grid=(p.batch, num_row_blocks, p.columns // block_columns),
-        in_specs=[hbm, hbm, hbm],
+        in_specs=[hbm, hbm, hbm, hbm],
         out_specs=pl.BlockSpec((None, block_rows, block_columns),
                                lambda b, r, c, starts: (b, r, c)),
         scratch_shapes=[pltpu.VMEM((block_rows, block_columns), jnp.float32),
@@ -359,4 +373,5 @@ def scatter_add(g: jax.Array, plan: ScatterPlan, p: Problem, *, config: GatherCo
         name="scatter_add_mosaic",
     )
     return _mapped_under_vmap(call)(block_starts, _padded_to_blocks(plan.order),
-                                    _padded_to_blocks(plan.targets), g)
+                                    _padded_to_blocks(plan.targets), g,
+                                    _tail_group(g, _dma_rows(g.dtype)))
