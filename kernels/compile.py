@@ -295,9 +295,7 @@ def _mosaic_report(eqn, target: Target, timeout_s: float | None) -> KernelReport
         sharding = jax.sharding.SingleDeviceSharding(device)
         avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=sharding)
                  for v in eqn.invars]
-        with on_target(target):
-            lowered = jax.jit(_bind(eqn)).lower(*avals)
-        compiled = _with_timeout(lowered.compile, timeout_s)
+        compiled = _with_timeout(lower(_bind(eqn), *avals, target=target).compile, timeout_s)
         stats = compiled.memory_analysis()
         report.memory = {key: int(getattr(stats, f"{key}_size_in_bytes"))
                          for key in ("argument", "output", "temp", "generated_code")}
