@@ -64,7 +64,24 @@ def vmem_limit(needed: int) -> int | None:
     return min(target.vmem, needed + needed // 4)
 
 
-def _tpu_interpret_params() -> pltpu.InterpretParams:
+_HLO_INTERPRET = [False]
+
+
+@contextlib.contextmanager
+def hlo_interpret() -> Iterator[None]:
+    """Mosaic kernels traced in this scope and interpreted use the HLO interpreter (plain
+    `interpret=True`) instead of TPU interpret mode, whose io_callbacks an XLA custom
+    partitioner cannot lower (see `kernels.partition`)."""
+    _HLO_INTERPRET.append(True)
+    try:
+        yield
+    finally:
+        _HLO_INTERPRET.pop()
+
+
+def _tpu_interpret_params() -> pltpu.InterpretParams | bool:
+    if _HLO_INTERPRET[-1]:
+        return True
     # Strict by default: an out-of-bounds read raises instead of being clamped, and memory a
     # kernel reads before writing is NaN, so a kernel that relies on either fails loudly here.
     return pltpu.InterpretParams(out_of_bounds_reads="raise", uninitialized_memory="nan")

@@ -32,7 +32,8 @@ Which of three paths runs depends on what is known while tracing:
   JAX's own transpose rule, as for any jnp op.
 
 On one device, and under `vmap` (custom_partitioning has no batching rule), the kernel runs
-unpartitioned.
+unpartitioned. Interpreted Mosaic kernels on a mesh run in the HLO interpreter
+(`_pallas.hlo_interpret`): TPU interpret mode's ordered callbacks cannot be partitioned.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ import jax
 from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+from kernels import _pallas
 
 __all__ = ["Layout", "Plan", "partitioned", "match_varying", "Reduction", "reduction", "spec",
            "explicit_axes"]
@@ -214,8 +217,11 @@ def partitioned(fn: Callable[..., Any], rule: Rule, factors: Factors) -> Callabl
         plan = rule(fn, static, layout)
         shardings = tuple(NamedSharding(mesh, spec(d)) for d in plan.in_dims if d is not None)
         out = _map_outputs(plan, lambda d: NamedSharding(mesh, spec(d)))
-        local = plan.local
-        return mesh, lambda *blocks: local(*_with_present(present, blocks)), out, shardings
+        def lower(*blocks):
+            with _pallas.hlo_interpret():
+                return plan.local(*_with_present(present, blocks))
+
+        return mesh, lower, out, shardings
 
     def infer(present, static, mesh, arg_shapes, result_shape):
         plan = rule(fn, static, _auto_layout(present, arg_shapes, result_shape, mesh))
@@ -247,16 +253,17 @@ def partitioned(fn: Callable[..., Any], rule: Rule, factors: Factors) -> Callabl
 
     def call(*args):
         *operands, static = args
+        if jax.device_count() == 1:
+            return fn(*operands, static)
         present = tuple(x is not None for x in operands)
         arrays = [x for x in operands if x is not None]
-        if _in_manual_context(arrays):
-            return fn(*_with_present(present, match_varying(*arrays)), static)
-        mesh = _explicit_mesh(arrays)
-        if mesh is not None:
-            return run_explicit(mesh, present, static, operands)
-        if jax.device_count() > 1:
+        with _pallas.hlo_interpret():
+            if _in_manual_context(arrays):
+                return fn(*_with_present(present, match_varying(*arrays)), static)
+            mesh = _explicit_mesh(arrays)
+            if mesh is not None:
+                return run_explicit(mesh, present, static, operands)
             return run_auto(present, static, arrays)
-        return fn(*operands, static)
 
     return call
 
