@@ -51,7 +51,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from kernels import _pallas
 
 __all__ = ["Layout", "Plan", "partitioned", "match_varying", "Reduction", "reduction", "spec",
-           "explicit_axes"]
+           "explicit_axes", "like"]
 
 Axes = tuple[str, ...]  # the mesh axes one dim is sharded over, major first
 Dims = tuple[Axes, ...]  # per dim of one array
@@ -284,3 +284,14 @@ def explicit_axes(x: jax.Array, dim: int) -> Axes:
     if _explicit_mesh([x]) is None:
         return ()
     return _dims(jax.typeof(x).sharding, x.ndim)[dim]
+
+
+def like(cotangent: Any, primal: jax.Array) -> Any:
+    """`cotangent` with `primal`'s sharding where that is part of the type (Explicit axes):
+    a custom_vjp's cotangent must be typed like its primal."""
+    if cotangent is None or _explicit_mesh([primal]) is None and _explicit_mesh([cotangent]) is None:
+        return cotangent
+    want = jax.typeof(primal).sharding
+    if jax.typeof(cotangent).sharding.spec == want.spec:
+        return cotangent
+    return jax.sharding.reshard(cotangent, want)

@@ -74,8 +74,9 @@ def _conv_fwd(x, w, s):
 
 def _conv_bwd(s: _Static, residuals, dy):
     x, w = residuals
-    return (_input_gradient(dy, w, s, x.shape[1:3], x.dtype),
-            _weight_gradient(x, dy, s._replace(out_dtype=jnp.dtype(w.dtype)), w.shape[:2]))
+    dx = _input_gradient(dy, w, s, x.shape[1:3], x.dtype)
+    dw = _weight_gradient(x, dy, s._replace(out_dtype=jnp.dtype(w.dtype)), w.shape[:2])
+    return partition.like(dx, x), partition.like(dw, w)
 
 
 _conv.defvjp(_conv_fwd, _conv_bwd)

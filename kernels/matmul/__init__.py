@@ -77,7 +77,7 @@ def _gradient(lhs, rhs, transpose_lhs, transpose_rhs, s: _Static, like: jax.Arra
     out_dtype = jnp.promote_types(like.dtype, jnp.float32) if reduced else like.dtype
     static = s._replace(config=None, transpose_a=transpose_lhs, transpose_b=transpose_rhs,
                         out_dtype=out_dtype)
-    return _sum_to_batch(_product(lhs, rhs, static), batch, like.dtype)
+    return partition.like(_sum_to_batch(_product(lhs, rhs, static), batch, like.dtype), like)
 
 
 def _product_bwd(s: _Static, residuals, g):

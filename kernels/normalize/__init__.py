@@ -73,7 +73,9 @@ def _forward_bwd(s, residuals, cotangents):
     x, scale, mean, rstd = residuals
     gy, gmean, grstd = cotangents
     dx, dscale, doffset = _backward(x, scale, mean, rstd, gy, gmean, grstd, s)
-    return dx, dscale, doffset
+    # offset is not a residual; its gradient is typed like scale (same shape and rule)
+    return (partition.like(dx, x), partition.like(dscale, scale),
+            doffset if scale is None else partition.like(doffset, scale))
 
 
 _forward.defvjp(_forward_fwd, _forward_bwd)
