@@ -51,7 +51,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from kernels import _pallas
 
 __all__ = ["Layout", "Plan", "partitioned", "match_varying", "Reduction", "reduction", "spec",
-           "explicit_axes", "like"]
+           "dims_of", "reshape", "like"]
 
 Axes = tuple[str, ...]  # the mesh axes one dim is sharded over, major first
 Dims = tuple[Axes, ...]  # per dim of one array
@@ -253,14 +253,17 @@ def partitioned(fn: Callable[..., Any], rule: Rule, factors: Factors) -> Callabl
 
     def call(*args):
         *operands, static = args
-        if jax.device_count() == 1:
-            return fn(*operands, static)
         present = tuple(x is not None for x in operands)
         arrays = [x for x in operands if x is not None]
+        # An Explicit mesh may be abstract (lowering for devices this process lacks), so only
+        # the Auto path asks how many devices there are.
+        mesh = _explicit_mesh(arrays)
+        manual = _in_manual_context(arrays)
+        if not manual and mesh is None and jax.device_count() == 1:
+            return fn(*operands, static)
         with _pallas.hlo_interpret():
-            if _in_manual_context(arrays):
+            if manual:
                 return fn(*_with_present(present, match_varying(*arrays)), static)
-            mesh = _explicit_mesh(arrays)
             if mesh is not None:
                 return run_explicit(mesh, present, static, operands)
             return run_auto(present, static, arrays)
@@ -279,11 +282,20 @@ def _auto_layout(present, arg_shapes, result_shape, mesh) -> Layout:
     return Layout(tuple(shapes), dims, dict(zip(mesh.axis_names, mesh.axis_sizes)), requested)
 
 
-def explicit_axes(x: jax.Array, dim: int) -> Axes:
-    """The Explicit mesh axes dim `dim` of `x` is sharded over (its type says), else ()."""
+def reshape(x: jax.Array, shape: Sequence[int], dims: Sequence[Axes]) -> jax.Array:
+    """`x.reshape(shape)`, whose result on an Explicit mesh is sharded as `dims` says: JAX
+    cannot infer the sharding of a reshape that splits a sharded dim."""
+    mesh = _explicit_mesh([x])
+    if mesh is None:
+        return x.reshape(shape)
+    return lax.reshape(x, tuple(shape), out_sharding=NamedSharding(mesh, spec(tuple(dims))))
+
+
+def dims_of(x: jax.Array) -> Dims:
+    """The mesh axes each dim of `x` is sharded over, where its type says (Explicit axes)."""
     if _explicit_mesh([x]) is None:
-        return ()
-    return _dims(jax.typeof(x).sharding, x.ndim)[dim]
+        return ((),) * x.ndim
+    return _dims(jax.typeof(x).sharding, x.ndim)
 
 
 def like(cotangent: Any, primal: jax.Array) -> Any:

@@ -18,14 +18,18 @@ import pytest
 
 HERE = Path(__file__).parent
 IMPLEMENTATIONS = ("xla", "triton", "mosaic")
-# Cases whose rule sums per-shard partials in the forward pass (a sharded contraction).
-REDUCING = ("matmul/K", "matmul/batch+K", "normalize/normalized-axis",
-            "normalize/rms-normalized-axis", "normalize/standardize-axis0", "gather/vocab-clip",
-            "gather/vocab-default", "gather/vocab-fill", "gather/vocab-wrap",
-            "conv2d/in-channels")
-CASES = ("matmul/M", "matmul/N", *REDUCING[:2], "normalize/rows", *REDUCING[2:5],
-         "gather/indices", *REDUCING[5:9], "conv2d/batch", "conv2d/out-channels",
-         "conv2d/in-channels", "conv2d/depthwise-channels", "conv2d/spatial")
+CASES = ("matmul/M", "matmul/N", "matmul/K", "matmul/batch+K", "normalize/rows",
+         "normalize/normalized-axis", "normalize/rms-normalized-axis",
+         "normalize/standardize-axis0", "gather/indices", "gather/2d-indices", "gather/vocab-clip",
+         "gather/vocab-default", "gather/vocab-fill", "gather/vocab-wrap", "conv2d/batch",
+         "conv2d/out-channels", "conv2d/in-channels", "conv2d/depthwise-channels",
+         "conv2d/spatial")
+# Cases whose rule sums per-shard partials in the forward pass (a sharded contraction or
+# normalized axis, a vocab-parallel table).
+REDUCING = {"matmul/K", "matmul/batch+K", "normalize/normalized-axis",
+            "normalize/rms-normalized-axis", "normalize/standardize-axis0", "gather/2d-indices",
+            "gather/vocab-clip", "gather/vocab-default", "gather/vocab-fill", "gather/vocab-wrap",
+            "conv2d/in-channels"}
 _results: dict[str, dict] = {}
 
 
@@ -64,7 +68,13 @@ def results(tmp_path_factory):
 @pytest.mark.parametrize("mesh", ["Auto", "Explicit"])
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
-def test_sharded_call_equals_unsharded(results, impl, case, mesh):
+def test_sharded_call_equals_unsharded(results, impl, case, mesh, request):
+    if impl == "xla" and case == "conv2d/spatial":
+        # XLA's SPMD partitioner (jax 0.10.2 and 0.12, CPU) sums the weight gradient of a
+        # spatially sharded convolution over the replicated "model" axis too: 4x too large.
+        # Our kernels gather whole images (the documented fallback) and are right.
+        request.applymarker(pytest.mark.xfail(
+            strict=True, reason="XLA: conv weight gradient over-summed on a 2-D mesh"))
     r = results(impl)[(case, mesh)]
     if "error" in r:  # the xla implementation is JAX's op: in Explicit meshes, JAX's errors
         assert impl == "xla" and mesh == "Explicit" and r["error"] == "ShardingTypeError", r

@@ -158,11 +158,13 @@ def gather(
     if math.prod(out_shape) == 0:
         return jnp.zeros(out_shape, x.dtype)
     flat_indices = jnp.asarray(bounded_indices(indices, n, mode)).reshape(-1)
-    static = _Static(name, interpret, config, problem, SCATTER_MODE[mode],
-                     partition.explicit_axes(x, axis))
+    table_dims = partition.dims_of(x)
+    static = _Static(name, interpret, config, problem, SCATTER_MODE[mode], table_dims[axis])
     table = x.astype(kernel_dtype).reshape(batch, n, columns)
     out = _jitted_gather(*partition.match_varying(table, flat_indices), static)
-    return out.astype(x.dtype).reshape(out_shape)
+    # The output keeps the indices' sharding and the table's on its other dims.
+    out_dims = (*table_dims[:axis], *partition.dims_of(indices), *table_dims[axis + 1:])
+    return partition.reshape(out.astype(x.dtype), out_shape, out_dims)
 
 
 def _check(module, problem: Problem, config: GatherConfig | None, dtype: Any) -> None:
