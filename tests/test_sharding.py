@@ -136,3 +136,12 @@ def test_two_processes(impl):
     for p, (out, err) in zip(procs, outputs):
         assert p.returncode == 0, err[-3000:]
         assert "RESULT ok" in out, out + err[-2000:]
+
+
+def test_sharded_training_example():
+    """examples/sharded_training.py: data- and tensor-parallel losses equal the unsharded run's."""
+    done = subprocess.run([sys.executable, str(HERE.parent / "examples" / "sharded_training.py"),
+                           "--steps", "2"], capture_output=True, text=True, timeout=600,
+                          env=_env(), cwd=HERE.parent)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert "losses match" in done.stdout, done.stdout
