@@ -64,10 +64,37 @@ def vmem_limit(needed: int) -> int | None:
     return min(target.vmem, needed + needed // 4)
 
 
-def _tpu_interpret_params() -> pltpu.InterpretParams:
+_HLO_INTERPRET = [False]
+
+
+@contextlib.contextmanager
+def hlo_interpret() -> Iterator[None]:
+    """Mosaic kernels traced in this scope and interpreted use the HLO interpreter (plain
+    `interpret=True`) instead of TPU interpret mode, whose io_callbacks an XLA custom
+    partitioner cannot lower (see `kernels.partition`)."""
+    _HLO_INTERPRET.append(True)
+    try:
+        yield
+    finally:
+        _HLO_INTERPRET.pop()
+
+
+def _tpu_interpret_params() -> pltpu.InterpretParams | bool:
+    if _HLO_INTERPRET[-1]:
+        return True
     # Strict by default: an out-of-bounds read raises instead of being clamped, and memory a
     # kernel reads before writing is NaN, so a kernel that relies on either fails loudly here.
     return pltpu.InterpretParams(out_of_bounds_reads="raise", uninitialized_memory="nan")
+
+
+def _varying_like(out_shape: Any, args: Sequence[Any]) -> Any:
+    """`out_shape` with the manual axes its inputs vary over (inside `shard_map`): a kernel's
+    output differs per device exactly where one of its inputs does."""
+    varying = frozenset().union(*(jax.typeof(a).manual_axis_type.varying
+                                  for a in jax.tree_util.tree_leaves(args)))
+    mat = jax.sharding.ManualAxisType(varying=varying)
+    return jax.tree_util.tree_map(
+        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, manual_axis_type=mat), out_shape)
 
 
 def triton_call(
@@ -89,16 +116,16 @@ def triton_call(
     to Mosaic GPU.
     """
     specs = {} if in_specs is None else {"in_specs": in_specs, "out_specs": out_specs}
-    return pl.pallas_call(
+    return lambda *args: pl.pallas_call(
         kernel,
-        out_shape=out_shape,
+        out_shape=_varying_like(out_shape, args),
         grid=grid,
         **specs,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         cost_estimate=cost_estimate,
         name=name,
-    )
+    )(*args)
 
 
 def mosaic_call(
@@ -115,16 +142,16 @@ def mosaic_call(
     """`pl.pallas_call` for a Mosaic (TPU) kernel; `interpret=True` means TPU interpret mode."""
 
     def build(semantics: tuple[str, ...]) -> Callable[..., Any]:
-        return pl.pallas_call(
+        return lambda *args: pl.pallas_call(
             kernel,
-            out_shape=out_shape,
+            out_shape=_varying_like(out_shape, args),
             grid_spec=grid_spec,
             compiler_params=pltpu.CompilerParams(dimension_semantics=semantics,
                                                  vmem_limit_bytes=vmem_limit_bytes),
             interpret=_tpu_interpret_params() if interpret else False,
             cost_estimate=cost_estimate,
             name=name,
-        )
+        )(*args)
 
     semantics = tuple(dimension_semantics)
     return _vmappable_tpu_interpret(build, semantics) if interpret else build(semantics)

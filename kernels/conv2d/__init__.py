@@ -26,8 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from kernels import _dispatch
-from kernels.conv2d import mosaic, triton
+from kernels import _dispatch, partition
+from kernels.conv2d import mosaic, sharding, triton
 from kernels.conv2d.common import Conv2dConfig, ConvConfig, make_problem
 from reference.conv2d import Geometry, conv2d as reference_conv2d, dilated_size
 from reference.conv2d import geometry as make_geometry
@@ -48,12 +48,16 @@ class _Static(NamedTuple):
     out_dtype: jnp.dtype
 
 
-def _run(x: jax.Array, w: jax.Array, s: _Static) -> jax.Array:
+def _run_whole(x: jax.Array, w: jax.Array, s: _Static) -> jax.Array:
     p = make_problem(x.shape, w.shape, x.dtype, w.dtype, s.geometry, s.out_dtype)
     if p.is_empty:
         return jnp.zeros((p.n, p.oh, p.ow, p.o), p.out_dtype)
     return _KERNELS[s.implementation].conv(x, w, p, config=s.config, precision=s.precision,
                                            interpret=s.interpret)
+
+
+# Each device runs the kernel on its blocks of a mesh-sharded convolution (kernels.partition).
+_run = partition.partitioned(_run_whole, sharding.rule, sharding.factors)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -70,8 +74,9 @@ def _conv_fwd(x, w, s):
 
 def _conv_bwd(s: _Static, residuals, dy):
     x, w = residuals
-    return (_input_gradient(dy, w, s, x.shape[1:3], x.dtype),
-            _weight_gradient(x, dy, s._replace(out_dtype=jnp.dtype(w.dtype)), w.shape[:2]))
+    dx = _input_gradient(dy, w, s, x.shape[1:3], x.dtype)
+    dw = _weight_gradient(x, dy, s._replace(out_dtype=jnp.dtype(w.dtype)), w.shape[:2])
+    return partition.like(dx, x), partition.like(dw, w)
 
 
 _conv.defvjp(_conv_fwd, _conv_bwd)
@@ -110,8 +115,8 @@ def _input_gradient(dy, w, s: _Static, in_hw, dtype) -> jax.Array:
     return _conv(dy, _flip_and_swap(w, s.geometry.groups), static)
 
 
-def _run_weight_gradient(x, dy, s: _Static, kernel_hw) -> jax.Array:
-    kh, kw = kernel_hw
+def _weight_gradient_whole(x, dy, statics: tuple[_Static, tuple[int, int]]) -> jax.Array:
+    s, (kh, kw) = statics
     # The weight-gradient kernels multiply x by dy: dy's dtype takes w's place in the problem.
     p = make_problem(x.shape, (kh, kw, x.shape[3] // s.geometry.groups, dy.shape[3]), x.dtype,
                      dy.dtype, s.geometry, dy.dtype)
@@ -124,10 +129,15 @@ def _run_weight_gradient(x, dy, s: _Static, kernel_hw) -> jax.Array:
                                                   interpret=s.interpret, dtype=s.out_dtype)
 
 
+_run_weight_gradient = partition.partitioned(_weight_gradient_whole,
+                                             sharding.weight_gradient_rule,
+                                             sharding.weight_gradient_factors)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _weight_gradient(x: jax.Array, dy: jax.Array, s: _Static, kernel_hw) -> jax.Array:
     """dW of `_conv(x, w, s)` with w of spatial shape `kernel_hw`, in `s.out_dtype`."""
-    return _run_weight_gradient(x, dy, s, kernel_hw)
+    return _run_weight_gradient(x, dy, (s, tuple(kernel_hw)))
 
 
 def _weight_gradient_fwd(x, dy, s, kernel_hw):
@@ -205,5 +215,5 @@ def conv2d(
             feature_group_count=feature_group_count, data_format=data_format,
             precision=precision, preferred_element_type=preferred_element_type)
     static = _Static(name, interpret, config, precision, geometry, out_dtype)
-    out = _jitted_conv(x_nhwc, w_hwio, static)
+    out = _jitted_conv(*partition.match_varying(x_nhwc, w_hwio), static)
     return out.transpose(0, 3, 1, 2) if data_format == "NCHW" else out

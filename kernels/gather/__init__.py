@@ -19,8 +19,8 @@ import numpy as np
 from reference.gather import (bounded_indices, check_arguments, default_fill_value,
                               host_indices)
 from reference.gather import gather as reference_gather
-from kernels import _dispatch
-from kernels.gather import mosaic, triton
+from kernels import _dispatch, partition
+from kernels.gather import mosaic, sharding, triton
 from kernels.gather.common import (FORWARD_MODE, SCATTER_MODE, TRANSPOSED_MODE, GatherConfig,
                                    Problem, fill_bits, fill_scalar, scatter_plan,
                                    table_view)
@@ -38,12 +38,30 @@ class _Static(NamedTuple):
     config: GatherConfig | None
     problem: Problem
     scatter_mode: str  # the backward's rule: "drop", "clip" or "wrap"
+    table_axes: tuple[str, ...] = ()  # explicit mesh axes of the gathered dim (see sharding)
+
+
+def _gather_whole(x3: jax.Array, indices: jax.Array, s: _Static) -> jax.Array:
+    return _KERNELS[s.implementation].gather(x3, indices, s.problem, config=s.config,
+                                             interpret=s.interpret)
+
+
+def _scatter_add_whole(g: jax.Array, indices: jax.Array, s: _Static) -> jax.Array:
+    plan = scatter_plan(indices, s.problem.n, s.scatter_mode)
+    return _KERNELS[s.implementation].scatter_add(g, plan, s.problem, config=s.config,
+                                                  interpret=s.interpret)
+
+
+# Each device runs the kernels on its blocks of mesh-sharded operands (kernels.partition).
+_gather_kernel = partition.partitioned(_gather_whole, sharding.gather_rule,
+                                       sharding.gather_factors)
+_scatter_add_kernel = partition.partitioned(_scatter_add_whole, sharding.scatter_rule,
+                                            sharding.scatter_factors)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _gather(x3: jax.Array, indices: jax.Array, s: _Static) -> jax.Array:
-    return _KERNELS[s.implementation].gather(x3, indices, s.problem, config=s.config,
-                                             interpret=s.interpret)
+    return _gather_kernel(x3, indices, s)
 
 
 def _gather_fwd(x3, indices, s):
@@ -69,9 +87,7 @@ _jitted_gather = jax.jit(_gather, static_argnums=-1)
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _scatter_add(g: jax.Array, indices: jax.Array, s: _Static) -> jax.Array:
     """The transpose of `_gather` in `s`: g (batch, m, columns) -> (batch, n, columns)."""
-    plan = scatter_plan(indices, s.problem.n, s.scatter_mode)
-    return _KERNELS[s.implementation].scatter_add(g, plan, s.problem, config=s.config,
-                                                  interpret=s.interpret)
+    return _scatter_add_kernel(g, indices, s)
 
 
 def _scatter_add_fwd(g, indices, s):
@@ -142,10 +158,13 @@ def gather(
     if math.prod(out_shape) == 0:
         return jnp.zeros(out_shape, x.dtype)
     flat_indices = jnp.asarray(bounded_indices(indices, n, mode)).reshape(-1)
-    static = _Static(name, interpret, config, problem, SCATTER_MODE[mode])
+    table_dims = partition.dims_of(x)
+    static = _Static(name, interpret, config, problem, SCATTER_MODE[mode], table_dims[axis])
     table = x.astype(kernel_dtype).reshape(batch, n, columns)
-    out = _jitted_gather(table, flat_indices, static)
-    return out.astype(x.dtype).reshape(out_shape)
+    out = _jitted_gather(*partition.match_varying(table, flat_indices), static)
+    # The output keeps the indices' sharding and the table's on its other dims.
+    out_dims = (*table_dims[:axis], *partition.dims_of(indices), *table_dims[axis + 1:])
+    return partition.reshape(out.astype(x.dtype), out_shape, out_dims)
 
 
 def _check(module, problem: Problem, config: GatherConfig | None, dtype: Any) -> None:

@@ -18,8 +18,8 @@ import numpy as np
 from jax import lax
 
 import reference
-from kernels import _dispatch
-from kernels.matmul import mosaic, triton
+from kernels import _dispatch, partition
+from kernels.matmul import mosaic, sharding, triton
 from kernels.matmul.common import MatmulConfig, make_problem
 
 __all__ = ["matmul", "MatmulConfig"]
@@ -39,12 +39,16 @@ class _Static(NamedTuple):
     out_dtype: jnp.dtype
 
 
-def _run(a: jax.Array, b: jax.Array, s: _Static) -> jax.Array:
+def _run_whole(a: jax.Array, b: jax.Array, s: _Static) -> jax.Array:
     p = make_problem(a, b, s.transpose_a, s.transpose_b, s.out_dtype)
     if p.is_empty:
         return jnp.zeros((*p.out_batch, p.m, p.n), p.out_dtype)
     return _KERNELS[s.implementation].matmul(a, b, p, config=s.config, precision=s.precision,
                                              interpret=s.interpret)
+
+
+# Each device runs the kernel on its blocks of a mesh-sharded product (see kernels.partition).
+_run = partition.partitioned(_run_whole, sharding.rule, sharding.factors)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -73,7 +77,7 @@ def _gradient(lhs, rhs, transpose_lhs, transpose_rhs, s: _Static, like: jax.Arra
     out_dtype = jnp.promote_types(like.dtype, jnp.float32) if reduced else like.dtype
     static = s._replace(config=None, transpose_a=transpose_lhs, transpose_b=transpose_rhs,
                         out_dtype=out_dtype)
-    return _sum_to_batch(_product(lhs, rhs, static), batch, like.dtype)
+    return partition.like(_sum_to_batch(_product(lhs, rhs, static), batch, like.dtype), like)
 
 
 def _product_bwd(s: _Static, residuals, g):
@@ -166,4 +170,4 @@ def matmul(
         return reference.matmul(a, b, precision=precision,
                                 preferred_element_type=preferred_element_type)
     static = _Static(name, interpret, config, precision, False, False, out_dtype)
-    return _jitted_product(a2, b2, static).reshape(out_shape)
+    return _jitted_product(*partition.match_varying(a2, b2), static).reshape(out_shape)

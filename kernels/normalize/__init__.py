@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels import _dispatch
-from kernels.normalize import common, mosaic, triton
+from kernels import _dispatch, partition
+from kernels.normalize import common, mosaic, sharding, triton
 from kernels.normalize.common import NormalizeConfig, Problem
 from reference.normalize import Axis, check_arguments
 from reference.normalize import normalize as reference_normalize
@@ -38,9 +38,22 @@ class _Static(NamedTuple):
     problem: Problem
 
 
-def _forward_kernel(x, scale, offset, s: _Static):
+def _forward_whole(x, scale, offset, s: _Static):
     return _KERNELS[s.implementation].forward(x, scale, offset, s.problem, config=s.config,
                                               interpret=s.interpret)
+
+
+def _backward_whole(x, scale, mean, rstd, gy, gmean, grstd, s: _Static):
+    return _KERNELS[s.implementation].backward(x, scale, mean, rstd, gy, gmean, grstd,
+                                               s.problem, config=s.config,
+                                               interpret=s.interpret)
+
+
+# Each device runs the kernels on its blocks of a mesh-sharded array (kernels.partition).
+_forward_kernel = partition.partitioned(_forward_whole, sharding.forward_rule,
+                                        sharding.forward_factors)
+_backward_kernel = partition.partitioned(_backward_whole, sharding.backward_rule,
+                                         sharding.backward_factors)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -60,7 +73,9 @@ def _forward_bwd(s, residuals, cotangents):
     x, scale, mean, rstd = residuals
     gy, gmean, grstd = cotangents
     dx, dscale, doffset = _backward(x, scale, mean, rstd, gy, gmean, grstd, s)
-    return dx, dscale, doffset
+    # offset is not a residual; its gradient is typed like scale (same shape and rule)
+    return (partition.like(dx, x), partition.like(dscale, scale),
+            doffset if scale is None else partition.like(doffset, scale))
 
 
 _forward.defvjp(_forward_fwd, _forward_bwd)
@@ -71,9 +86,7 @@ _jitted_forward = jax.jit(_forward, static_argnums=-1)
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
 def _backward(x, scale, mean, rstd, gy, gmean, grstd, s: _Static):
     """(dx, dscale, doffset) by the fused backward kernel."""
-    return _KERNELS[s.implementation].backward(x, scale, mean, rstd, gy, gmean, grstd,
-                                               s.problem, config=s.config,
-                                               interpret=s.interpret)
+    return _backward_kernel(x, scale, mean, rstd, gy, gmean, grstd, s)
 
 
 def _backward_fwd(x, scale, mean, rstd, gy, gmean, grstd, s):
@@ -122,7 +135,8 @@ def _normalize(x, scale, offset, axis, epsilon, subtract_mean, implementation, i
     params = [None if v is None else v.astype(stat_dtype).reshape(problem.param_shape)
               for v in (scale, offset)]
     static = _Static(name, interpret, config, problem)
-    y, _, _ = _jitted_forward(moved.reshape(problem.view_shape), *params, static)
+    view, *params = partition.match_varying(moved.reshape(problem.view_shape), *params)
+    y, _, _ = _jitted_forward(view, *params, static)
     y = y.reshape(moved.shape)
     return y if perm is None else jnp.transpose(y, np.argsort(perm))
 

@@ -206,11 +206,13 @@ def input_gradient(gs: jax.Array, xhat: jax.Array, rstd: jax.Array, sums: RowSum
     return dx + gmean / n if p.subtract_mean else dx
 
 
-def backward_jnp(p: Problem, x, scale, mean, rstd, gy, gmean, grstd):
+def backward_jnp(p: Problem, x, scale, mean, rstd, gy, gmean, grstd, total=lambda s: s):
     """The backward kernels' function in plain jnp, on the 3-D view.
 
-    Never used to compute a first-order gradient: JAX differentiates it for the gradient of the
-    backward kernel (grad of grad), where mean and rstd are independent inputs.
+    JAX differentiates it for the gradient of the backward kernel (grad of grad), where mean
+    and rstd are independent inputs. With a normalized axis sharded over a mesh it is the
+    per-device backward: `x` is one device's slice of each group, `total` sums the per-group
+    sums over the devices (a psum) and `p` is the whole problem (its `reduced` counts them all).
     Returns (dx, dscale, doffset) as the kernels do; dscale/doffset are None when absent.
     """
     axis = 2 if p.rows else 1
@@ -218,12 +220,13 @@ def backward_jnp(p: Problem, x, scale, mean, rstd, gy, gmean, grstd):
     xhat = normalized(x.astype(dtype), mean, rstd, p)
     g = gy.astype(dtype)
     gs = g if scale is None else g * scale
-    sums = RowSums(jnp.sum(gs, axis=axis, keepdims=True),
-                   jnp.sum(gs * xhat, axis=axis, keepdims=True))
+    sums = RowSums(total(jnp.sum(gs, axis=axis, keepdims=True)),
+                   total(jnp.sum(gs * xhat, axis=axis, keepdims=True)))
     dx = input_gradient(gs, xhat, rstd, sums, gmean, grstd, p).astype(x.dtype)
     over = (0, 1) if p.rows else (0, 2)
-    dscale = None if scale is None else jnp.sum(g * xhat, axis=over).reshape(p.param_shape)
-    doffset = jnp.sum(g, axis=over).reshape(p.param_shape) if p.has_offset else None
+    # keepdims then [0]: the (1, reduced) or (reduced, 1) parameter view of this slice.
+    dscale = None if scale is None else jnp.sum(g * xhat, axis=over, keepdims=True)[0]
+    doffset = jnp.sum(g, axis=over, keepdims=True)[0] if p.has_offset else None
     return dx, dscale, doffset
 
 

@@ -1,0 +1,309 @@
+"""Every op over a mesh: each device runs the kernel on its own shard. One mechanism, all ops.
+
+What an op provides
+-------------------
+An op wraps each function its `custom_vjp` calls (forward and backward kernels) with
+`partitioned(fn, rule, factors)`. `fn(*operands, static)` is the kernel on whole arrays
+(operands may be None). The op's rule (in its folder, `<op>/sharding.py`) maps a `Layout` (the
+operands' shapes and, per dim, the mesh axes it is sharded over) to a `Plan`:
+
+- `in_dims`: the sharding each operand must have. A rule keeps an operand's sharding wherever
+  the maths allows and drops an axis only where the kernel needs that dim whole (XLA then
+  all-gathers it: a conv's spatial dims, say), or where two operands disagree.
+- `out_dims`: the outputs' shardings.
+- `local`: what one device runs on its blocks: the kernel, then the collectives that turn
+  per-shard partials into the result (`reduce`: psum, or psum_scatter when the output is
+  wanted sharded; Chan's merge of moments; a vocab-parallel gather's sum over owners).
+`factors` names the op's dims for Shardy's propagation, einsum style ("m k, k n -> m n"), so
+that XLA carries shardings through the op to what consumes it.
+
+How a plan is applied
+---------------------
+Which of three paths runs depends on what is known while tracing:
+
+- Explicit mesh axes: the sharding is part of each operand's type, so the plan is built at
+  trace time and run as `jax.shard_map(plan.local)` over operands resharded to `in_dims`.
+- Auto mesh axes (shardings are decided by XLA's partitioner after tracing), on more than one
+  device: `custom_partitioning`, whose partition callback builds the same plan from the
+  shardings the partitioner proposes and returns `plan.local` as the per-device lowering.
+- Inside the caller's `shard_map` (operands are already per-device blocks): the kernel runs as
+  is. The public ops first mark all operands varying over the same manual axes
+  (`match_varying`), so that the gradient of a replicated operand is summed over devices by
+  JAX's own transpose rule, as for any jnp op.
+
+On one device, and under `vmap` (custom_partitioning has no batching rule), the kernel runs
+unpartitioned. Interpreted Mosaic kernels on a mesh run in the HLO interpreter
+(`_pallas.hlo_interpret`): TPU interpret mode's ordered callbacks cannot be partitioned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+from jax import lax
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+from kernels import _pallas
+
+__all__ = ["Layout", "Plan", "partitioned", "match_varying", "Reduction", "reduction", "spec",
+           "dims_of", "reshape", "like"]
+
+Axes = tuple[str, ...]  # the mesh axes one dim is sharded over, major first
+Dims = tuple[Axes, ...]  # per dim of one array
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """What a rule sees: per operand its shape and `Dims` (None for an absent operand), the
+    mesh's axis sizes, and (Auto meshes only) the `Dims` XLA would like each output to have."""
+
+    shapes: tuple[tuple[int, ...] | None, ...]
+    dims: tuple[Dims | None, ...]
+    axis_sizes: Mapping[str, int]
+    requested: tuple[Dims | None, ...] | None = None
+
+    def size(self, axes: Axes) -> int:
+        return math.prod(self.axis_sizes[a] for a in axes)
+
+    def fit(self, length: int, axes: Axes, used: set[str] | None = None) -> Axes:
+        """The longest prefix of `axes` (skipping axes in `used`) that evenly divides a dim of
+        `length`: a shard_map block must be whole, and a padded shard would add garbage into
+        a sum."""
+        kept: list[str] = []
+        for axis in axes:
+            if used is not None and axis in used:
+                continue
+            if length % self.size((*kept, axis)):
+                break
+            kept.append(axis)
+        if used is not None:
+            used.update(kept)
+        return tuple(kept)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How one call runs over the mesh: operand and output shardings, and the per-device
+    function (kernel + collectives) on blocks."""
+
+    in_dims: tuple[Dims | None, ...]
+    out_dims: Dims | tuple[Dims | None, ...]  # a tuple per output (None: absent) if multiple
+    local: Callable[..., Any]
+    multiple: bool = False
+
+
+Rule = Callable[[Callable[..., Any], Any, Layout], Plan]
+Factors = Callable[[Any, tuple[tuple[int, ...] | None, ...]], str]
+
+
+def spec(dims: Dims) -> PartitionSpec:
+    return PartitionSpec(*(None if not axes else axes[0] if len(axes) == 1 else axes
+                           for axes in dims))
+
+
+def _dims(sharding: Any, ndim: int) -> Dims:
+    if not isinstance(sharding, NamedSharding):
+        return ((),) * ndim
+    entries = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
+    return tuple(() if e is None else (e,) if isinstance(e, str) else tuple(e)
+                 for e in entries[:ndim])
+
+
+@dataclasses.dataclass(frozen=True)
+class Reduction:
+    """How per-shard partial sums become the result: a reduce-scatter over `scatter` along
+    output dim `dim` (when XLA wants the output sharded by those axes), then an all-reduce over
+    the rest."""
+
+    all_reduce: Axes
+    scatter: Axes = ()
+    dim: int = 0
+
+    def __call__(self, partial: jax.Array) -> jax.Array:
+        if self.scatter:
+            partial = lax.psum_scatter(partial, self.scatter, scatter_dimension=self.dim,
+                                       tiled=True)
+        return lax.psum(partial, self.all_reduce) if self.all_reduce else partial
+
+
+def reduction(axes: Axes, out_shape: Sequence[int], out_dims: list[Axes], layout: Layout,
+              output: int = 0) -> Reduction:
+    """The `Reduction` of partials summed over mesh `axes` into an output of `out_shape` (None
+    for a dim that may not be scattered); records a scattered dim in `out_dims`."""
+    requested = layout.requested[output] if layout.requested else None
+    for d, wanted in enumerate(requested or ()):
+        scatter = tuple(a for a in wanted if a in axes)
+        if (scatter and not out_dims[d] and out_shape[d] is not None
+                and out_shape[d] % layout.size(scatter) == 0):
+            out_dims[d] = scatter
+            return Reduction(tuple(a for a in axes if a not in scatter), scatter, d)
+    return Reduction(tuple(axes))
+
+
+def match_varying(*operands: Any) -> tuple[Any, ...]:
+    """Inside `shard_map`: every operand varying over the union of the operands' manual axes
+    (a no-op elsewhere). A kernel's outputs vary like its inputs, and `custom_vjp` needs each
+    cotangent typed like its primal; JAX transposes the cast to a psum over devices."""
+    varying = frozenset().union(*(jax.typeof(x).manual_axis_type.varying
+                                  for x in operands if x is not None))
+    return tuple(x if x is None or not varying - jax.typeof(x).manual_axis_type.varying
+                 else lax.pcast(x, tuple(sorted(varying - jax.typeof(x).manual_axis_type.varying)),
+                                to="varying")
+                 for x in operands)
+
+
+def _with_present(present: tuple[bool, ...], arrays: Sequence[Any]) -> list[Any]:
+    arrays = iter(arrays)
+    return [next(arrays) if p else None for p in present]
+
+
+def _map_outputs(plan: Plan, make: Callable[[Dims], Any]) -> Any:
+    if plan.multiple:
+        return tuple(None if d is None else make(d) for d in plan.out_dims)
+    return make(plan.out_dims)
+
+
+def _explicit_mesh(operands: Sequence[Any]) -> Any:
+    for x in operands:
+        sharding = jax.typeof(x).sharding
+        mesh = getattr(sharding, "mesh", None)
+        if mesh is not None and not mesh.empty and any(
+                t == AxisType.Explicit for t in mesh.axis_types) and any(sharding.spec):
+            return mesh
+    return None
+
+
+def _in_manual_context(operands: Sequence[Any]) -> bool:
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and any(t == AxisType.Manual for t in mesh.axis_types):
+        return True
+    return any(jax.typeof(x).manual_axis_type.varying for x in operands)
+
+
+def partitioned(fn: Callable[..., Any], rule: Rule, factors: Factors) -> Callable[..., Any]:
+    """`fn(*operands, static)`, run per shard on whatever mesh its operands live on."""
+
+    def run_explicit(mesh, present, static, operands):
+        shapes = tuple(None if x is None else tuple(x.shape) for x in operands)
+        dims = tuple(None if x is None else _dims(jax.typeof(x).sharding, x.ndim)
+                     for x in operands)
+        plan = rule(fn, static, Layout(shapes, dims, dict(zip(mesh.axis_names,
+                                                               mesh.axis_sizes))))
+        arrays = [jax.sharding.reshard(x, NamedSharding(mesh, spec(d)))
+                  for x, d in zip(operands, plan.in_dims)
+                  if x is not None]
+        in_specs = tuple(spec(d) for x, d in zip(operands, plan.in_dims) if x is not None)
+        local = plan.local
+        if not plan.multiple:
+            body = lambda *blocks: local(*_with_present(present, blocks))  # noqa: E731
+            return jax.shard_map(body, mesh=mesh, in_specs=in_specs,
+                                 out_specs=spec(plan.out_dims), check_vma=False)(*arrays)
+        # shard_map outputs are arrays: absent (None) outputs are dropped, then restored.
+        kept = [d is not None for d in plan.out_dims]
+        body = lambda *blocks: tuple(  # noqa: E731
+            y for y in local(*_with_present(present, blocks)) if y is not None)
+        out_specs = tuple(spec(d) for d in plan.out_dims if d is not None)
+        outs = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                             check_vma=False)(*arrays)
+        return tuple(_with_present(tuple(kept), outs))
+
+    def partition(present, static, mesh, arg_shapes, result_shape):
+        layout = _auto_layout(present, arg_shapes, result_shape, mesh)
+        plan = rule(fn, static, layout)
+        shardings = tuple(NamedSharding(mesh, spec(d)) for d in plan.in_dims if d is not None)
+        out = _map_outputs(plan, lambda d: NamedSharding(mesh, spec(d)))
+        def lower(*blocks):
+            with _pallas.hlo_interpret():
+                return plan.local(*_with_present(present, blocks))
+
+        return mesh, lower, out, shardings
+
+    def infer(present, static, mesh, arg_shapes, result_shape):
+        plan = rule(fn, static, _auto_layout(present, arg_shapes, result_shape, mesh))
+        return _map_outputs(plan, lambda d: NamedSharding(mesh, spec(d)))
+
+    def sharding_rule(present, static, mesh, value_types, result_types):
+        shapes = _with_present(present, [tuple(t.shape) for t in value_types])
+        return factors(static, tuple(shapes))
+
+    def whole(present, static, *arrays):
+        return fn(*_with_present(present, arrays), static)
+
+    auto = custom_partitioning(whole, static_argnums=(0, 1))
+    auto.def_partition(partition=partition, infer_sharding_from_operands=infer,
+                       sharding_rule=sharding_rule)
+
+    def run_auto(present, static, arrays):
+        @jax.custom_batching.custom_vmap
+        def call(*arrays):
+            return auto(present, static, *arrays)
+
+        @call.def_vmap
+        def _batched(axis_size, in_batched, *arrays):
+            in_axes = tuple(0 if b else None for b in in_batched)
+            out = jax.vmap(lambda *a: whole(present, static, *a), in_axes=in_axes)(*arrays)
+            return out, jax.tree_util.tree_map(lambda _: True, out)
+
+        return call(*arrays)
+
+    def call(*args):
+        *operands, static = args
+        present = tuple(x is not None for x in operands)
+        arrays = [x for x in operands if x is not None]
+        # An Explicit mesh may be abstract (lowering for devices this process lacks), so only
+        # the Auto path asks how many devices there are.
+        mesh = _explicit_mesh(arrays)
+        manual = _in_manual_context(arrays)
+        if not manual and mesh is None and jax.device_count() == 1:
+            return fn(*operands, static)
+        with _pallas.hlo_interpret():
+            if manual:
+                return fn(*_with_present(present, match_varying(*arrays)), static)
+            if mesh is not None:
+                return run_explicit(mesh, present, static, operands)
+            return run_auto(present, static, arrays)
+
+    return call
+
+
+def _auto_layout(present, arg_shapes, result_shape, mesh) -> Layout:
+    shapes = _with_present(present, [tuple(a.shape) for a in arg_shapes])
+    shardings = _with_present(present, [a.sharding for a in arg_shapes])
+    dims = tuple(None if shape is None else _dims(s, len(shape))
+                 for shape, s in zip(shapes, shardings))
+    results = result_shape if isinstance(result_shape, (tuple, list)) else (result_shape,)
+    requested = tuple(None if r is None else _dims(getattr(r, "sharding", None), len(r.shape))
+                      for r in results)
+    return Layout(tuple(shapes), dims, dict(zip(mesh.axis_names, mesh.axis_sizes)), requested)
+
+
+def reshape(x: jax.Array, shape: Sequence[int], dims: Sequence[Axes]) -> jax.Array:
+    """`x.reshape(shape)`, whose result on an Explicit mesh is sharded as `dims` says: JAX
+    cannot infer the sharding of a reshape that splits a sharded dim."""
+    mesh = _explicit_mesh([x])
+    if mesh is None:
+        return x.reshape(shape)
+    return lax.reshape(x, tuple(shape), out_sharding=NamedSharding(mesh, spec(tuple(dims))))
+
+
+def dims_of(x: jax.Array) -> Dims:
+    """The mesh axes each dim of `x` is sharded over, where its type says (Explicit axes)."""
+    if _explicit_mesh([x]) is None:
+        return ((),) * x.ndim
+    return _dims(jax.typeof(x).sharding, x.ndim)
+
+
+def like(cotangent: Any, primal: jax.Array) -> Any:
+    """`cotangent` with `primal`'s sharding where that is part of the type (Explicit axes):
+    a custom_vjp's cotangent must be typed like its primal."""
+    if cotangent is None or _explicit_mesh([primal]) is None and _explicit_mesh([cotangent]) is None:
+        return cotangent
+    want = jax.typeof(primal).sharding
+    if jax.typeof(cotangent).sharding.spec == want.spec:
+        return cotangent
+    return jax.sharding.reshard(cotangent, want)

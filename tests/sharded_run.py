@@ -1,0 +1,199 @@
+"""Runs every op's sharding rules on 8 fake CPU devices and prints one JSON line per case.
+
+Run by `tests/test_sharding.py` in its own process (the device count must be set before jax
+starts): `python tests/sharded_run.py IMPLEMENTATION`. Each case calls the op under `jit` with
+inputs sharded on a (2, 4) mesh ("data", "model") of Auto or Explicit axes, and inside
+`shard_map`, and records: the largest differences of values and gradients from the unsharded
+call, the output sharding against the `xla` implementation's, and the collectives in the
+compiled forward and gradient programs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import kernels  # noqa: E402
+
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+def collectives(fn, *args) -> dict[str, int]:
+    text = jax.jit(fn).lower(*args).compile().as_text()
+    return {name: len(re.findall(rf"\b{name}(-start)?\(", text)) for name in COLLECTIVES}
+
+
+def cases(impl: str):
+    """name -> (function of the arrays, [(shape or 'ids', spec)])."""
+    mm = lambda a, b: kernels.matmul(a, b, implementation=impl)  # noqa: E731
+    ln = lambda x, s, o: kernels.layer_norm(x, s, o, implementation=impl)  # noqa: E731
+    conv = lambda x, w: kernels.conv2d(x, w, implementation=impl)  # noqa: E731
+
+    def take(mode, fill=None):
+        return lambda x, i: kernels.gather(x, i, mode=mode, fill_value=fill, implementation=impl)
+
+    return {
+        "matmul/M": (mm, [((64, 32), P("data", None)), ((32, 48), P())]),
+        "matmul/N": (mm, [((64, 32), P("data", None)), ((32, 48), P(None, "model"))]),
+        "matmul/K": (mm, [((64, 32), P("data", "model")), ((32, 48), P("model", None))]),
+        "matmul/batch+K": (mm, [((4, 16, 32), P("data", None, "model")),
+                                ((32, 48), P("model", None))]),
+        "normalize/rows": (ln, [((64, 40), P("data", None)), ((40,), P()), ((40,), P())]),
+        "normalize/normalized-axis": (ln, [((64, 40), P("data", "model")), ((40,), P("model")),
+                                           ((40,), P("model"))]),
+        "normalize/rms-normalized-axis": (
+            lambda x, s: kernels.rms_norm(x, s, implementation=impl),
+            [((16, 64), P(None, "model")), ((64,), P("model"))]),
+        "normalize/standardize-axis0": (
+            lambda x: kernels.normalize(x, axis=0, epsilon=0.0, implementation=impl),
+            [((64, 24), P("model", "data"))]),
+        "gather/indices": (take(None), [((96, 16), P()), ("ids", P("data"))]),
+        "gather/2d-indices": (take(None), [((96, 16), P("model", None)), ("ids2d", P("data"))]),
+        "gather/vocab-clip": (take("clip"), [((96, 16), P("model", None)), ("ids", P("data"))]),
+        "gather/vocab-default": (take(None), [((96, 16), P("model", None)), ("ids", P("data"))]),
+        "gather/vocab-fill": (take("fill", -2.0), [((96, 16), P("model", None)),
+                                                   ("ids", P("data"))]),
+        "gather/vocab-wrap": (take("wrap"), [((96, 16), P("model", None)), ("ids", P("data"))]),
+        "conv2d/batch": (conv, [((4, 6, 6, 8), P("data")), ((3, 3, 8, 8), P())]),
+        "conv2d/out-channels": (conv, [((4, 6, 6, 8), P("data")),
+                                       ((3, 3, 8, 8), P(None, None, None, "model"))]),
+        "conv2d/in-channels": (conv, [((4, 6, 6, 8), P("data", None, None, "model")),
+                                      ((3, 3, 8, 8), P(None, None, "model"))]),
+        "conv2d/depthwise-channels": (
+            lambda x, w: kernels.conv2d(x, w, feature_group_count=8, implementation=impl),
+            [((4, 6, 6, 8), P("data", None, None, "model")),
+             ((3, 3, 1, 8), P(None, None, None, "model"))]),
+        "conv2d/spatial": (conv, [((4, 8, 6, 8), P(None, "data")), ((3, 3, 8, 8), P())]),
+    }
+
+
+def arrays(specs, mesh):
+    out = []
+    for i, (shape, spec) in enumerate(specs):
+        if isinstance(shape, str):  # indices of every kind of index: negative, past either end
+            value = (jnp.arange(64, dtype=jnp.int32) * 37) % 260 - 130
+            value = value.reshape(8, 8) if shape == "ids2d" else value
+        else:
+            value = jax.random.normal(jax.random.key(i), shape, jnp.float32)
+        out.append(jax.device_put(value, NamedSharding(mesh, spec)))
+    return out
+
+
+def loss_of(fn):
+    return lambda *a: jnp.sum(jnp.nan_to_num(fn(*a)) ** 2)
+
+
+def run_case(impl, name, fn, specs, axis_type, xla_fn):
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(axis_type, axis_type))
+    args = arrays(specs, mesh)
+    whole = [np.asarray(a) for a in args]
+    floats = tuple(i for i, a in enumerate(args) if jnp.issubdtype(a.dtype, jnp.floating))
+    grad = jax.grad(loss_of(fn), argnums=floats)
+    out, grads = jax.jit(fn)(*args), jax.jit(grad)(*args)
+    out_whole, grads_whole = jax.jit(fn)(*whole), jax.jit(grad)(*whole)
+    record = {
+        "impl": impl, "case": name, "mesh": axis_type.name,
+        "value_error": float(np.nanmax(np.abs(np.asarray(out) - np.asarray(out_whole)))),
+        "nan_match": bool(np.array_equal(np.isnan(out), np.isnan(out_whole))),
+        "grad_error": max(float(np.max(np.abs(np.asarray(g) - np.asarray(w))))
+                          for g, w in zip(grads, grads_whole)),
+        "scale": float(np.nanmax(np.abs(np.asarray(out_whole)))),
+        "forward": collectives(fn, *args),
+        "backward": collectives(grad, *args),
+        "out_spec": str(out.sharding.spec),
+    }
+    try:
+        xla_out = jax.jit(xla_fn)(*args)
+        record["same_sharding_as_xla"] = bool(
+            out.sharding.is_equivalent_to(xla_out.sharding, out.ndim))
+        record["xla_spec"] = str(xla_out.sharding.spec)
+    except Exception as e:  # JAX's own op may ask for out_sharding in Explicit meshes
+        record["xla_error"] = type(e).__name__
+    return record
+
+
+def run_shard_map(impl):
+    """The ops inside the caller's shard_map: each device's call sees only its block."""
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    x = jax.random.normal(jax.random.key(0), (64, 32))
+    w = jax.random.normal(jax.random.key(1), (32, 48))
+    ids = (jnp.arange(64, dtype=jnp.int32) * 7) % 64
+
+    def body(x, w, ids):  # row-parallel dense layer, layer norm, embedding lookup
+        y = jax.lax.psum(kernels.matmul(x, w, implementation=impl), "model")
+        y = kernels.layer_norm(y, implementation=impl)
+        rows = kernels.gather(w.T, ids % 48, implementation=impl)[:, :1]  # varies over "model"
+        return y + jax.lax.psum(rows, "model")
+
+    # JAX's interpreters make a kernel's scratch buffers and Triton's padding of ragged blocks
+    # without the varying manual axes, which shard_map's check rejects (interpret mode only:
+    # tests/test_sharding_lowering.py lowers the checked path for devices).
+    check = False
+    sharded = jax.shard_map(body, mesh=mesh, in_specs=(P("data", "model"), P("model", None),
+                                                       P("data")),
+                            out_specs=P("data", None), check_vma=check)
+    loss = lambda f: lambda x, w: jnp.sum(f(x, w, ids) ** 2)  # noqa: E731
+    out, grads = jax.jit(sharded)(x, w, ids), jax.jit(jax.grad(loss(sharded), (0, 1)))(x, w)
+    # The same program with the reference ops: each device indexes its own slice of w.T.
+    expected = jax.jit(jax.shard_map(
+        lambda x, w, ids: (kernels.layer_norm(jax.lax.psum(x @ w, "model"), implementation="xla")
+                           + jax.lax.psum(kernels.gather(w.T, ids % 48, implementation="xla")
+                                          [:, :1], "model")),
+        mesh=mesh, in_specs=(P("data", "model"), P("model", None), P("data")),
+        out_specs=P("data", None), check_vma=check))
+    ref_out = expected(x, w, ids)
+    ref_grads = jax.jit(jax.grad(loss(expected), (0, 1)))(x, w)
+    return {"impl": impl, "case": "shard_map", "mesh": "Manual",
+            "value_error": float(np.max(np.abs(out - ref_out))),
+            "nan_match": True,
+            "grad_error": max(float(np.max(np.abs(g - r))) for g, r in zip(grads, ref_grads)),
+            "scale": float(np.max(np.abs(ref_out))),
+            "out_spec": str(out.sharding.spec)}
+
+
+def run_reduce_scatter(impl):
+    """Row-parallel matmul whose output is wanted sharded: a reduce-scatter, not all-reduce."""
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    a = jax.device_put(jax.random.normal(jax.random.key(0), (64, 32)),
+                       NamedSharding(mesh, P(None, "model")))
+    b = jax.device_put(jax.random.normal(jax.random.key(1), (32, 48)),
+                       NamedSharding(mesh, P("model", None)))
+    fn = lambda a, b: jax.lax.with_sharding_constraint(  # noqa: E731
+        kernels.matmul(a, b, implementation=impl), NamedSharding(mesh, P("model", None)))
+    out = jax.jit(fn)(a, b)
+    return {"impl": impl, "case": "matmul/K-reduce-scatter", "mesh": "Auto",
+            "value_error": float(np.max(np.abs(out - np.asarray(a) @ np.asarray(b)))),
+            "nan_match": True, "grad_error": 0.0, "scale": 1.0,
+            "forward": collectives(fn, a, b), "out_spec": str(out.sharding.spec)}
+
+
+def main(impl: str) -> None:
+    xla_cases = cases("xla")
+    for axis_type in (AxisType.Auto, AxisType.Explicit):
+        for name, (fn, specs) in cases(impl).items():
+            try:
+                record = run_case(impl, name, fn, specs, axis_type, xla_cases[name][0])
+            except Exception as e:  # noqa: BLE001
+                if impl != "xla":  # only JAX's own ops may ask for an out_sharding
+                    raise
+                record = {"impl": impl, "case": name, "mesh": axis_type.name,
+                          "error": type(e).__name__}
+            print(json.dumps(record), flush=True)
+    if impl != "xla":
+        print(json.dumps(run_shard_map(impl)), flush=True)
+        print(json.dumps(run_reduce_scatter(impl)), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,147 @@
+"""Every op on a mesh: per-shard kernels, shardings, collectives (see kernels/partition.py).
+
+The cases run in subprocesses (`sharded_run.py`, `multiprocess_run.py`): the fake CPU device
+count must be set before jax starts, and this suite's own process has one device.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+IMPLEMENTATIONS = ("xla", "triton", "mosaic")
+CASES = ("matmul/M", "matmul/N", "matmul/K", "matmul/batch+K", "normalize/rows",
+         "normalize/normalized-axis", "normalize/rms-normalized-axis",
+         "normalize/standardize-axis0", "gather/indices", "gather/2d-indices", "gather/vocab-clip",
+         "gather/vocab-default", "gather/vocab-fill", "gather/vocab-wrap", "conv2d/batch",
+         "conv2d/out-channels", "conv2d/in-channels", "conv2d/depthwise-channels",
+         "conv2d/spatial")
+# Cases whose rule sums per-shard partials in the forward pass (a sharded contraction or
+# normalized axis, a vocab-parallel table).
+REDUCING = {"matmul/K", "matmul/batch+K", "normalize/normalized-axis",
+            "normalize/rms-normalized-axis", "normalize/standardize-axis0", "gather/2d-indices",
+            "gather/vocab-clip", "gather/vocab-default", "gather/vocab-fill", "gather/vocab-wrap",
+            "conv2d/in-channels"}
+_results: dict[str, dict] = {}
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    return env
+
+
+@pytest.fixture(scope="session")
+def results(tmp_path_factory):
+    """impl -> {(case, mesh): record}; each implementation's subprocess runs once per session,
+    whichever xdist worker asks first (the others wait on its lock and read its file)."""
+    shared = tmp_path_factory.getbasetemp().parent
+
+    def run(impl: str) -> dict:
+        if impl not in _results:
+            out = shared / f"sharded-{impl}.jsonl"
+            with open(shared / f"sharded-{impl}.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                if not out.exists():
+                    done = subprocess.run(
+                        [sys.executable, str(HERE / "sharded_run.py"), impl],
+                        capture_output=True, text=True, timeout=900, env=_env(),
+                        cwd=HERE.parent)
+                    assert done.returncode == 0, done.stderr[-3000:]
+                    out.write_text(done.stdout)
+            records = [json.loads(line) for line in out.read_text().splitlines()
+                       if line.startswith("{")]
+            _results[impl] = {(r["case"], r["mesh"]): r for r in records}
+        return _results[impl]
+
+    return run
+
+
+@pytest.mark.parametrize("mesh", ["Auto", "Explicit"])
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_sharded_call_equals_unsharded(results, impl, case, mesh, request):
+    if impl == "xla" and case == "conv2d/spatial":
+        # XLA's SPMD partitioner (jax 0.10.2 and 0.12, CPU) sums the weight gradient of a
+        # spatially sharded convolution over the replicated "model" axis too: 4x too large.
+        # Our kernels gather whole images (the documented fallback) and are right.
+        request.applymarker(pytest.mark.xfail(
+            strict=True, reason="XLA: conv weight gradient over-summed on a 2-D mesh"))
+    r = results(impl)[(case, mesh)]
+    if "error" in r:  # the xla implementation is JAX's op: in Explicit meshes, JAX's errors
+        assert impl == "xla" and mesh == "Explicit" and r["error"] == "ShardingTypeError", r
+        return
+    assert r["value_error"] <= 1e-5 * max(1.0, r["scale"]), r
+    assert r["nan_match"], r
+    assert r["grad_error"] <= 1e-3, r
+
+
+@pytest.mark.parametrize("mesh", ["Auto", "Explicit"])
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS[1:])
+def test_sharding_and_collectives(results, impl, case, mesh):
+    r = results(impl)[(case, mesh)]
+    if case == "conv2d/spatial":  # documented fallback: whole images, gathered once
+        assert r["forward"]["all-gather"] == 1, r
+        return
+    if "xla_error" not in r:  # JAX's own op raises for some Explicit cases; ours runs
+        assert r["same_sharding_as_xla"], r
+    assert r["forward"]["all-gather"] == 0 and r["backward"]["all-gather"] == 0, r
+    assert r["forward"]["all-to-all"] == 0 and r["forward"]["collective-permute"] == 0, r
+    reduces = r["forward"]["all-reduce"] + r["forward"]["reduce-scatter"]
+    if case in REDUCING:
+        assert 1 <= reduces <= 2, r  # one psum, or two for Chan's merge (mean, then M2)
+    else:
+        assert reduces == 0, r
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS[1:])
+def test_inside_shard_map(results, impl):
+    r = results(impl)[("shard_map", "Manual")]
+    assert r["value_error"] <= 1e-5 * max(1.0, r["scale"]), r
+    assert r["grad_error"] <= 1e-3, r
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS[1:])
+def test_row_parallel_matmul_reduce_scatters_into_a_sharded_output(results, impl):
+    r = results(impl)[("matmul/K-reduce-scatter", "Auto")]
+    assert r["value_error"] <= 1e-4, r
+    assert r["forward"]["reduce-scatter"] == 1 and r["forward"]["all-reduce"] == 0, r
+    assert r["forward"]["all-gather"] == 0, r
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("impl", ["triton", "mosaic"])
+def test_two_processes(impl):
+    """jax.distributed with two processes of 4 CPU devices each, over localhost."""
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, str(HERE / "multiprocess_run.py"), str(i),
+                               str(port), impl], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=_env(), cwd=HERE.parent)
+             for i in range(2)]
+    outputs = [p.communicate(timeout=600) for p in procs]
+    for p, (out, err) in zip(procs, outputs):
+        assert p.returncode == 0, err[-3000:]
+        assert "RESULT ok" in out, out + err[-2000:]
+
+
+def test_sharded_training_example():
+    """examples/sharded_training.py: data- and tensor-parallel losses equal the unsharded run's."""
+    done = subprocess.run([sys.executable, str(HERE.parent / "examples" / "sharded_training.py"),
+                           "--steps", "2"], capture_output=True, text=True, timeout=600,
+                          env=_env(), cwd=HERE.parent)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert "losses match" in done.stdout, done.stdout
