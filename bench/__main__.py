@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
+from pathlib import Path
 
 import jax
 
@@ -19,10 +21,17 @@ from bench import gather as gather_bench
 from bench import harness
 from bench import matmul as matmul_bench
 from bench import normalize as normalize_bench
-from kernels import _dispatch
+from kernels import defaults
 
 BENCHES = {"matmul": matmul_bench, "conv2d": conv2d_bench,
            "normalize": normalize_bench, "gather": gather_bench}
+KERNEL_OF_PLATFORM = {"gpu": "triton", "tpu": "mosaic"}
+RECORDS = Path(__file__).parent / "records"
+
+
+def record_path(device_kind: str) -> Path:
+    """Where `--record` writes the rows measured on `device_kind` (cited by kernels.defaults)."""
+    return RECORDS / (re.sub(r"[^A-Za-z0-9]+", "_", device_kind).strip("_").lower() + ".json")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,18 +42,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="also write all rows to PATH")
     parser.add_argument("--no-interpret", action="store_true",
                         help="skip the interpreted correctness rows on a CPU")
+    parser.add_argument("--record", action="store_true",
+                        help="on a GPU or TPU, write the rows to bench/records/<device kind>.json "
+                             "(the evidence kernels/defaults.py cites)")
     args = parser.parse_args(argv)
     ops = [op.strip() for op in args.ops.split(",")]
     unknown = [op for op in ops if op not in BENCHES]
     if unknown:
         parser.error(f"unknown ops {unknown}; choose from {list(BENCHES)}")
+    platform = defaults.PLATFORMS.get(jax.default_backend())
+    if args.record and platform is None:
+        parser.error("--record needs a GPU or TPU: CPU timings are not evidence for a default")
 
-    defaults = _dispatch.implementations(None)
-    native = [(name, False) for name in defaults if name != "xla"] + [("xla", False)]
-    on_accelerator = len(native) > 1
-    print(f"jax {jax.__version__}, backend {jax.default_backend()}, "
-          f"devices {[d.device_kind for d in jax.devices()]}; default implementations "
-          f"{defaults}", flush=True)
+    # The platform's kernel is timed natively next to xla, whichever of them is the default.
+    native = ([(KERNEL_OF_PLATFORM[platform], False)] if platform else []) + [("xla", False)]
+    on_accelerator = platform is not None
+    device_kind = jax.devices()[0].device_kind
+    print(f"jax {jax.__version__}, backend {jax.default_backend()}, devices "
+          f"{[d.device_kind for d in jax.devices()]}", flush=True)
+    for op in ops:
+        entry = defaults.TABLE.get((op, platform))
+        print(f"default {op}: {defaults.default(op, jax.default_backend())}"
+              + (f" ({entry.evidence})" if entry else ""), flush=True)
     rows = []
     for op in ops:
         for case in BENCHES[op].cases("native" if on_accelerator else "cpu"):
@@ -60,6 +79,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+    if args.record:
+        path = record_path(device_kind)
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(json.dumps({"device_kind": device_kind, "jax": jax.__version__,
+                                    "rows": rows}, indent=1))
+        print(f"recorded {len(rows)} rows in {path}")
     return 0
 
 

@@ -13,6 +13,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 import jax
 
+from kernels import defaults
+
 IMPLEMENTATIONS = ("xla", "triton", "mosaic")
 ENV_VAR = "KERNELS_IMPLEMENTATION"
 
@@ -20,8 +22,6 @@ Implementation = str | Sequence[str] | None
 
 # Platforms a kernel runs on natively; anywhere else it runs in interpret mode by default.
 _NATIVE_PLATFORMS = {"triton": ("gpu", "cuda", "rocm"), "mosaic": ("tpu",)}
-_DEFAULTS = {"gpu": ("triton", "xla"), "cuda": ("triton", "xla"), "rocm": ("triton", "xla"),
-             "tpu": ("mosaic", "xla")}
 
 
 def _validated(names: Sequence[str], source: str) -> tuple[str, ...]:
@@ -35,13 +35,14 @@ def _validated(names: Sequence[str], source: str) -> tuple[str, ...]:
     return names
 
 
-def implementations(implementation: Implementation) -> tuple[str, ...]:
-    """The sequence of implementations to try for `implementation=` (see DESIGN.md)."""
+def implementations(implementation: Implementation, op: str = "") -> tuple[str, ...]:
+    """The sequence of implementations to try for `implementation=` of `op` (see DESIGN.md):
+    `None` is `$KERNELS_IMPLEMENTATION` if set, else the op's entry in `kernels.defaults`."""
     if implementation is None:
         env = os.environ.get(ENV_VAR, "").strip()
         if env:
             return _validated([n.strip() for n in env.split(",")], f"${ENV_VAR}")
-        return _DEFAULTS.get(jax.default_backend(), ("xla",))
+        return defaults.default(op, jax.default_backend())
     if isinstance(implementation, str):
         return _validated([implementation], "implementation")
     if not isinstance(implementation, Sequence):
@@ -77,7 +78,7 @@ def choose(
     """
     if interpret is not None and not isinstance(interpret, bool):
         raise TypeError(f"{op}: interpret must be None, True or False, got {interpret!r}")
-    names = implementations(implementation)
+    names = implementations(implementation, op)
     reasons = []
     for name in names:
         try:

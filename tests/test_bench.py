@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from bench import harness
+from bench.__main__ import main, record_path
 from kernels.matmul import matmul
 from tests.support import random
 
@@ -25,3 +27,12 @@ def test_bench_harness_rows():
     assert all(r["max_rel_err"] < 1e-5 for r in rows[:3])
     assert rows[3]["max_rel_err"] is None and rows[3]["GB/s"] is None
     assert "triton (interpret)" in harness.table(rows)
+
+
+def test_record_needs_a_device_and_names_its_file(capsys):
+    """CPU timings are never evidence for a default; a device's record goes under bench/."""
+    with pytest.raises(SystemExit):
+        main(["--record", "--ops", "matmul"])
+    assert "--record needs a GPU or TPU" in capsys.readouterr().err
+    assert record_path("NVIDIA H100 80GB HBM3").name == "nvidia_h100_80gb_hbm3.json"
+    assert record_path("TPU v5 lite").parent.name == "records"

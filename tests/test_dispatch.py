@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels import _dispatch
+from kernels import _dispatch, defaults
 from kernels.matmul import matmul
 from tests.support import x64
 
@@ -57,3 +59,41 @@ def test_sequence_tries_in_order_and_reports_every_reason():
     assert calls == ["no triton", "no mosaic"]
     with pytest.raises(NotImplementedError, match="op: triton: no triton; mosaic: no mosaic"):
         _dispatch.choose("op", ("triton", "mosaic"), None, checks)
+
+
+@pytest.mark.parametrize("backend,expected", [
+    ("cuda", {"matmul": ("xla",), "conv2d": ("xla",), "normalize": ("triton", "xla"),
+              "layer_norm": ("triton", "xla"), "rms_norm": ("triton", "xla"),
+              "gather": ("triton", "xla")}),
+    ("tpu", {"matmul": ("xla",), "conv2d": ("xla",), "normalize": ("mosaic", "xla"),
+             "layer_norm": ("mosaic", "xla"), "rms_norm": ("mosaic", "xla"),
+             "gather": ("mosaic", "xla")}),
+    ("cpu", dict.fromkeys(("matmul", "conv2d", "normalize", "gather"), ("xla",))),
+])
+def test_defaults_come_from_the_table(monkeypatch, backend, expected):
+    """Without a bench record showing the kernel ahead, GPUs keep cuBLAS/cuDNN for matmul and
+    conv2d; memory-bound ops default to the kernel, then xla."""
+    monkeypatch.delenv(_dispatch.ENV_VAR, raising=False)
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    for op, names in expected.items():
+        assert _dispatch.implementations(None, op) == names, op
+    monkeypatch.setenv(_dispatch.ENV_VAR, "triton")  # the environment still forces a kernel
+    assert _dispatch.implementations(None, "matmul") == ("triton",)
+
+
+def test_every_default_cites_its_evidence():
+    records = Path(__file__).parent.parent / "bench" / "records"
+    for (op, platform), entry in defaults.TABLE.items():
+        assert entry.implementations[-1] == "xla", (op, platform)  # a default never fails
+        if entry.evidence.startswith("bench/records/"):
+            assert (records.parent.parent / entry.evidence).is_file(), entry.evidence
+        else:
+            assert entry.evidence.startswith("design: ") and len(entry.evidence) > 40, entry
+
+
+def test_default_call_on_a_gpu_backend_runs_xla_for_matmul(monkeypatch):
+    """The public op asks the table with its own name (a kernel declining is not needed)."""
+    monkeypatch.delenv(_dispatch.ENV_VAR, raising=False)
+    monkeypatch.setattr(jax, "default_backend", lambda: "cuda")
+    assert _dispatch.choose("matmul", None, None, {"triton": lambda: None}) == ("xla", False)
+    assert _dispatch.choose("layer_norm", None, None, {"triton": lambda: None})[0] == "triton"

@@ -137,7 +137,7 @@ def normalize_row(index: jax.Array, n: int, mode: str) -> tuple[jax.Array, jax.A
 class ScatterPlan(NamedTuple):
     """The backward's schedule, computed in the wrapper with XLA (a sort of the small index
     vector, not of the table): the positions of the indices in order of target row (stable, so
-    duplicates are summed in their original order and every run gives the same bits) and, per
+    duplicates are summed in a fixed order and every run gives the same bits) and, per
     table row r, where its segment starts: row r's cotangent rows are
     `order[row_starts[r]:row_starts[r + 1]]`. Dropped indices sort past the last row."""
 

@@ -19,14 +19,19 @@ indices are read once per column block.
 Backward block schedule (deterministic scatter-add)
 ---------------------------------------------------
 The wrapper sorts the index vector with XLA (`common.scatter_plan`): `order` lists the index
-positions by target row, `row_starts` delimits each row's segment. grid = (batch * n,
-cdiv(columns, block_columns)): program (t, c) owns table row r = t % n of batch slice
-b = t // n, column block c. It walks its segment in order, loading cotangent row
-`g[b, order[s], column block]` and adding it into a float32 (float64 for float64) register
-accumulator, then stores the row of the table gradient once, cast to its dtype. Rows no index
-lands on are written as zeros; dropped indices sort past the last row and are never read. No
-atomics: every output element has one writer and a fixed summation order, so every run gives
-the same bits.
+positions by target row, `row_starts` delimits each row's segment. grid = (batch *
+cdiv(n, block_rows), cdiv(columns, block_columns)): program (t, c) owns `block_rows` table rows
+of batch slice b, column block c. For each of its rows it walks the row's segment
+`segment_rows` positions at a time: one masked pointer gather loads those cotangent rows
+`g[b, order[s:s + segment_rows], column block]` together (independent loads in flight, not one
+dependent load per index), sums them into a float32 (float64 for float64) register
+accumulator, and finally stores the table-gradient row once, cast to its dtype. Rows no index
+lands on are written as zeros by the program that owns them (block_rows rows per program, not
+one program per row of a large vocabulary). Dropped indices sort past the last row and are
+never read. No atomics: every output element has one writer and a fixed summation order, so
+every run gives the same bits. A row hit k times costs its program cdiv(k, segment_rows)
+steps (a padding id hit 4096 times with 8-row steps: 512 steps, where one load per index took
+4096 dependent loads).
 
 Memory traffic: the cotangent is read once, the table gradient written once.
 """
@@ -114,23 +119,44 @@ def gather(x: jax.Array, indices: jax.Array, p: Problem, *, config: GatherConfig
     )(indices, x)
 
 
+_BLOCK_ROWS = 8  # table rows per backward program
+_SEGMENT_TILE = 4096  # elements of the (segment_rows, block_columns) cotangent tile per step
+
+
+def _segment_rows(block_columns: int) -> int:
+    return max(1, _SEGMENT_TILE // block_columns)
+
+
 def _scatter_add_kernel(order_ref, row_starts_ref, g_ref, out_ref, *, p: Problem,
                         block_columns: int):
-    batch, row = pl.program_id(0) // p.n, pl.program_id(0) % p.n
+    row_blocks = pl.cdiv(p.n, _BLOCK_ROWS)
+    batch, row_block = pl.program_id(0) // row_blocks, pl.program_id(0) % row_blocks
     first_column = pl.program_id(1) * block_columns
     columns = first_column + jnp.arange(block_columns, dtype=jnp.int32)
     column_valid = columns < p.columns
-    start, stop = row_starts_ref[row], row_starts_ref[row + 1]
+    segment_rows = _segment_rows(block_columns)
+    steps = jnp.arange(segment_rows, dtype=jnp.int32)
 
-    def add(s, acc):
-        source = order_ref[s]
-        g_row = triton_load(g_ref.at[batch, source, columns], mask=column_valid, other=0)
-        return acc + g_row.astype(acc.dtype)
+    def row_gradient(i, carry):
+        # Rows past the table's end have an empty segment (clamped bounds) and store nothing.
+        row = jnp.minimum(row_block * _BLOCK_ROWS + i, p.n)
+        start, stop = row_starts_ref[row], row_starts_ref[jnp.minimum(row + 1, p.n)]
 
-    acc = lax.fori_loop(start, stop, add,
-                        jnp.zeros((block_columns,), accumulator_dtype(p.dtype)))
-    triton_store(out_ref.at[batch, row, pl.ds(first_column, block_columns)],
-                 acc.astype(out_ref.dtype), mask=column_valid)
+        def add(step, acc):
+            positions = start + step * segment_rows + steps
+            valid = positions < stop
+            sources = triton_load(order_ref.at[positions], mask=valid, other=0)
+            g_rows = triton_load(g_ref.at[batch, sources[:, None], columns[None, :]],
+                                 mask=valid[:, None] & column_valid[None, :], other=0)
+            return acc + jnp.sum(g_rows.astype(acc.dtype), axis=0)
+
+        acc = lax.fori_loop(jnp.int32(0), (stop - start + segment_rows - 1) // segment_rows, add,
+                            jnp.zeros((block_columns,), accumulator_dtype(p.dtype)))
+        triton_store(out_ref.at[batch, row, pl.ds(first_column, block_columns)],
+                     acc.astype(out_ref.dtype), mask=column_valid & (row < p.n))
+        return carry
+
+    lax.fori_loop(jnp.int32(0), jnp.int32(_BLOCK_ROWS), row_gradient, 0)
 
 
 def scatter_add(g: jax.Array, plan: ScatterPlan, p: Problem, *, config: GatherConfig | None,
@@ -141,7 +167,7 @@ def scatter_add(g: jax.Array, plan: ScatterPlan, p: Problem, *, config: GatherCo
     return triton_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((p.batch, p.n, p.columns), g.dtype),
-        grid=(p.batch * p.n, pl.cdiv(p.columns, config.block_columns)),
+        grid=(p.batch * pl.cdiv(p.n, _BLOCK_ROWS), pl.cdiv(p.columns, config.block_columns)),
         num_warps=4,
         num_stages=config.num_stages,
         interpret=interpret,
