@@ -25,7 +25,6 @@ from kernels import defaults
 
 BENCHES = {"matmul": matmul_bench, "conv2d": conv2d_bench,
            "normalize": normalize_bench, "gather": gather_bench}
-KERNEL_OF_PLATFORM = {"gpu": "triton", "tpu": "mosaic"}
 RECORDS = Path(__file__).parent / "records"
 
 
@@ -55,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--record needs a GPU or TPU: CPU timings are not evidence for a default")
 
     # The platform's kernel is timed natively next to xla, whichever of them is the default.
-    native = ([(KERNEL_OF_PLATFORM[platform], False)] if platform else []) + [("xla", False)]
+    native = ([(defaults.KERNEL_OF_PLATFORM[platform], False)] if platform else []) + [("xla", False)]
     on_accelerator = platform is not None
     device_kind = jax.devices()[0].device_kind
     print(f"jax {jax.__version__}, backend {jax.default_backend()}, devices "

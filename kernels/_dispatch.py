@@ -20,8 +20,6 @@ ENV_VAR = "KERNELS_IMPLEMENTATION"
 
 Implementation = str | Sequence[str] | None
 
-# Platforms a kernel runs on natively; anywhere else it runs in interpret mode by default.
-_NATIVE_PLATFORMS = {"triton": ("gpu", "cuda", "rocm"), "mosaic": ("tpu",)}
 
 
 def _validated(names: Sequence[str], source: str) -> tuple[str, ...]:
@@ -52,8 +50,9 @@ def implementations(implementation: Implementation, op: str = "") -> tuple[str, 
 
 
 def _platform_present(name: str) -> bool:
-    platforms = _NATIVE_PLATFORMS[name]
-    return any(device.platform in platforms for device in jax.devices())
+    """Whether a device kernel `name` runs on natively is here (else it is interpreted)."""
+    return any(defaults.KERNEL_OF_PLATFORM.get(defaults.PLATFORMS.get(device.platform)) == name
+               for device in jax.devices())
 
 
 def resolve_interpret(name: str, interpret: bool | None) -> bool:

@@ -30,6 +30,8 @@ __all__ = [
     "mosaic_call",
     "mosaic_precision",
     "vmem_limit",
+    "varying_axes",
+    "hlo_interpret",
     "lowered_text",
     "TRITON_CALL_MARKER",
     "MOSAIC_CALL_MARKER",
@@ -87,12 +89,16 @@ def _tpu_interpret_params() -> pltpu.InterpretParams | bool:
     return pltpu.InterpretParams(out_of_bounds_reads="raise", uninitialized_memory="nan")
 
 
+def varying_axes(*arrays: Any) -> frozenset[str]:
+    """The manual mesh axes (inside `shard_map`) over which any of `arrays` varies."""
+    return frozenset().union(*(jax.typeof(a).manual_axis_type.varying
+                               for a in jax.tree_util.tree_leaves(arrays)))
+
+
 def _varying_like(out_shape: Any, args: Sequence[Any]) -> Any:
     """`out_shape` with the manual axes its inputs vary over (inside `shard_map`): a kernel's
     output differs per device exactly where one of its inputs does."""
-    varying = frozenset().union(*(jax.typeof(a).manual_axis_type.varying
-                                  for a in jax.tree_util.tree_leaves(args)))
-    mat = jax.sharding.ManualAxisType(varying=varying)
+    mat = jax.sharding.ManualAxisType(varying=varying_axes(*args))
     return jax.tree_util.tree_map(
         lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, manual_axis_type=mat), out_shape)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["Default", "TABLE", "PLATFORMS", "default"]
+__all__ = ["Default", "TABLE", "PLATFORMS", "KERNEL_OF_PLATFORM", "default"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,8 +25,9 @@ class Default:
     evidence: str  # "bench/records/<device kind>.json" or "design: <why>"
 
 
-# jax.default_backend() -> the table's platform.
+# jax.default_backend() (or a device's platform) -> the table's platform, and its kernel.
 PLATFORMS = {"gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}
+KERNEL_OF_PLATFORM = {"gpu": "triton", "tpu": "mosaic"}
 
 # Public op names -> the op family an entry covers.
 _FAMILY = {"layer_norm": "normalize", "rms_norm": "normalize"}

@@ -149,12 +149,13 @@ def match_varying(*operands: Any) -> tuple[Any, ...]:
     """Inside `shard_map`: every operand varying over the union of the operands' manual axes
     (a no-op elsewhere). A kernel's outputs vary like its inputs, and `custom_vjp` needs each
     cotangent typed like its primal; JAX transposes the cast to a psum over devices."""
-    varying = frozenset().union(*(jax.typeof(x).manual_axis_type.varying
-                                  for x in operands if x is not None))
-    return tuple(x if x is None or not varying - jax.typeof(x).manual_axis_type.varying
-                 else lax.pcast(x, tuple(sorted(varying - jax.typeof(x).manual_axis_type.varying)),
-                                to="varying")
-                 for x in operands)
+    varying = _pallas.varying_axes(*(x for x in operands if x is not None))
+
+    def cast(x):
+        missing = varying - _pallas.varying_axes(x)
+        return lax.pcast(x, tuple(sorted(missing)), to="varying") if missing else x
+
+    return tuple(None if x is None else cast(x) for x in operands)
 
 
 def _with_present(present: tuple[bool, ...], arrays: Sequence[Any]) -> list[Any]:
@@ -182,7 +183,7 @@ def _in_manual_context(operands: Sequence[Any]) -> bool:
     mesh = jax.sharding.get_abstract_mesh()
     if not mesh.empty and any(t == AxisType.Manual for t in mesh.axis_types):
         return True
-    return any(jax.typeof(x).manual_axis_type.varying for x in operands)
+    return bool(_pallas.varying_axes(*operands))
 
 
 def partitioned(fn: Callable[..., Any], rule: Rule, factors: Factors) -> Callable[..., Any]:
@@ -301,7 +302,7 @@ def dims_of(x: jax.Array) -> Dims:
 def like(cotangent: Any, primal: jax.Array) -> Any:
     """`cotangent` with `primal`'s sharding where that is part of the type (Explicit axes):
     a custom_vjp's cotangent must be typed like its primal."""
-    if cotangent is None or _explicit_mesh([primal]) is None and _explicit_mesh([cotangent]) is None:
+    if cotangent is None or _explicit_mesh([primal, cotangent]) is None:
         return cotangent
     want = jax.typeof(primal).sharding
     if jax.typeof(cotangent).sharding.spec == want.spec:

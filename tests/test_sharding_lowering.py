@@ -18,8 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 import kernels
 from kernels import _targets
-from kernels._pallas import MOSAIC_CALL_MARKER, TRITON_CALL_MARKER
-from tests.support import assert_lowers
+from tests.support import MARKER, assert_lowers
 
 
 
@@ -79,9 +78,8 @@ def test_kernels_lower_per_shard(case, implementation):
     mesh = _mesh(implementation)
     text = assert_lowers(make(implementation), *(make_operand(mesh) for make_operand in operands),
                          implementation=implementation)
-    marker = TRITON_CALL_MARKER if implementation == "triton" else MOSAIC_CALL_MARKER
     assert "sdy.manual_computation" in text or "shard_map" in text
-    shapes = _kernel_operand_shapes(text, marker)
+    shapes = _kernel_operand_shapes(text, MARKER[implementation])
     sizes = [math.prod(shape) for shape in shapes]
     for expected in block_shapes:  # each sharded operand reaches the kernel as one block
         assert math.prod(expected) in sizes, (shapes, expected)

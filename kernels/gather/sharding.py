@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from kernels.gather.common import fill_bits, normalize_row, scatter_targets
-from kernels.partition import Layout, Plan, reduction
+from kernels.partition import Axes, Layout, Plan, reduction
 
 
 def _owner(layout: Layout, vocab: tuple[str, ...], n_local: int, row: jax.Array,
@@ -39,22 +39,31 @@ def _sum_owned(partial: jax.Array, vocab: tuple[str, ...]) -> jax.Array:
                                     partial.dtype)
 
 
+def _split(p: Any, layout: Layout, batch: Axes, indices: Axes, columns: Axes, vocab: Axes):
+    """The mesh axes kept on the batch, index, column and vocab dims (in that order of
+    preference when two share an axis), and one device's problem."""
+    used: set[str] = set()
+    batch = layout.fit(p.batch, batch, used)
+    columns = layout.fit(p.columns, columns, used)
+    indices = layout.fit(p.num_indices, indices, used)
+    vocab = layout.fit(p.n, vocab, used)
+    local = p._replace(batch=p.batch // layout.size(batch),
+                       columns=p.columns // layout.size(columns),
+                       num_indices=p.num_indices // layout.size(indices),
+                       n=p.n // layout.size(vocab))
+    return batch, indices, columns, vocab, local
+
+
 def gather_factors(static: Any, shapes: tuple) -> str:
     return "b n c, m -> b m c"
 
 
 def gather_rule(gather: Any, static: Any, layout: Layout) -> Plan:
-    (table_shape, _), (table_dims, index_dims) = layout.shapes, layout.dims
+    table_dims, index_dims = layout.dims
     p = static.problem
-    used: set[str] = set()
-    batch = layout.fit(p.batch, table_dims[0], used)
-    columns = layout.fit(p.columns, table_dims[2], used)
-    indices = layout.fit(p.num_indices, index_dims[0], used)
-    vocab = layout.fit(p.n, table_dims[1], used)
-    n_local = p.n // layout.size(vocab)
-    local_problem = p._replace(batch=p.batch // layout.size(batch),
-                               columns=p.columns // layout.size(columns),
-                               num_indices=p.num_indices // layout.size(indices), n=n_local)
+    batch, indices, columns, vocab, local_problem = _split(
+        p, layout, table_dims[0], index_dims[0], table_dims[2], table_dims[1])
+    n_local = local_problem.n
     if vocab:  # rows owned elsewhere gather zero bits
         local_problem = local_problem._replace(mode="fill", fill=fill_bits(0, p.dtype))
     local_static = static._replace(problem=local_problem)
@@ -78,18 +87,13 @@ def scatter_factors(static: Any, shapes: tuple) -> str:
 
 
 def scatter_rule(scatter_add: Any, static: Any, layout: Layout) -> Plan:
-    (g_dims, index_dims) = layout.dims
+    g_dims, index_dims = layout.dims
     p = static.problem
-    used: set[str] = set()
-    batch = layout.fit(p.batch, g_dims[0], used)
-    columns = layout.fit(p.columns, g_dims[2], used)
-    indices = layout.fit(p.num_indices, g_dims[1] or index_dims[0], used)
     wanted = layout.requested[0][1] if layout.requested else static.table_axes
-    vocab = layout.fit(p.n, wanted, used)
-    n_local = p.n // layout.size(vocab)
-    local_static = static._replace(problem=p._replace(
-        batch=p.batch // layout.size(batch), columns=p.columns // layout.size(columns),
-        num_indices=p.num_indices // layout.size(indices), n=n_local))
+    batch, indices, columns, vocab, local_problem = _split(
+        p, layout, g_dims[0], g_dims[1] or index_dims[0], g_dims[2], wanted)
+    n_local = local_problem.n
+    local_static = static._replace(problem=local_problem)
     if vocab:  # targets owned elsewhere are dropped here
         local_static = local_static._replace(scatter_mode="drop")
     out_dims = [batch, vocab, columns]

@@ -51,6 +51,15 @@ def _local_static(static: Any, layout: Layout, view: Dims) -> Any:
     return static._replace(problem=p._replace(outer=sizes[0], groups=groups, reduced=reduced))
 
 
+def _shards(static: Any, layout: Layout):
+    """What both rules derive from the layout: the view's, statistics' and parameters' dims,
+    the axes of the group shards, the per-device static, and the mesh axes of the normalized
+    axis (empty when each device holds whole groups)."""
+    view, stats, params, shards = _view_axes(static, layout)
+    reduced = view[2 if static.problem.rows else 1]
+    return view, stats, params, shards, _local_static(static, layout, view), reduced
+
+
 def _factors(p: Any) -> tuple[str, str, str]:
     """Factor names of the view, the statistics and scale/offset."""
     if p.rows:
@@ -65,10 +74,8 @@ def forward_factors(static: Any, shapes: tuple) -> str:
 
 
 def forward_rule(forward: Any, static: Any, layout: Layout) -> Plan:
-    view, stats, params, _ = _view_axes(static, layout)
+    view, stats, params, _, local_static, reduced = _shards(static, layout)
     p = static.problem
-    local_static = _local_static(static, layout, view)
-    reduced = view[2 if p.rows else 1]
     in_dims = (view, *(None if shape is None else params for shape in layout.shapes[1:]))
 
     def local(x, scale, offset):
@@ -107,10 +114,8 @@ def backward_factors(static: Any, shapes: tuple) -> str:
 
 
 def backward_rule(backward: Any, static: Any, layout: Layout) -> Plan:
-    view, stats, params, shards = _view_axes(static, layout)
+    view, stats, params, shards, local_static, reduced = _shards(static, layout)
     p = static.problem
-    local_static = _local_static(static, layout, view)
-    reduced = view[2 if p.rows else 1]
     sum_shards = Reduction(shards)  # dscale/doffset: partial sums over the group shards
     has_scale = layout.shapes[1] is not None
     in_dims = (view, params if has_scale else None, stats, stats, view, stats, stats)
