@@ -428,6 +428,8 @@ def _cases() -> dict[str, list[Case]]:
             _normalize_case("rms_norm", (512, 16384), f32),
             _normalize_case("normalize", (4096, 8192), bf16, axis=0),
             _normalize_case("normalize", (10000, 100), f32, axis=0, params=False, epsilon=0.0),
+            _normalize_case("normalize", (1048576, 64), f32, axis=0),
+            _normalize_case("normalize", (32, 56, 56, 256), bf16, axis=(0, 1, 2)),
             _normalize_case("normalize", (8, 64, 4096), f32, axis=(0, 2)),
             _normalize_case("layer_norm", (7, 129), f32),
         ],

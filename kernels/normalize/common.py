@@ -44,8 +44,9 @@ class NormalizeConfig:
         program (Triton) or grid step (Mosaic) normalizes together.
     block_reduced: elements of each group read per chunk; a group longer than this is looped
         over in chunks (its statistics merged across chunks, Chan et al.'s parallel variance).
-    num_partials: Triton backward only: programs per outer slab, each accumulating one partial
-        sum of dscale/doffset over the row blocks it walks (reduced afterwards, no atomics).
+    num_partials: Triton backward only: programs per outer slab and chunk, each accumulating
+        one partial sum of dscale/doffset over the group blocks it walks (reduced afterwards,
+        no atomics); by default enough for two waves of the GPU.
     num_warps, num_stages: Triton only; compiler params.
     """
 
@@ -157,6 +158,21 @@ def merge_moments(a: Moments, b: Moments, p: Problem) -> Moments:
     delta = b.mean - a.mean
     weight = b.count / count
     return Moments(count, a.mean + delta * weight, a.m2 + b.m2 + delta * delta * a.count * weight)
+
+
+def merge_split_moments(means: jax.Array, m2s: jax.Array, counts: jax.Array,
+                        p: Problem) -> Moments:
+    """Moments of whole groups from those of disjoint splits of each group, stacked along the
+    view's reduced axis (Chan et al.'s merge, all splits at once: the spread of the split means
+    about the overall mean is added to the splits' own M2)."""
+    axis = 2 if p.rows else 1
+    m2 = jnp.sum(m2s, axis=axis, keepdims=True)
+    count = jnp.sum(counts, axis=axis, keepdims=True)
+    if not p.subtract_mean:
+        return Moments(count, jnp.zeros_like(m2), m2)
+    mean = jnp.sum(counts * means, axis=axis, keepdims=True) / count
+    spread = jnp.sum(counts * (means - mean) ** 2, axis=axis, keepdims=True)
+    return Moments(count, mean, m2 + spread)
 
 
 def mean_and_rstd(m: Moments, p: Problem) -> tuple[jax.Array, jax.Array]:
