@@ -13,6 +13,7 @@ spills (Triton) or planned VMEM (Mosaic).
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from collections.abc import Iterator
 
@@ -60,12 +61,11 @@ def _row(case, eqn, target, compile_kernels: bool) -> dict:
            "flops": cost.flops if cost else None, "op_flops": _op_flops(case),
            "bytes": cost.bytes_accessed if cost else None, "min_bytes": min_bytes,
            "resources": "not compiled"}
-    if compile_kernels:
-        try:
-            r = report(eqn, target)
-        except ImportError as error:  # the compilers come with the `test` extra
-            row["resources"] = f"not compiled ({error.name} not installed)"
-            return row
+    compiler = "triton" if target.platform == "gpu" else "libtpu"
+    if compile_kernels and importlib.util.find_spec(compiler) is None:
+        row["resources"] = f"not compiled: {compiler} is not installed (the test extra)"
+    elif compile_kernels:
+        r = report(eqn, target)
         if not r.compiled:
             row["resources"] = f"FAIL {r.error}"
         elif r.shared_limit is not None:
