@@ -19,8 +19,9 @@ from collections.abc import Iterator
 
 import jax.numpy as jnp
 
+from bench.harness import aligned
 from kernels import _targets
-from kernels.compile import CASES, implementation_for, pallas_calls, report
+from kernels.compile import CASES, implementation_for, pallas_calls, report, resources
 
 TARGETS = ("sm_90", "v5e")
 
@@ -66,13 +67,7 @@ def _row(case, eqn, target, compile_kernels: bool) -> dict:
         row["resources"] = f"not compiled: {compiler} is not installed (the test extra)"
     elif compile_kernels:
         r = report(eqn, target)
-        if not r.compiled:
-            row["resources"] = f"FAIL {r.error}"
-        elif r.shared_limit is not None:
-            row["resources"] = (f"smem {r.shared_bytes // 1024} KiB, {r.registers} regs, "
-                                f"{r.spill_bytes} B spill, {r.num_warps} warps")
-        else:
-            row["resources"] = f"VMEM {r.vmem_planned / 2**20:.1f} of {r.vmem_limit / 2**20:.0f} MiB"
+        row["resources"] = resources(r) if r.compiled else f"FAIL {r.error}"
     return row
 
 
@@ -87,22 +82,16 @@ def _megabytes(value) -> str:
 def table(design_rows: list[dict]) -> str:
     header = ["op", "case", "target", "kernel", "grid", "programs", "waves/steps",
               "flops vs op", "HBM MB est.", "operands MB", "compiled"]
-    cells = [header]
-    for r in design_rows:
-        cells.append([r["op"], r["case"], r["target"], r["kernel"], r["grid"],
-                      str(r["programs"]),
-                      f"{r['waves']:.1f} waves" if r["waves"] is not None
-                      else f"{r['programs']} steps",
-                      _ratio(r["flops"], r["op_flops"]), _megabytes(r["bytes"]),
-                      _megabytes(r["min_bytes"]), r["resources"]])
-    widths = [max(len(line[i]) for line in cells) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in cells]
-    lines.insert(1, "-" * len(lines[0]))
-    return "\n".join(lines)
+    cells = [[r["op"], r["case"], r["target"], r["kernel"], r["grid"], str(r["programs"]),
+              f"{r['waves']:.1f} waves" if r["waves"] is not None else f"{r['programs']} steps",
+              _ratio(r["flops"], r["op_flops"]), _megabytes(r["bytes"]),
+              _megabytes(r["min_bytes"]), r["resources"]] for r in design_rows]
+    return aligned(header, cells)
 
 
 LEGEND = ("Design figures (no device needed): waves = programs / 132 SMs of an H100 (under 2 "
           "leaves SMs idle); TPU grid steps run in order on one v5e core. flops vs op: the "
           "kernel's cost estimate over the op's forward flops (a matmul backward kernel needs "
           "the same). HBM MB est.: the bytes the kernel's cost estimate states; operands MB: its "
-          "inputs and outputs, each once (a gather reads only the rows it gathers). compiled: the real compiler's report for that target.")
+          "inputs and outputs, each once (a gather reads only the rows it gathers). compiled: the "
+          "real compiler's report for that target.")

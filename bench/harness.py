@@ -118,11 +118,15 @@ _COLUMNS = [("op", "{}"), ("shape", "{}"), ("dtype", "{}"), ("implementation", "
 
 def table(rows: list[dict]) -> str:
     """Rows as an aligned text table; '-' where a figure does not apply."""
-    cells = [[name for name, _ in _COLUMNS]]
-    for row in rows:
-        cells.append([("-" if row[name] is None else fmt.format(row[name]))
-                      for name, fmt in _COLUMNS])
-    widths = [max(len(line[i]) for line in cells) for i in range(len(_COLUMNS))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in cells]
-    lines.insert(1, "-" * len(lines[0]))
-    return "\n".join(lines)
+    cells = [[("-" if row[name] is None else fmt.format(row[name])) for name, fmt in _COLUMNS]
+             for row in rows]
+    return aligned([name for name, _ in _COLUMNS], cells)
+
+
+def aligned(header: list[str], cells: list[list[str]]) -> str:
+    """A header and rows of strings as left-aligned columns under a rule."""
+    lines = [header, *cells]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    text = ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]
+    text.insert(1, "-" * len(text[0]))
+    return "\n".join(text)

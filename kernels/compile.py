@@ -52,7 +52,7 @@ from kernels._blocks import sublanes  # noqa: E402
 from kernels._pallas import TRITON_CALL_MARKER, lower, on_target  # noqa: E402
 from kernels._targets import TARGETS, Target  # noqa: E402
 
-__all__ = ["KernelReport", "compile_kernels", "report", "pallas_calls", "CASES", "main"]
+__all__ = ["KernelReport", "compile_kernels", "report", "resources", "pallas_calls", "CASES", "main"]
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -463,17 +463,20 @@ CASES = _cases()
 # ----------------------------------------------------------------------------- command line
 
 
-def _row(case: Case, r: KernelReport) -> dict[str, Any]:
+def resources(r: KernelReport) -> str:
+    """A report's resources in one line: Triton's shared memory, registers and spills, or
+    Mosaic's planned VMEM against its limit."""
     if r.shared_limit is not None:
-        resources = (f"smem {r.shared_bytes}/{r.shared_limit} regs {r.registers} "
-                     f"spill {r.spill_bytes} warps {r.num_warps} stages {r.num_stages}"
-                     if r.compiled else "")
-    else:
-        resources = (f"vmem {r.vmem_planned / 2**20:.1f}/{r.vmem_limit / 2**20:.0f} MiB "
-                     "(planned/limit)")
+        return (f"smem {r.shared_bytes}/{r.shared_limit} regs {r.registers} "
+                f"spill {r.spill_bytes} warps {r.num_warps} stages {r.num_stages}"
+                if r.compiled else "")
+    return f"vmem {r.vmem_planned / 2**20:.1f}/{r.vmem_limit / 2**20:.0f} MiB (planned/limit)"
+
+
+def _row(case: Case, r: KernelReport) -> dict[str, Any]:
     return {"op": case.op, "case": case.description, "kernel": r.name, "target": r.target,
             "verdict": "ok" if r.fits else "FAIL", "grid": "x".join(map(str, r.grid)),
-            "resources": resources, "seconds": round(r.seconds, 2), "error": r.error}
+            "resources": resources(r), "seconds": round(r.seconds, 2), "error": r.error}
 
 
 def main(argv: list[str] | None = None) -> int:

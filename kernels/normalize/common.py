@@ -93,6 +93,11 @@ class Problem(NamedTuple):
         """The reduced axis of a 2-D tile."""
         return 1 if self.rows else 0
 
+    @property
+    def view_reduce_axis(self) -> int:
+        """The reduced axis of the 3-D view (and of the statistics, where it has size 1)."""
+        return 2 if self.rows else 1
+
     def tile_shape(self, block_groups: int, block_reduced: int) -> tuple[int, int]:
         return (block_groups, block_reduced) if self.rows else (block_reduced, block_groups)
 
@@ -165,7 +170,7 @@ def merge_split_moments(means: jax.Array, m2s: jax.Array, counts: jax.Array,
     """Moments of whole groups from those of disjoint splits of each group, stacked along the
     view's reduced axis (Chan et al.'s merge, all splits at once: the spread of the split means
     about the overall mean is added to the splits' own M2)."""
-    axis = 2 if p.rows else 1
+    axis = p.view_reduce_axis
     m2 = jnp.sum(m2s, axis=axis, keepdims=True)
     count = jnp.sum(counts, axis=axis, keepdims=True)
     if not p.subtract_mean:
@@ -231,7 +236,7 @@ def backward_jnp(p: Problem, x, scale, mean, rstd, gy, gmean, grstd, total=lambd
     sums over the devices (a psum) and `p` is the whole problem (its `reduced` counts them all).
     Returns (dx, dscale, doffset) as the kernels do; dscale/doffset are None when absent.
     """
-    axis = 2 if p.rows else 1
+    axis = p.view_reduce_axis
     dtype = p.stat_dtype
     xhat = normalized(x.astype(dtype), mean, rstd, p)
     g = gy.astype(dtype)

@@ -221,10 +221,6 @@ def _moments(tiles: _Tiles, x_ref, outer, chunk, p: Problem) -> common.Moments:
     return common.chunk_moments(x, tiles.mask(chunk), p)
 
 
-def _merge_moments(p: Problem):
-    return lambda a, b: common.Moments(*common.merge_moments(a, b, p))
-
-
 def _write_y(tiles: _Tiles, refs, outer, chunk, x, mean, rstd, p: Problem) -> None:
     """Normalizes tile `x` of `chunk`, applies scale/offset and stores it in y."""
     scale_ref, offset_ref, y_ref = refs
@@ -247,7 +243,7 @@ def _forward_kernel(*refs, p: Problem, config: NormalizeConfig, s: Schedule):
         write(0, x, mean, rstd)
     else:
         moments = _fold(0, s.num_chunks, lambda c: _moments(tiles, x_ref, outer, c, p),
-                        _merge_moments(p))
+                        functools.partial(common.merge_moments, p=p))
         mean, rstd = common.mean_and_rstd(moments, p)
 
         def write_chunk(chunk, carry):
@@ -264,7 +260,7 @@ def _moments_kernel(x_ref, means_ref, m2s_ref, *, p: Problem, config: NormalizeC
     outer, split = pl.program_id(0), pl.program_id(2)
     tiles = _Tiles(p, config, pl.program_id(1))
     moments = _fold(*_split_range(s), lambda c: _moments(tiles, x_ref, outer, c, p),
-                    _merge_moments(p))
+                    functools.partial(common.merge_moments, p=p))
     tiles.store_stats(means_ref, outer, moments.mean, split)
     tiles.store_stats(m2s_ref, outer, moments.m2, split)
 
@@ -414,7 +410,7 @@ def backward(x, scale, mean, rstd, gy, gmean, grstd, p: Problem, *,
             (p.outer, s.num_blocks, s.splits), (_split_shape(p, s),) * 2, _reads(p, 2, 6, s),
             "normalize_sums_triton", interpret,
         )(*[a for a in (x, scale, mean, rstd, gy) if a is not None])
-        args += [jnp.sum(a, axis=2 if p.rows else 1, keepdims=True) for a in split_sums]
+        args += [jnp.sum(a, axis=p.view_reduce_axis, keepdims=True) for a in split_sums]
     partial = jax.ShapeDtypeStruct((p.outer * partials, p.reduced), p.stat_dtype)
     out_shape = (jax.ShapeDtypeStruct(p.view_shape, p.dtype),) + (partial,) * (
         p.has_scale + p.has_offset)
