@@ -419,12 +419,14 @@ def _cases() -> dict[str, list[Case]]:
             _design(_matmul_case((4096, 4096), (4096, 4096), bf16)),
             _matmul_case((8192, 4096), (4096, 1024), f32),
             _design(_matmul_case((8192, 4096), (4096, 1024), bf16)),
+            _design(_matmul_case((16, 4096), (4096, 4096), bf16)),  # decode: split K
             _matmul_case((129, 65), (65, 257), f32),
             _matmul_case((8, 1000, 1000), (8, 1000, 1000), bf16),
             _matmul_case((7, 5), (5, 13), f32),
         ],
         "conv2d": [
             _design(_conv_case((32, 56, 56, 64), (3, 3, 64, 64), bf16)),
+            _design(_conv_case((32, 56, 56, 64), (1, 1, 64, 256), bf16)),
             _design(_conv_case((32, 28, 28, 128), (3, 3, 128, 256), bf16, stride=2)),
             _design(_conv_case((32, 112, 112, 32), (3, 3, 1, 32), bf16, feature_group_count=32)),
             _conv_case((8, 64, 64, 128), (3, 3, 128, 128), f32),

@@ -56,7 +56,8 @@ import numpy as np
 from jax import lax
 
 from kernels import _targets
-from kernels._blocks import check_triton_config, int32_loop, is_power_of_2, next_power_of_2
+from kernels._blocks import (Split, check_triton_config, int32_loop, is_positive_int,
+                             is_power_of_2, next_power_of_2, split_reduction)
 from kernels._pallas import pl, triton_call, triton_load, triton_store
 from kernels.normalize import common
 from kernels.normalize.common import NormalizeConfig, Problem, unpack_refs
@@ -100,9 +101,7 @@ def check(p: Problem, config: NormalizeConfig | None) -> None:
         return  # nothing to launch: the wrapper returns the empty result itself
     config = resolve_config(p, config)
     check_triton_config(config, ("block_reduced", "block_groups"), min_block=1)
-    if config.num_partials is not None and (
-            not isinstance(config.num_partials, int) or isinstance(config.num_partials, bool)
-            or config.num_partials < 1):
+    if config.num_partials is not None and not is_positive_int(config.num_partials):
         raise ValueError(f"config.num_partials must be a positive int, got "
                          f"{config.num_partials!r}")
 
@@ -121,12 +120,8 @@ def schedule(p: Problem, config: NormalizeConfig) -> Schedule:
     reads x once from HBM, the two phases twice, so one wave of fused programs wins."""
     num_blocks = pl.cdiv(p.groups, config.block_groups)
     num_chunks = pl.cdiv(p.reduced, config.block_reduced)
-    target = _targets.current("gpu")
-    fused_programs = p.outer * num_blocks
-    wanted = (1 if fused_programs >= target.num_sms
-              else pl.cdiv(target.min_programs, fused_programs))
-    per_split = max(1, num_chunks // wanted)
-    return Schedule(num_blocks, num_chunks, pl.cdiv(num_chunks, per_split), per_split)
+    split = split_reduction(p.outer * num_blocks, num_chunks)
+    return Schedule(num_blocks, num_chunks, split.splits, split.per_split)
 
 
 def num_partials(p: Problem, config: NormalizeConfig, s: Schedule) -> int:
@@ -212,8 +207,7 @@ def _fold(first, count, chunk_value, merge):
 
 def _split_range(s: Schedule):
     """(first chunk, chunk count) of this program's split (grid axis 2)."""
-    first = pl.program_id(2) * s.per_split
-    return first, jnp.minimum(s.per_split, s.num_chunks - first)
+    return Split(s.splits, s.per_split).range_of(pl.program_id(2), s.num_chunks)
 
 
 def _moments(tiles: _Tiles, x_ref, outer, chunk, p: Problem) -> common.Moments:
