@@ -17,6 +17,7 @@ from pathlib import Path
 import jax
 
 from bench import conv2d as conv2d_bench
+from bench import design
 from bench import gather as gather_bench
 from bench import harness
 from bench import matmul as matmul_bench
@@ -41,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="also write all rows to PATH")
     parser.add_argument("--no-interpret", action="store_true",
                         help="skip the interpreted correctness rows on a CPU")
+    parser.add_argument("--no-design", action="store_true",
+                        help="skip the design figures (kernel launches worked out for an H100 "
+                             "and a TPU v5e, compiled by the real back ends)")
     parser.add_argument("--record", action="store_true",
                         help="on a GPU or TPU, write the rows to bench/records/<device kind>.json "
                              "(the evidence kernels/defaults.py cites)")
@@ -74,7 +78,11 @@ def main(argv: list[str] | None = None) -> int:
     print(harness.table(rows))
     print("floor_*_us: roofline floor on that device from the op's flop and byte counts "
           "(max of compute time and memory time).\nRows marked (interpret) run the GPU/TPU "
-          "kernel code in Pallas interpret mode on this CPU: correctness rows, not speed.")
+          "kernel code in Pallas interpret mode on this CPU: correctness rows, not speed; their "
+          "vs_xla is the cost of interpreting the kernel on a CPU.")
+    if not args.no_design:
+        print("\n" + design.LEGEND, flush=True)
+        print(design.table(list(design.rows(ops))), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

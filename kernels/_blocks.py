@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 from jax import lax
@@ -12,14 +12,27 @@ from kernels import _targets
 
 LANES = 128  # the last dim of a TPU memory tile
 MIN_TRITON_DOT = 16  # Triton's dot needs every tile dim >= 16
+# A split reduction of fewer steps than this leaves a GPU's software pipeline (num_stages deep)
+# mostly filling and draining.
+MIN_PIPELINED_STEPS = 4
 
 
 def next_power_of_2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def triton_block(dim: int, cap: int) -> int:
+    """A Triton block over `dim`: the power of 2 covering it, at least 16 (the dot's minimum),
+    at most `cap`."""
+    return min(cap, max(MIN_TRITON_DOT, next_power_of_2(dim)))
+
+
+def is_positive_int(n: object) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n > 0
+
+
 def is_power_of_2(n: object) -> bool:
-    return isinstance(n, int) and not isinstance(n, bool) and n > 0 and n & (n - 1) == 0
+    return is_positive_int(n) and n & (n - 1) == 0
 
 
 def sublanes(dtype: Any) -> int:
@@ -39,8 +52,7 @@ def check_triton_config(config: Any, block_fields: Iterable[str],
                              f"got {value!r}")
     if not is_power_of_2(config.num_warps) or config.num_warps > 32:
         raise ValueError(f"config.num_warps must be a power of 2 <= 32, got {config.num_warps!r}")
-    if (not isinstance(config.num_stages, int) or isinstance(config.num_stages, bool)
-            or config.num_stages < 1):
+    if not is_positive_int(config.num_stages):
         raise ValueError(f"config.num_stages must be a positive int, got {config.num_stages!r}")
 
 
@@ -80,6 +92,58 @@ def require_int32_offsets(**sizes: int) -> None:
         if size >= 2**31:
             raise NotImplementedError(f"{name} has {size} elements; the kernel's int32 offsets "
                                       "cover fewer than 2**31")
+
+
+def fill_sms(block_rows: int, block_cols: int, programs: Callable[[int, int], int],
+             min_block: int = 64) -> tuple[int, int]:
+    """Output tile (block_rows, block_cols) of a GPU kernel, its longer side halved (down to
+    `min_block`: one warpgroup's MMA rows on sm_90) while `programs(rows, cols)` leaves some
+    of the target's SMs without a program. Smaller tiles before split reductions: they cost
+    no extra traffic."""
+    num_sms = _targets.current("gpu").num_sms
+    while programs(block_rows, block_cols) < num_sms and max(block_rows, block_cols) > min_block:
+        if block_rows >= block_cols:
+            block_rows //= 2
+        else:
+            block_cols //= 2
+    return block_rows, block_cols
+
+
+class Split(NamedTuple):
+    """A reduction of `num_steps` sequential steps cut into `splits` ranges of `per_split`
+    steps (the last may be shorter), each run by its own program."""
+
+    splits: int
+    per_split: int
+
+    def range_of(self, split: Any, num_steps: int) -> tuple[Any, Any]:
+        """(first step, number of steps) of split `split` (a program id)."""
+        first = split * self.per_split
+        return first, jnp.minimum(self.per_split, num_steps - first)
+
+
+def max_splits(operand_bytes: int, partial_bytes: int) -> int:
+    """Splits whose float32 partials (`partial_bytes` each, written and read back to be
+    summed) cost at most half the operands' own traffic: a split must not turn a compute-bound
+    kernel into a memory-bound one."""
+    return operand_bytes // max(1, 2 * 2 * partial_bytes)
+
+
+def split_reduction(programs: int, num_steps: int, *, min_steps: int = 1,
+                    max_splits: int | None = None) -> Split:
+    """How to split a reduction that `programs` GPU programs each run whole, `num_steps` steps
+    long: not at all when the programs already give every SM of the target one, else into
+    enough splits of at least `min_steps` steps for two waves (`Target.min_programs`), at most
+    `max_splits` (a caller's bound on the partial results' extra traffic). Split-K of a matmul,
+    the pixel splits of conv2d's weight gradient and normalize's split statistics all use it."""
+    target = _targets.current("gpu")
+    if programs >= target.num_sms or num_steps <= min_steps:
+        return Split(1, num_steps)
+    wanted = -(-target.min_programs // programs)
+    per_split = max(min_steps, num_steps // wanted)
+    if max_splits is not None:
+        per_split = max(per_split, -(-num_steps // max(1, max_splits)))
+    return Split(-(-num_steps // per_split), per_split)
 
 
 def int32_loop(num: Any, body: Callable[[Any, Any], Any], init: Any) -> Any:

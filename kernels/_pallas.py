@@ -14,7 +14,10 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax import lax
+from jax._src.state import indexing as state_indexing
+from jax._src.state import types as state_types
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plt
@@ -40,8 +43,43 @@ __all__ = [
 TRITON_CALL_MARKER = "__gpu$xla.gpu.triton"
 MOSAIC_CALL_MARKER = "tpu_custom_call"
 
-triton_load = plt.load
-triton_store = plt.store
+def _as_index_arrays(ref: Any) -> Any:
+    """`ref.at[...]` of slices (and scalars) as the same tile indexed by int arrays.
+
+    A Triton kernel computes the same pointers either way (start + iota per dim), and the
+    compilers see the same contiguity; but Pallas' interpreter pads and unpads the whole array
+    around every sliced store (and pads for every sliced load) so a slice may pass the edge,
+    which makes each interpreted program cost O(array), while index arrays become a gather or
+    scatter of the tile (out-of-bounds lanes are masked, and a scatter drops them anyway).
+    """
+    if not isinstance(ref, state_types.TransformedRef) or len(ref.transforms) != 1:
+        return ref
+    (indexer,) = ref.transforms
+    if not isinstance(indexer, state_indexing.NDIndexer) or any(
+            not isinstance(i, state_indexing.Slice) and jnp.ndim(i) for i in indexer.indices):
+        return ref
+    slices = [i for i in indexer.indices if isinstance(i, state_indexing.Slice)]
+    indices, dim = [], 0
+    for index in indexer.indices:
+        if isinstance(index, state_indexing.Slice):
+            shape = [1] * len(slices)
+            shape[dim] = index.size
+            positions = index.start + index.stride * jnp.arange(index.size, dtype=jnp.int32)
+            indices.append(positions.reshape(shape))
+            dim += 1
+        else:
+            indices.append(index)
+    return ref.ref.at[tuple(indices)]
+
+
+def triton_load(ref: Any, **kwargs: Any) -> jax.Array:
+    """`plt.load` of a tile (see `_as_index_arrays`)."""
+    return plt.load(_as_index_arrays(ref), **kwargs)
+
+
+def triton_store(ref: Any, value: jax.Array, **kwargs: Any) -> None:
+    """`plt.store` of a tile (see `_as_index_arrays`)."""
+    plt.store(_as_index_arrays(ref), value, **kwargs)
 
 
 def mosaic_precision(precision: Any) -> Any:

@@ -36,6 +36,13 @@ class Target:
     scoped_vmem: int | None = None
     topology: tuple[tuple[str, str], ...] = ()  # keyword arguments of get_topology_desc
     num_cores: int | None = None
+    num_sms: int | None = None  # GPU streaming multiprocessors: programs run one wave at a time
+
+    @property
+    def min_programs(self) -> int:
+        """Programs a GPU kernel should launch to keep its SMs busy: two waves or more keep
+        at least two thirds of them working on average, however ragged the last wave."""
+        return 2 * self.num_sms
 
     @property
     def vmem_budget(self) -> int:
@@ -46,9 +53,9 @@ class Target:
 
 TARGETS = {
     "sm_90": Target("sm_90", "gpu", "NVIDIA H100 80GB HBM3", compute_capability=90,
-                    shared_memory=232_448),
+                    shared_memory=232_448, num_sms=132),
     "sm_80": Target("sm_80", "gpu", "NVIDIA A100-SXM4-80GB", compute_capability=80,
-                    shared_memory=166_912),
+                    shared_memory=166_912, num_sms=108),
     "v5e": Target("v5e", "tpu", "TPU v5 lite", vmem=128 * MIB, scoped_vmem=16 * MIB,
                   topology=(("topology_name", "v5e:1x1"),), num_cores=1),
     "v6e": Target("v6e", "tpu", "TPU v6 lite", vmem=128 * MIB, scoped_vmem=32 * MIB,

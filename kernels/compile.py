@@ -52,7 +52,7 @@ from kernels._blocks import sublanes  # noqa: E402
 from kernels._pallas import TRITON_CALL_MARKER, lower, on_target  # noqa: E402
 from kernels._targets import TARGETS, Target  # noqa: E402
 
-__all__ = ["KernelReport", "compile_kernels", "pallas_calls", "CASES", "main"]
+__all__ = ["KernelReport", "compile_kernels", "report", "resources", "pallas_calls", "CASES", "main"]
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -318,8 +318,13 @@ def compile_kernels(fn: Callable[..., Any], *args: Any, target: str,
     report per distinct kernel; a compiler error becomes a report's `error`, not an exception.
     """
     chosen = TARGETS[target]
-    report = _triton_report if chosen.platform == "gpu" else _mosaic_report
     return [report(eqn, chosen, timeout_s) for eqn in pallas_calls(fn, *args, target=chosen)]
+
+
+def report(eqn, target: Target, timeout_s: float | None = DEFAULT_TIMEOUT_S) -> KernelReport:
+    """Compiles one `pallas_call` equation (from `pallas_calls`) for `target`."""
+    compile_one = _triton_report if target.platform == "gpu" else _mosaic_report
+    return compile_one(eqn, target, timeout_s)
 
 
 def implementation_for(target: str) -> str:
@@ -338,6 +343,7 @@ class Case:
     description: str
     args: tuple[jax.ShapeDtypeStruct, ...]
     call: Callable[..., Any]
+    design: bool = False  # one of the device-sized shapes the bench's design figures show
 
     def function(self, implementation: str) -> Callable[..., Any]:
         def forward_and_backward(*arrays):
@@ -397,22 +403,32 @@ def _gather_case(table_shape, num_ids, dtype, axis=0, mode=None) -> Case:
                                                   implementation=impl, interpret=False))
 
 
+def _design(case: Case) -> Case:
+    return dataclasses.replace(case, design=True)
+
+
 def _cases() -> dict[str, list[Case]]:
-    """The bench's device shapes, the shapes of models people train, and odd small ones."""
+    """The bench's device shapes, the shapes of models people train, and odd small ones;
+    `_design` marks those the bench's design figures show."""
     bf16, f32 = jnp.bfloat16, jnp.float32
     return {
         "matmul": [
-            *(_matmul_case((m, k), (k, n), dtype)
-              for m, n, k in ((1024, 1024, 1024), (4096, 4096, 4096), (8192, 1024, 4096))
-              for dtype in (f32, bf16)),
+            _design(_matmul_case((1024, 1024), (1024, 1024), f32)),
+            _matmul_case((1024, 1024), (1024, 1024), bf16),
+            _matmul_case((4096, 4096), (4096, 4096), f32),
+            _design(_matmul_case((4096, 4096), (4096, 4096), bf16)),
+            _matmul_case((8192, 4096), (4096, 1024), f32),
+            _design(_matmul_case((8192, 4096), (4096, 1024), bf16)),
+            _design(_matmul_case((16, 4096), (4096, 4096), bf16)),  # decode: split K
             _matmul_case((129, 65), (65, 257), f32),
             _matmul_case((8, 1000, 1000), (8, 1000, 1000), bf16),
             _matmul_case((7, 5), (5, 13), f32),
         ],
         "conv2d": [
-            _conv_case((32, 56, 56, 64), (3, 3, 64, 64), bf16),
-            _conv_case((32, 28, 28, 128), (3, 3, 128, 256), bf16, stride=2),
-            _conv_case((32, 112, 112, 32), (3, 3, 1, 32), bf16, feature_group_count=32),
+            _design(_conv_case((32, 56, 56, 64), (3, 3, 64, 64), bf16)),
+            _design(_conv_case((32, 56, 56, 64), (1, 1, 64, 256), bf16)),
+            _design(_conv_case((32, 28, 28, 128), (3, 3, 128, 256), bf16, stride=2)),
+            _design(_conv_case((32, 112, 112, 32), (3, 3, 1, 32), bf16, feature_group_count=32)),
             _conv_case((8, 64, 64, 128), (3, 3, 128, 128), f32),
             _conv_case((8, 64, 64, 128), (3, 3, 128, 128), bf16),
             _conv_case((8, 64, 64, 128), (3, 3, 128, 256), f32, stride=2),
@@ -421,18 +437,20 @@ def _cases() -> dict[str, list[Case]]:
             _conv_case((1, 9, 17, 8), (3, 3, 8, 16), f32, stride=2),
         ],
         "normalize": [
-            _normalize_case("layer_norm", (8192, 1024), bf16),
-            _normalize_case("layer_norm", (4096, 8192), bf16),
+            _design(_normalize_case("layer_norm", (8192, 1024), bf16)),
+            _design(_normalize_case("layer_norm", (4096, 8192), bf16)),
             _normalize_case("rms_norm", (4096, 8192), bf16),
             _normalize_case("layer_norm", (512, 16384), f32),
             _normalize_case("rms_norm", (512, 16384), f32),
             _normalize_case("normalize", (4096, 8192), bf16, axis=0),
             _normalize_case("normalize", (10000, 100), f32, axis=0, params=False, epsilon=0.0),
+            _design(_normalize_case("normalize", (1048576, 64), f32, axis=0)),
+            _design(_normalize_case("normalize", (32, 56, 56, 256), bf16, axis=(0, 1, 2))),
             _normalize_case("normalize", (8, 64, 4096), f32, axis=(0, 2)),
             _normalize_case("layer_norm", (7, 129), f32),
         ],
         "gather": [
-            _gather_case((32000, 4096), 8192, bf16),
+            _design(_gather_case((32000, 4096), 8192, bf16)),
             _gather_case((32000, 4096), 8192, f32),
             _gather_case((32000, 4096), 8192, bf16, mode="fill"),
             _gather_case((8, 1000, 257), 64, f32, axis=1),
@@ -447,17 +465,20 @@ CASES = _cases()
 # ----------------------------------------------------------------------------- command line
 
 
-def _row(case: Case, r: KernelReport) -> dict[str, Any]:
+def resources(r: KernelReport) -> str:
+    """A report's resources in one line: Triton's shared memory, registers and spills, or
+    Mosaic's planned VMEM against its limit."""
     if r.shared_limit is not None:
-        resources = (f"smem {r.shared_bytes}/{r.shared_limit} regs {r.registers} "
-                     f"spill {r.spill_bytes} warps {r.num_warps} stages {r.num_stages}"
-                     if r.compiled else "")
-    else:
-        resources = (f"vmem {r.vmem_planned / 2**20:.1f}/{r.vmem_limit / 2**20:.0f} MiB "
-                     "(planned/limit)")
+        return (f"smem {r.shared_bytes}/{r.shared_limit} regs {r.registers} "
+                f"spill {r.spill_bytes} warps {r.num_warps} stages {r.num_stages}"
+                if r.compiled else "")
+    return f"vmem {r.vmem_planned / 2**20:.1f}/{r.vmem_limit / 2**20:.0f} MiB (planned/limit)"
+
+
+def _row(case: Case, r: KernelReport) -> dict[str, Any]:
     return {"op": case.op, "case": case.description, "kernel": r.name, "target": r.target,
             "verdict": "ok" if r.fits else "FAIL", "grid": "x".join(map(str, r.grid)),
-            "resources": resources, "seconds": round(r.seconds, 2), "error": r.error}
+            "resources": resources(r), "seconds": round(r.seconds, 2), "error": r.error}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,3 +36,19 @@ def test_record_needs_a_device_and_names_its_file(capsys):
     assert "--record needs a GPU or TPU" in capsys.readouterr().err
     assert record_path("NVIDIA H100 80GB HBM3").name == "nvidia_h100_80gb_hbm3.json"
     assert record_path("TPU v5 lite").parent.name == "records"
+
+
+def test_design_figures_show_programs_against_the_device():
+    """The design table works out every launch for an H100 and a TPU v5e without a device: at
+    the (1M, 64) axis-0 shape each Triton normalize kernel runs two waves of 132 SMs."""
+    from bench import design
+
+    rows = list(design.rows(["normalize"], compile_kernels=False))
+    batch_norm = [r for r in rows if r["case"].startswith("normalize 1048576x64")]
+    assert {r["target"] for r in batch_norm} == {"sm_90", "v5e"}
+    for r in batch_norm:
+        if r["target"] == "sm_90":
+            assert r["programs"] >= 264 and r["waves"] >= 2.0, r
+        assert r["bytes"] > 0 and r["min_bytes"] > 0
+    text = design.table(rows)
+    assert "normalize_moments_triton" in text and "waves" in text and "steps" in text

@@ -211,6 +211,72 @@ def test_gradients_match_reference(implementation, case):
         assert_close(got, expected, jnp.float32, reduction_length=length)
 
 
+def _weight_grad_problem(x_shape, w_shape, dtype, **options):
+    from kernels.conv2d import common
+    from reference.conv2d import geometry
+
+    options = {"stride": 1, "padding": "SAME", "dilation": 1, "feature_group_count": 1,
+               "data_format": "NHWC", **options}
+    g = geometry(x_shape, w_shape, **options)
+    return common.make_problem(x_shape, w_shape, jnp.dtype(dtype), jnp.dtype(dtype), g,
+                               jnp.dtype(dtype))
+
+
+@pytest.mark.parametrize("x_shape,w_shape,options", [
+    ((4, 20, 20, 16), (3, 3, 16, 16), {}),
+    ((2, 21, 19, 8), (3, 3, 4, 6), {"stride": 2, "feature_group_count": 2}),
+    ((2, 10, 10, 8), (3, 3, 1, 8), {"feature_group_count": 8}),  # depthwise
+], ids=["gemm", "grouped-strided", "depthwise"])
+def test_triton_weight_gradient_pixel_splits(x_shape, w_shape, options):
+    """Few dW tiles and many pixels: the pixels are split over programs whose float32 partial
+    dW are summed afterwards; every pixel counted once."""
+    from kernels.conv2d import triton
+
+    p = _weight_grad_problem(x_shape, w_shape, jnp.float32, **options)
+    split = triton.weight_grad_split(p, triton.weight_grad_config(p))
+    assert split.splits > 1, split
+    x, w = _inputs(x_shape, w_shape, jnp.float32)
+    got = jax.grad(_loss("triton", **options), argnums=1)(x, w)
+    with x64():
+        want = jax.grad(_loss("reference", **options), argnums=1)(as_f64(x), as_f64(w))
+    assert_close(got, want, jnp.float32, reduction_length=x_shape[0] * x_shape[1] * x_shape[2])
+
+
+# ResNet-50's weight gradients at batch 32 (bfloat16) and the programs the Triton kernel
+# launched for them before the pixel split: every pixel of a dW tile in one program.
+RESNET_WEIGHT_GRADIENTS = {
+    "conv2_x 1x1 64->256": ((32, 56, 56, 64), (1, 1, 64, 256), {}),  # was 2 programs
+    "conv2_x 3x3 64->64": ((32, 56, 56, 64), (3, 3, 64, 64), {}),  # was 5
+    "conv2_x 1x1 256->64": ((32, 56, 56, 256), (1, 1, 256, 64), {}),  # was 2
+    "conv4_x 3x3 256->256": ((32, 14, 14, 256), (3, 3, 256, 256), {}),  # was 36
+    "MobileNet depthwise 3x3 x64": ((32, 56, 56, 64), (3, 3, 1, 64),
+                                    {"feature_group_count": 64}),  # was 9
+}
+
+
+@pytest.mark.parametrize("name", RESNET_WEIGHT_GRADIENTS)
+def test_triton_weight_gradient_fills_an_h100(name):
+    """Design property (no device needed): at least one program per SM of an H100, two waves
+    where the dW tiles alone would leave SMs idle, partials within half the traffic of x and
+    dy."""
+    import math
+
+    from kernels import _targets
+    from kernels.conv2d import triton
+
+    x_shape, w_shape, options = RESNET_WEIGHT_GRADIENTS[name]
+    p = _weight_grad_problem(x_shape, w_shape, jnp.bfloat16, **options)
+    config = triton.weight_grad_config(p)
+    split = triton.weight_grad_split(p, config)
+    tiles = math.prod(triton._weight_grad_grid(p, config))
+    h100 = _targets.TARGETS["sm_90"]
+    assert tiles * split.splits >= h100.num_sms, (config, split)
+    if tiles < h100.num_sms:
+        assert tiles * split.splits >= h100.min_programs, (config, split)
+    operand_bytes = 2 * (math.prod(x_shape) + p.m * p.o)
+    assert 2 * split.splits * p.k * p.o * 4 <= operand_bytes / 2 or split.splits == 1
+
+
 @pytest.mark.parametrize("impl", KERNELS)
 def test_gradients_bfloat16(impl):
     x, w = _inputs((1, 7, 9, 4), (3, 3, 2, 6), jnp.bfloat16)

@@ -240,6 +240,7 @@ def test_bad_implementation_and_interpret():
     ("triton", MatmulConfig(block_m=24), "block_m must be a power of 2 >= 16"),
     ("triton", MatmulConfig(block_k=8), "block_k must be a power of 2 >= 16"),
     ("triton", MatmulConfig(num_warps=3), "num_warps"),
+    ("triton", MatmulConfig(split_k=0), "split_k must be a positive int"),
     ("mosaic", MatmulConfig(block_n=100), "block_n=100 breaks TPU tiling"),
     ("mosaic", MatmulConfig(block_m=12), "block_m=12 breaks TPU tiling"),
 ])
@@ -259,6 +260,62 @@ def test_explicit_config_with_ragged_edges(impl, config):
     a, b = random((2, 50, 300), jnp.bfloat16, 1), random((300, 140), jnp.bfloat16, 2)
     out = matmul(a, b, implementation=impl, config=config)
     _check_against_ground_truth(a, b, out)
+
+
+@pytest.mark.parametrize("a_shape,b_shape,config", [
+    ((2, 5, 300), (300, 7), MatmulConfig(block_k=16, split_k=3)),  # 19 K blocks: 7, 7, 5
+    ((33, 129), (129, 17), MatmulConfig(block_k=16, split_k=100)),  # more splits than K blocks
+    ((1000, 1000), (1000, 3), None),  # chosen by shape: few tiles, a long K
+])
+def test_triton_split_k(a_shape, b_shape, config):
+    """Split-K programs each sum a range of K into float32 partials, added afterwards: every
+    range, the ragged last one included, counted once (forward and both gradients)."""
+    from kernels.matmul import common, triton
+
+    a, b = random(a_shape, jnp.float32, 1), random(b_shape, jnp.float32, 2)
+    p = common.make_problem(a, b, False, False, jnp.float32)
+    assert triton.resolve_config(p, config).split_k > 1
+    out = matmul(a, b, implementation="triton", config=config)
+    _check_against_ground_truth(a, b, out)
+    # The gradient kernels pick their own configs: dB of the last case splits K by shape.
+    grads = jax.grad(_loss("triton"), argnums=(0, 1))(a, b)
+    with x64():
+        want = jax.grad(_loss("reference"), argnums=(0, 1))(as_f64(a), as_f64(b))
+    for got, expected in zip(grads, want):
+        assert_close(got, expected, jnp.float32, reduction_length=2 * max(a_shape + b_shape))
+
+
+# Named shapes (dtype bfloat16) and the programs the Triton kernel launched for them before
+# shape-class configs: one 128x128 tile config for every shape.
+H100_SHAPES = {
+    "square 1024": ((1024, 1024), (1024, 1024)),  # was 64 programs
+    "decode 16 x 4096": ((16, 4096), (4096, 4096)),  # was 32
+    "dense dW 512 x 512 over 65536 tokens": ((512, 65536), (65536, 512)),  # was 16
+    "square 4096": ((4096, 4096), (4096, 4096)),  # was 1024
+}
+
+
+@pytest.mark.parametrize("name", H100_SHAPES)
+def test_triton_programs_fill_an_h100(name):
+    """Design property (no device needed): every SM of an H100 gets a program; products whose
+    tiles alone would not give two waves split K, with partials costing at most half the
+    operands' traffic."""
+    from kernels import _targets
+    from kernels.matmul import common, triton
+
+    a_shape, b_shape = H100_SHAPES[name]
+    a, b = (jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in (a_shape, b_shape))
+    p = common.make_problem(a, b, False, False, jnp.bfloat16)
+    config = triton.resolve_config(p, None)
+    tiles = -(-p.m // config.block_m) * -(-p.n // config.block_n)
+    h100 = _targets.TARGETS["sm_90"]
+    assert tiles * config.split_k >= h100.num_sms, config
+    if tiles < h100.num_sms:
+        assert tiles * config.split_k >= h100.min_programs, config
+    if config.split_k > 1:
+        partial_bytes = 2 * config.split_k * p.m * p.n * 4
+        assert partial_bytes <= common.flops_and_bytes(p)[1] / 2, config
+    assert min(config.block_m, config.block_n) >= min(64, p.m, p.n), config
 
 
 def test_tolerance_rule_rejects_a_wrong_kernel():

@@ -127,6 +127,108 @@ def test_groups_longer_than_one_block(implementation, shape, axis, config, subtr
         assert_close(got, expected, jnp.float32, reduction_length=x.size)
 
 
+# Each Triton schedule (kernels/normalize/triton.py, "Programs vs the GPU") at a size the
+# interpreter runs quickly: long groups with enough group blocks for one wave (fused, looped
+# chunks); too few blocks, so the reduced axis is split, several chunks per split with a
+# shorter last split (rows and columns layouts, ragged chunks and group blocks).
+TRITON_SCHEDULES = [((132, 40), -1, NormalizeConfig(block_groups=1, block_reduced=16), "fused"),
+                    ((1, 2210), -1, NormalizeConfig(block_groups=1, block_reduced=4), "split"),
+                    ((301, 3), 0, NormalizeConfig(block_groups=2, block_reduced=1), "split")]
+
+
+def _triton_schedule(shape, axis, config):
+    from kernels.normalize import common, triton
+
+    axes = tuple(sorted(a % len(shape) for a in ((axis,) if isinstance(axis, int) else axis)))
+    _, (outer, groups, reduced, rows) = common.plan(shape, axes)
+    p = common.Problem(outer, groups, reduced, rows, jnp.dtype(jnp.float32), True, 1e-5, True,
+                       True)
+    return triton.schedule(p, triton.resolve_config(p, config))
+
+
+@pytest.mark.parametrize("shape,axis,config,kind", TRITON_SCHEDULES, ids=_case_id)
+def test_triton_schedules(shape, axis, config, kind):
+    s = _triton_schedule(shape, axis, config)
+    if kind == "fused":
+        assert s.splits == 1 and s.num_chunks > 1
+    else:  # several chunks per split, the last split shorter
+        assert s.per_split > 1 and s.splits * s.per_split > s.num_chunks
+    x, scale, offset = _inputs(shape, axis, jnp.float32, seed=31)
+
+    def fn(x, s, o):
+        return jnp.sum(jnp.sin(normalize(x, s, o, axis=axis, implementation="triton",
+                                         config=config)))
+
+    def want(x, s, o):
+        return jnp.sum(jnp.sin(reference_normalize(x, s, o, axis=axis)))
+
+    _check(normalize(x, scale, offset, axis=axis, implementation="triton", config=config), x,
+           scale, offset, axis=axis)
+    grads = jax.jit(jax.grad(fn, argnums=(0, 1, 2)))(x, scale, offset)
+    for got, expected in zip(grads, jax.grad(want, argnums=(0, 1, 2))(x, scale, offset)):
+        assert_close(got, expected, jnp.float32, reduction_length=x.size)
+
+
+def _triton_kernels(op, shape, dtype, axis):
+    """The Triton pallas_calls of op's forward and backward at `shape`, traced for an H100."""
+    from kernels import _targets
+    from kernels.compile import pallas_calls
+
+    fn = {"layer_norm": layer_norm, "normalize": normalize}[op]
+    param = jax.ShapeDtypeStruct(_param_shape(shape, axis), jnp.float32)
+
+    def loss(x, s, o):
+        y = fn(x, s, o, axis=axis, implementation="triton", interpret=False)
+        return jnp.sum(y.astype(jnp.float32))
+
+    return pallas_calls(jax.grad(loss, argnums=(0, 1, 2)), jax.ShapeDtypeStruct(shape, dtype),
+                        param, param, target=_targets.DEFAULT["gpu"])
+
+
+@pytest.mark.parametrize("op,shape,dtype,axis", [
+    ("normalize", (1048576, 64), jnp.float32, 0),  # batch-norm statistics of 64 features
+    ("normalize", (32, 56, 56, 256), jnp.bfloat16, (0, 1, 2)),  # ResNet-50 batch norm
+    ("layer_norm", (8192, 8192), jnp.bfloat16, -1),  # rows longer than one tile
+    ("layer_norm", (8192, 1024), jnp.bfloat16, -1),
+], ids=str)
+def test_triton_programs_fill_an_h100(op, shape, dtype, axis):
+    """Issue 10, findings 5 and 6: every forward and backward kernel launches two waves of an
+    H100's 132 SMs (the single-pass grid gave 2 programs at (1M, 64) over axis 0), and the
+    backward's partial dscale/doffset rows stay a few percent of its necessary traffic (a
+    long-row backward used to write one float32 partial row per row: 2x the bytes of a
+    bfloat16 x each)."""
+    calls = _triton_kernels(op, shape, dtype, axis)
+    assert {eqn.params["name"] for eqn in calls} >= {"normalize_forward_triton",
+                                                    "normalize_backward_triton"}
+    for eqn in calls:
+        assert np.prod(eqn.params["grid_mapping"].grid) >= 2 * 132, eqn.params["name"]
+    backward = next(eqn for eqn in calls if eqn.params["name"] == "normalize_backward_triton")
+    partial_bytes = sum(np.prod(v.aval.shape) * v.aval.dtype.itemsize
+                        for v in backward.outvars[1:])
+    necessary = 3 * np.prod(shape) * jnp.dtype(dtype).itemsize  # x and dy read, dx written
+    assert partial_bytes <= 0.05 * necessary
+
+
+@pytest.mark.parametrize("target", ["v5e", "v6e", "v4"])
+@pytest.mark.parametrize("shape,dtype,axis", [
+    ((1048576, 64), jnp.float32, 0), ((32, 56, 56, 256), jnp.bfloat16, (0, 1, 2)),
+    ((4096, 8192), jnp.bfloat16, 0), ((8192, 8192), jnp.bfloat16, -1)], ids=str)
+def test_mosaic_blocks_fit_the_vmem_budget(target, shape, dtype, axis):
+    """Issue 10, finding 7: Mosaic blocks over leading axes come from the target's scoped
+    VMEM (at most half of it for the heavier backward step), not a fixed 16384x128.
+    `tests/test_compile.py` compiles these shapes with libtpu."""
+    from kernels import _targets
+    from kernels._pallas import on_target
+    from kernels.normalize import common, mosaic
+
+    axes = tuple(sorted(a % len(shape) for a in ((axis,) if isinstance(axis, int) else axis)))
+    _, (outer, groups, reduced, rows) = common.plan(shape, axes)
+    p = common.Problem(outer, groups, reduced, rows, jnp.dtype(dtype), True, 1e-5, True, True)
+    with on_target(_targets.TARGETS[target]):
+        config = mosaic.resolve_config(p, None)
+        assert mosaic.vmem_bytes(p, config) <= _targets.TARGETS[target].scoped_vmem // 2
+
+
 def _large_mean(shape):
     return jnp.asarray((1e4 + np.random.default_rng(6).standard_normal(shape)).astype(np.float32))
 

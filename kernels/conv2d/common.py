@@ -134,6 +134,8 @@ def flops_and_bytes(p: Problem) -> tuple[int, int]:
     return flops, nbytes
 
 
-def cost_estimate(p: Problem) -> pl.CostEstimate:
+def cost_estimate(p: Problem, partial_bytes: int = 0) -> pl.CostEstimate:
+    """The op's flops and bytes, plus `partial_bytes` of float32 partials a split kernel
+    writes instead of its output."""
     flops, nbytes = flops_and_bytes(p)
-    return pl.CostEstimate(flops=flops, transcendentals=0, bytes_accessed=nbytes)
+    return pl.CostEstimate(flops=flops, transcendentals=0, bytes_accessed=nbytes + partial_bytes)

@@ -26,12 +26,18 @@ Forward, depthwise path (C_in/G == 1, each output channel reads one input channe
   (channel = out_channel // (O/G)) and FMAs them with the tap's weight row in float32. No dot:
   a dot with K = 1 would leave the tensor cores multiplying padding.
 Weight gradient (`weight_grad`), GEMM path: dW[K, O/G] = patches[M, K]ᵀ @ dY[M, O/G] per group.
-  grid = (cdiv(K, block_k), cdiv(O/G, block_n), G); a program loops over cdiv(M, block_m) pixel
-  slices, gathering the (block_m, block_k) patch tile exactly as the forward does and loading
-  the (block_m, block_n) output-gradient tile; the transpose is folded into the dot.
-Weight gradient, depthwise path: grid = (KH·KW, cdiv(O, block_n)); a program owns one tap's
-  weight row, loops over pixel slices accumulating input·dY products elementwise in a
-  (block_m, block_n) float32 tile, and reduces it over pixels once at the end.
+  grid = (splits · cdiv(K, block_k), cdiv(O/G, block_n), G); program (s·K blocks + i, j, g)
+  sums pixel slices [s·per_split, (s+1)·per_split) of its (block_k, block_n) dW tile: per step
+  it gathers the (block_m, block_k) patch tile exactly as the forward does and loads the
+  (block_m, block_n) output-gradient tile; the transpose is folded into the dot. The dW tile
+  (up to 128x128) shrinks until every SM has one (`fill_sms`: ResNet-50's 56x56 layers have
+  only 2-9 tiles of 128x128), and where the tiles still leave SMs idle the pixels are split
+  (`weight_grad_split`, two waves on an H100): each split writes a float32 partial dW, at
+  most half the traffic of x and dY in all, and XLA adds the partials in a fixed order.
+Weight gradient, depthwise path: grid = (splits · KH·KW, cdiv(O, block_n)); a program owns one
+  tap's weight row and one pixel split, accumulates input·dY products elementwise in a
+  (block_m, block_n) float32 tile, and reduces it over pixels once at the end. (Each tap's
+  program reads dY again: up to KH·KW reads of it, mostly from L2.)
 The input gradient is the forward kernel run on the output gradient (see `kernels.conv2d`).
 
 All tiles are powers of 2 >= 16 (Triton's rule and its dot's minimum); offsets are int32, so
@@ -41,23 +47,30 @@ arrays of 2³¹ elements or more are declined.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kernels._blocks import (check_triton_config, int32_loop, next_power_of_2, require_floating,
-                             require_int32_offsets, require_shared_memory,
+from kernels._blocks import (MIN_PIPELINED_STEPS, Split, check_triton_config, fill_sms, int32_loop,
+                             max_splits, require_floating, require_int32_offsets,
+                             require_shared_memory, split_reduction, triton_block,
                              triton_dot_shared_bytes)
 from kernels._pallas import pl, triton_call, triton_load, triton_store
 from kernels.conv2d.common import Conv2dConfig, Problem, cost_estimate
 
-def _fit(dim: int, cap: int) -> int:
-    return min(cap, max(16, next_power_of_2(dim)))
+
+def _output_channels(p: Problem) -> int:
+    """Output channels one program's column blocks cover: all of them (depthwise) or a
+    group's."""
+    return p.o if p.depthwise else p.og
 
 
 def resolve_config(p: Problem, config: Conv2dConfig | None) -> Conv2dConfig:
-    """Fills unset fields: power-of-2 blocks >= 16 covering the dims up to a cap."""
+    """Fills unset fields: power-of-2 blocks >= 16 covering the dims up to a cap (64 for
+    float64, 128 otherwise; K slices of 64 for 16-bit data), the output tile shrunk until
+    every SM has one (`fill_sms`)."""
     config = config or Conv2dConfig()
     wide = p.compute_dtype.itemsize >= 8
     max_mn = 64 if wide else 128
@@ -65,9 +78,12 @@ def resolve_config(p: Problem, config: Conv2dConfig | None) -> Conv2dConfig:
     def pick(value, default):
         return default if value is None else value
 
-    block_m = pick(config.block_m, _fit(p.m, max_mn))
-    block_n = pick(config.block_n, _fit(p.o if p.depthwise else p.og, max_mn))
-    block_k = pick(config.block_k, _fit(p.k, max_k))
+    block_m, block_n = fill_sms(
+        triton_block(p.m, max_mn), triton_block(_output_channels(p), max_mn),
+        lambda rows, cols: pl.cdiv(p.m, rows) * pl.cdiv(_output_channels(p), cols) * (
+            1 if p.depthwise else p.groups))
+    block_m, block_n = pick(config.block_m, block_m), pick(config.block_n, block_n)
+    block_k = pick(config.block_k, triton_block(p.k, max_k))
     # The patch gather computes an offset per (pixel, k) element: 128-pixel tiles need 8 warps
     # to hold it without spilling (4 warps spill on sm_80 and sm_90).
     num_warps = pick(config.num_warps, 8 if block_m >= 128 or block_n >= 128 else 4)
@@ -216,77 +232,115 @@ def conv(x: jax.Array, w: jax.Array, p: Problem, *, config: Conv2dConfig | None,
     return out.reshape(p.n, p.oh, p.ow, p.o)
 
 
+def _pixel_split(p: Problem, config: Conv2dConfig, split: Split, grid_size: int):
+    """(split index, first pixel block, pixel blocks) of this program: grid axis 0 is
+    split-major, `grid_size` programs per split."""
+    index = pl.program_id(0) // grid_size
+    first, count = split.range_of(index, pl.cdiv(p.m, config.block_m))
+    return index, first, count
+
+
 def _weight_grad_kernel(x_ref, dy_ref, dw_ref, *, p: Problem, config: Conv2dConfig,
-                        precision):
+                        split: Split, precision):
     block_m, block_n, block_k = config.block_m, config.block_n, config.block_k
-    k_start, group = pl.program_id(0) * block_k, pl.program_id(2)
+    num_k_blocks = pl.cdiv(p.k, block_k)
+    split_index, first, count = _pixel_split(p, config, split, num_k_blocks)
+    k_start, group = (pl.program_id(0) % num_k_blocks) * block_k, pl.program_id(2)
     col_start = group * p.og + pl.program_id(1) * block_n
     cols_valid = _arange_valid(pl.program_id(1) * block_n, block_n, p.og)
 
-    def step(m_block, acc):
-        pixels = _pixels(p, m_block * block_m, block_m)
+    def step(i, acc):
+        m_start = (first + i) * block_m
+        pixels = _pixels(p, m_start, block_m)
         patches = _patch_tile(x_ref, p, group, pixels, k_start, block_k)
-        dy = _load_2d(dy_ref, m_block * block_m, pixels[0], col_start, cols_valid)
+        dy = _load_2d(dy_ref, m_start, pixels[0], col_start, cols_valid)
         return acc + _dot(patches, dy, p, precision, transpose_a=True)
 
-    acc = int32_loop(pl.cdiv(p.m, block_m), step,
-                        jnp.zeros((block_k, block_n), p.accumulator_dtype))
-    _store_2d(dw_ref, acc, k_start, _arange_valid(k_start, block_k, p.k), col_start,
-              cols_valid)
+    acc = int32_loop(count, step, jnp.zeros((block_k, block_n), p.accumulator_dtype))
+    _store_2d(dw_ref, acc, split_index * p.k + k_start, _arange_valid(k_start, block_k, p.k),
+              col_start, cols_valid)
 
 
-def _depthwise_weight_grad_kernel(x_ref, dy_ref, dw_ref, *, p: Problem, config: Conv2dConfig):
+def _depthwise_weight_grad_kernel(x_ref, dy_ref, dw_ref, *, p: Problem, config: Conv2dConfig,
+                                  split: Split):
     block_m, block_n = config.block_m, config.block_n
-    tap, col_start = pl.program_id(0), pl.program_id(1) * block_n
+    split_index, first, count = _pixel_split(p, config, split, p.kh * p.kw)
+    tap, col_start = pl.program_id(0) % (p.kh * p.kw), pl.program_id(1) * block_n
     kh, kw = lax.div(tap, jnp.int32(p.kw)), lax.rem(tap, jnp.int32(p.kw))
     out_channel = col_start + jnp.arange(block_n, dtype=jnp.int32)
     cols_valid = out_channel < p.o
     in_channel = lax.div(out_channel, jnp.int32(p.og))
 
-    def step(m_block, acc):
-        m_valid, n, oh, ow = _pixels(p, m_block * block_m, block_m)
+    def step(i, acc):
+        m_start = (first + i) * block_m
+        m_valid, n, oh, ow = _pixels(p, m_start, block_m)
         values = _gather_input(x_ref, p, n[:, None], oh[:, None], ow[:, None], kh, kw,
                                in_channel[None, :], m_valid[:, None] & cols_valid[None, :])
-        dy = _load_2d(dy_ref, m_block * block_m, m_valid, col_start, cols_valid)
+        dy = _load_2d(dy_ref, m_start, m_valid, col_start, cols_valid)
         return acc + values.astype(acc.dtype) * dy.astype(acc.dtype)
 
-    acc = int32_loop(pl.cdiv(p.m, block_m), step,
-                        jnp.zeros((block_m, block_n), p.accumulator_dtype))
-    triton_store(dw_ref.at[tap, pl.ds(col_start, block_n)], acc.sum(axis=0).astype(dw_ref.dtype),
-                 mask=cols_valid)
+    acc = int32_loop(count, step, jnp.zeros((block_m, block_n), p.accumulator_dtype))
+    triton_store(dw_ref.at[split_index * p.k + tap, pl.ds(col_start, block_n)],
+                 acc.sum(axis=0).astype(dw_ref.dtype), mask=cols_valid)
 
 
 def weight_grad_config(p: Problem) -> Conv2dConfig:
     """Blocks of the weight gradient: a (block_k, block_n) dW tile of up to 128x128 held in
-    registers by 8 warps, and a pixel slice per reduction step sized so that the pipelined
-    patch and output-gradient tiles (num_stages of each) stay near 96 KiB of shared memory,
-    inside both A100's and H100's limits: 64 pixels of 16-bit data, 32 of 32-bit, 16 of
-    64-bit."""
+    registers (8 warps; 4 for 64x64 and smaller), shrunk until every SM has a tile
+    (`fill_sms`), and a pixel slice per reduction step sized so that the pipelined patch and
+    output-gradient tiles (num_stages of each) stay near 96 KiB of shared memory, inside both
+    A100's and H100's limits: 64 pixels of 16-bit data, 32 of 32-bit, 16 of 64-bit."""
     itemsize = p.compute_dtype.itemsize
-    block_n = resolve_config(p, None).block_n
-    block_k = _fit(p.k, 64 if itemsize >= 8 else 128)
-    block_m = _fit(p.m, {2: 64, 4: 32, 8: 16}.get(itemsize, 64))
-    return Conv2dConfig(block_m, block_n, block_k, None, 8, 3)
+    block_k = triton_block(p.k, 64 if itemsize >= 8 else 128)
+    block_n = triton_block(_output_channels(p), 64 if itemsize >= 8 else 128)
+    if not p.depthwise:
+        block_k, block_n = fill_sms(block_k, block_n, lambda rows, cols: (
+            pl.cdiv(p.k, rows) * pl.cdiv(p.og, cols) * p.groups))
+    block_m = triton_block(p.m, {2: 64, 4: 32, 8: 16}.get(itemsize, 64))
+    num_warps = 8 if block_k * block_n > 64 * 64 else 4
+    return Conv2dConfig(block_m, block_n, block_k, None, num_warps, 3)
+
+
+def _weight_grad_grid(p: Problem, config: Conv2dConfig) -> tuple[int, int, int]:
+    """The grid of one pixel split: (taps or K blocks, output-channel blocks, groups)."""
+    if p.depthwise:
+        return p.kh * p.kw, pl.cdiv(p.o, config.block_n), 1
+    return pl.cdiv(p.k, config.block_k), pl.cdiv(p.og, config.block_n), p.groups
+
+
+def weight_grad_split(p: Problem, config: Conv2dConfig) -> Split:
+    """Pixel splits: two waves of programs when the dW tiles alone leave SMs idle, unless
+    the float32 partial dW of each split would cost more than half the traffic of x and dy."""
+    operand_bytes = p.n * p.h * p.w * p.c * p.x_dtype.itemsize + p.m * p.o * p.out_dtype.itemsize
+    return split_reduction(math.prod(_weight_grad_grid(p, config)), pl.cdiv(p.m, config.block_m),
+                           min_steps=MIN_PIPELINED_STEPS,
+                           max_splits=max_splits(operand_bytes, p.k * p.o * 4))
 
 
 def weight_grad(x: jax.Array, dy: jax.Array, p: Problem, *, precision, interpret: bool,
                 dtype: jnp.dtype) -> jax.Array:
     """dW (KH, KW, C/G, O) in `dtype` of problem `p` from its input and output gradient."""
     config = weight_grad_config(p)
+    split = weight_grad_split(p, config)
     if p.depthwise:
-        kernel = functools.partial(_depthwise_weight_grad_kernel, p=p, config=config)
-        grid = (p.kh * p.kw, pl.cdiv(p.o, config.block_n))
+        kernel = functools.partial(_depthwise_weight_grad_kernel, p=p, config=config,
+                                   split=split)
     else:
-        kernel = functools.partial(_weight_grad_kernel, p=p, config=config, precision=precision)
-        grid = (pl.cdiv(p.k, config.block_k), pl.cdiv(p.og, config.block_n), p.groups)
+        kernel = functools.partial(_weight_grad_kernel, p=p, config=config, split=split,
+                                   precision=precision)
+    rows, cols, groups = _weight_grad_grid(p, config)
+    out_dtype = dtype if split.splits == 1 else jnp.float32
+    partial_bytes = 0 if split.splits == 1 else 2 * split.splits * p.k * p.o * 4
     dw = triton_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((p.k, p.o), dtype),
-        grid=grid,
+        out_shape=jax.ShapeDtypeStruct((split.splits * p.k, p.o), out_dtype),
+        grid=(split.splits * rows, cols, groups),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         interpret=interpret,
-        cost_estimate=cost_estimate(p._replace(out_dtype=jnp.dtype(dtype))),
+        cost_estimate=cost_estimate(p._replace(out_dtype=jnp.dtype(dtype)), partial_bytes),
         name="conv2d_depthwise_weight_grad_triton" if p.depthwise else "conv2d_weight_grad_triton",
     )(x.reshape(-1), dy.reshape(p.m, p.o))
+    if split.splits > 1:  # XLA's reduction: a fixed order, the same sum on every run
+        dw = dw.reshape(split.splits, p.k, p.o).sum(axis=0).astype(dtype)
     return dw.reshape(p.kh, p.kw, p.cg, p.o)

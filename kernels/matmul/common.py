@@ -26,6 +26,8 @@ class MatmulConfig:
     block_k: the slice of the contraction read per step of the K loop.
     group_m: Triton only; rows of output tiles launched together so they share B tiles in L2.
     num_warps, num_stages: Triton only; compiler params (warps per program, pipeline depth).
+    split_k: Triton only; programs that share one output tile, each summing its own range of
+      the contraction into float32 partials that are then added in a fixed order (1: never).
     """
 
     block_m: int | None = None
@@ -34,6 +36,7 @@ class MatmulConfig:
     group_m: int = 8
     num_warps: int | None = None
     num_stages: int | None = None
+    split_k: int | None = None
 
 
 class Problem(NamedTuple):
@@ -111,9 +114,11 @@ def flops_and_bytes(p: Problem) -> tuple[int, int]:
     return flops, nbytes
 
 
-def cost_estimate(p: Problem) -> pl.CostEstimate:
+def cost_estimate(p: Problem, partial_bytes: int = 0) -> pl.CostEstimate:
+    """The op's flops and bytes, plus `partial_bytes` of float32 partials a split kernel
+    writes instead of its output."""
     flops, nbytes = flops_and_bytes(p)
-    return pl.CostEstimate(flops=flops, transcendentals=0, bytes_accessed=nbytes)
+    return pl.CostEstimate(flops=flops, transcendentals=0, bytes_accessed=nbytes + partial_bytes)
 
 
 def dot(a: jax.Array, b: jax.Array, p: Problem, precision) -> jax.Array:

@@ -21,6 +21,20 @@ its stored layout and the transpose happens in the dot, never in HBM.
 
 Memory traffic: the output is written once; A is read cdiv(N, block_n) times and B
 cdiv(M, block_m) times, mostly from L2 thanks to the grouped order.
+
+Configs by shape
+----------------
+Tiles start at 128x128 (64x64 for float64) with a K slice of 64 for 16-bit operands, 32 for
+32-bit, shrunk to the dims of a smaller product. A product with fewer tiles than the GPU has SMs
+(132 on an H100) would leave SMs idle, so:
+- mid-size products (1024³: 64 tiles of 128x128) halve the longer tile side down to 64 until
+  every SM has a tile (`kernels._blocks.fill_sms`; 256 tiles of 64x64);
+- skinny products (decode: M <= 64; a weight gradient's small M x N over a long K) that still
+  have too few tiles split K: grid axis 2 runs `split_k` programs per tile, each summing its own
+  range of at least 4 K slices into a float32 partial tile ((split_k * batches, M, N) in HBM),
+  and XLA adds the partials in a fixed order and casts them. Splits aim at two waves
+  (`kernels._blocks.split_reduction`) but are capped so the partials' traffic stays within half
+  the operands' (`kernels._blocks.max_splits`).
 """
 
 from __future__ import annotations
@@ -32,30 +46,61 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from kernels._blocks import (check_triton_config, int32_loop, next_power_of_2, require_floating,
-                             require_shared_memory, triton_dot_shared_bytes)
+from kernels._blocks import (MIN_PIPELINED_STEPS, Split, check_triton_config, fill_sms, int32_loop,
+                             is_positive_int, is_power_of_2, max_splits, require_floating,
+                             require_shared_memory, split_reduction, triton_block,
+                             triton_dot_shared_bytes)
 from kernels._pallas import pl, triton_call, triton_load, triton_store
-from kernels.matmul.common import (MatmulConfig, Problem, batch_index,
-                                   cost_estimate, dot)
+from kernels.matmul.common import (MatmulConfig, Problem, batch_index, cost_estimate, dot,
+                                   flops_and_bytes)
+
+
+def _largest_blocks(p: Problem) -> tuple[int, int]:
+    """(output tile side, K slice) caps: float64 tiles take twice the registers; 16-bit tiles
+    afford a deeper K slice."""
+    itemsize = jnp.dtype(p.compute_dtype).itemsize
+    if itemsize >= 8:
+        return 64, 32
+    return 128, 64 if itemsize <= 2 else 32
+
+
+def _num_tiles(p: Problem, block_m: int, block_n: int) -> int:
+    return pl.cdiv(p.m, block_m) * pl.cdiv(p.n, block_n) * p.num_batches
+
+
+def _split_k(p: Problem, block_m: int, block_n: int, block_k: int, asked: int | None) -> int:
+    """Programs per output tile: `asked`, less any split that would get no K block, or, when
+    None, from the shape ("Configs by shape")."""
+    num_k_blocks = pl.cdiv(p.k, block_k)
+    if asked is not None:
+        return pl.cdiv(num_k_blocks, pl.cdiv(num_k_blocks, asked))
+    partial_bytes = p.num_batches * p.m * p.n * 4
+    return split_reduction(_num_tiles(p, block_m, block_n), num_k_blocks,
+                           min_steps=MIN_PIPELINED_STEPS,
+                           max_splits=max_splits(flops_and_bytes(p)[1], partial_bytes)).splits
 
 
 def resolve_config(p: Problem, config: MatmulConfig | None) -> MatmulConfig:
-    """Fills unset fields from the shapes: power-of-2 blocks >= 16 (the dot's minimum)."""
+    """Fills unset fields from the shape class (module docstring, "Configs by shape")."""
     config = config or MatmulConfig()
-    wide = jnp.dtype(p.compute_dtype).itemsize >= 8
-    small = jnp.dtype(p.compute_dtype).itemsize <= 2
-    # float64 tiles take twice the registers; 16-bit tiles can afford a deeper K slice.
-    max_mn, max_k = (64, 32) if wide else (128, 64 if small else 32)
-
-    def fit(dim: int, cap: int) -> int:
-        return min(cap, max(16, next_power_of_2(dim)))
-
-    block_m = config.block_m or fit(p.m, max_mn)
-    block_n = config.block_n or fit(p.n, max_mn)
-    block_k = config.block_k or fit(p.k, max_k)
+    max_block, max_k = _largest_blocks(p)
+    block_m, block_n = fill_sms(triton_block(p.m, max_block), triton_block(p.n, max_block),
+                                lambda rows, cols: _num_tiles(p, rows, cols))
+    block_m = block_m if config.block_m is None else config.block_m
+    block_n = block_n if config.block_n is None else config.block_n
+    block_k = triton_block(p.k, max_k) if config.block_k is None else config.block_k
+    split_k = config.split_k
+    blocks_valid = all(is_power_of_2(b) for b in (block_m, block_n, block_k))
+    if blocks_valid and (split_k is None or is_positive_int(split_k)):  # else check() rejects
+        split_k = _split_k(p, block_m, block_n, block_k, split_k)
     num_warps = config.num_warps or (8 if block_m * block_n >= 128 * 128 else 4)
     return MatmulConfig(block_m, block_n, block_k, config.group_m, num_warps,
-                        config.num_stages or 3)
+                        config.num_stages or 3, split_k)
+
+
+def _split(p: Problem, config: MatmulConfig) -> Split:
+    num_k_blocks = pl.cdiv(p.k, config.block_k)
+    return Split(config.split_k, pl.cdiv(num_k_blocks, config.split_k))
 
 
 def check(p: Problem, config: MatmulConfig | None) -> None:
@@ -67,8 +112,10 @@ def check(p: Problem, config: MatmulConfig | None) -> None:
     itemsize = max(jnp.dtype(p.a_dtype).itemsize, jnp.dtype(p.b_dtype).itemsize)
     require_shared_memory(triton_dot_shared_bytes(config.block_m, config.block_n, config.block_k,
                                                   itemsize, config.num_stages))
-    if not isinstance(config.group_m, int) or config.group_m < 1:
-        raise ValueError(f"config.group_m must be a positive int, got {config.group_m!r}")
+    for field in ("group_m", "split_k"):
+        if not is_positive_int(getattr(config, field)):
+            raise ValueError(f"config.{field} must be a positive int, got "
+                             f"{getattr(config, field)!r}")
 
 
 def _grouped_tile(tile: jax.Array, num_tile_rows: int, num_tile_cols: int,
@@ -136,9 +183,15 @@ def _matmul_kernel(a_ref, b_ref, out_ref, *, p: Problem, config: MatmulConfig, p
                          precision)
 
     num_k_blocks = pl.cdiv(p.k, block_k)
-    acc = int32_loop(num_k_blocks, step,
-                        jnp.zeros((block_m, block_n), p.accumulator_dtype))
-    triton_store(_tile(out_ref, batch, rows, cols), acc.astype(p.out_dtype),
+    if config.split_k == 1:
+        first, count, out_index = 0, num_k_blocks, batch
+    else:  # partial sums of this split's K range, stored at [split, batch]
+        split = pl.program_id(2)
+        first, count = _split(p, config).range_of(split, num_k_blocks)
+        out_index = split * p.num_batches + batch
+    acc = int32_loop(count, lambda i, acc: step(first + i, acc),
+                     jnp.zeros((block_m, block_n), p.accumulator_dtype))
+    triton_store(_tile(out_ref, out_index, rows, cols), acc.astype(out_ref.dtype),
                  mask=_tile_mask(rows, cols))
 
 
@@ -147,16 +200,21 @@ def matmul(a: jax.Array, b: jax.Array, p: Problem, *, config: MatmulConfig | Non
     """`op(a) @ op(b)` for a problem that `check` accepted; returns out_batch + (M, N)."""
     config = resolve_config(p, config)
     num_tiles = pl.cdiv(p.m, config.block_m) * pl.cdiv(p.n, config.block_n)
+    splits = config.split_k
+    out_dtype = p.out_dtype if splits == 1 else p.accumulator_dtype
+    partial_bytes = 0 if splits == 1 else 2 * splits * p.num_batches * p.m * p.n * 4
     kernel = functools.partial(_matmul_kernel, p=p, config=config, precision=precision)
     out = triton_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((p.num_batches, p.m, p.n), p.out_dtype),
-        grid=(num_tiles, p.num_batches),
+        out_shape=jax.ShapeDtypeStruct((splits * p.num_batches, p.m, p.n), out_dtype),
+        grid=(num_tiles, p.num_batches, splits),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         interpret=interpret,
-        cost_estimate=cost_estimate(p),
-        name="matmul_triton",
+        cost_estimate=cost_estimate(p, partial_bytes),
+        name="matmul_triton" if splits == 1 else "matmul_split_k_triton",
     )(a.reshape(math.prod(p.a_batch), *a.shape[-2:]),
       b.reshape(math.prod(p.b_batch), *b.shape[-2:]))
+    if splits > 1:  # XLA's reduction: a fixed order, the same sum on every run
+        out = out.reshape(splits, p.num_batches, p.m, p.n).sum(axis=0).astype(p.out_dtype)
     return out.reshape(*p.out_batch, p.m, p.n)

@@ -44,8 +44,9 @@ class NormalizeConfig:
         program (Triton) or grid step (Mosaic) normalizes together.
     block_reduced: elements of each group read per chunk; a group longer than this is looped
         over in chunks (its statistics merged across chunks, Chan et al.'s parallel variance).
-    num_partials: Triton backward only: programs per outer slab, each accumulating one partial
-        sum of dscale/doffset over the row blocks it walks (reduced afterwards, no atomics).
+    num_partials: Triton backward only: programs per outer slab and chunk, each accumulating
+        one partial sum of dscale/doffset over the group blocks it walks (reduced afterwards,
+        no atomics); by default enough for two waves of the GPU.
     num_warps, num_stages: Triton only; compiler params.
     """
 
@@ -91,6 +92,11 @@ class Problem(NamedTuple):
     def reduce_axis(self) -> int:
         """The reduced axis of a 2-D tile."""
         return 1 if self.rows else 0
+
+    @property
+    def view_reduce_axis(self) -> int:
+        """The reduced axis of the 3-D view (and of the statistics, where it has size 1)."""
+        return 2 if self.rows else 1
 
     def tile_shape(self, block_groups: int, block_reduced: int) -> tuple[int, int]:
         return (block_groups, block_reduced) if self.rows else (block_reduced, block_groups)
@@ -159,6 +165,21 @@ def merge_moments(a: Moments, b: Moments, p: Problem) -> Moments:
     return Moments(count, a.mean + delta * weight, a.m2 + b.m2 + delta * delta * a.count * weight)
 
 
+def merge_split_moments(means: jax.Array, m2s: jax.Array, counts: jax.Array,
+                        p: Problem) -> Moments:
+    """Moments of whole groups from those of disjoint splits of each group, stacked along the
+    view's reduced axis (Chan et al.'s merge, all splits at once: the spread of the split means
+    about the overall mean is added to the splits' own M2)."""
+    axis = p.view_reduce_axis
+    m2 = jnp.sum(m2s, axis=axis, keepdims=True)
+    count = jnp.sum(counts, axis=axis, keepdims=True)
+    if not p.subtract_mean:
+        return Moments(count, jnp.zeros_like(m2), m2)
+    mean = jnp.sum(counts * means, axis=axis, keepdims=True) / count
+    spread = jnp.sum(counts * (means - mean) ** 2, axis=axis, keepdims=True)
+    return Moments(count, mean, m2 + spread)
+
+
 def mean_and_rstd(m: Moments, p: Problem) -> tuple[jax.Array, jax.Array]:
     """The saved statistics: mean (0 for RMS) and 1 / sqrt(var + epsilon)."""
     var = m.m2 / p.reduced
@@ -215,7 +236,7 @@ def backward_jnp(p: Problem, x, scale, mean, rstd, gy, gmean, grstd, total=lambd
     sums over the devices (a psum) and `p` is the whole problem (its `reduced` counts them all).
     Returns (dx, dscale, doffset) as the kernels do; dscale/doffset are None when absent.
     """
-    axis = 2 if p.rows else 1
+    axis = p.view_reduce_axis
     dtype = p.stat_dtype
     xhat = normalized(x.astype(dtype), mean, rstd, p)
     g = gy.astype(dtype)

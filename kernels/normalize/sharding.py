@@ -88,7 +88,7 @@ def forward_rule(forward: Any, static: Any, layout: Layout) -> Plan:
 
 def _forward_merged(x, scale, offset, p: Any, axes: tuple[str, ...]):
     """(y, mean, rstd) of a slice of each group, its moments merged over mesh `axes`."""
-    axis = 2 if p.rows else 1
+    axis = p.view_reduce_axis
     xs = x.astype(p.stat_dtype)
     count = x.shape[axis]
     if p.subtract_mean:

@@ -1,48 +1,63 @@
-"""normalize as Pallas kernels lowered through Triton (GPU): forward and fused backward.
+"""normalize as Pallas kernels lowered through Triton (GPU): forward and backward.
 
-Both kernels work on the 3-D view of `common` (rows `(1, groups, reduced)` or columns
+Every kernel works on the 3-D view of `common` (rows `(1, groups, reduced)` or columns
 `(outer, reduced, groups)`) with 2-D tiles of `block_groups` groups by `block_reduced` elements
-(`(block_groups, block_reduced)` for rows, `(block_reduced, block_groups)` for columns). Every
-load and store is masked to the array: the ragged tail of the groups and of the reduced axis
-reads 0 and writes nothing, so any shape works without padding copies.
+(`(block_groups, block_reduced)` for rows, `(block_reduced, block_groups)` for columns); a group
+is `num_chunks = cdiv(reduced, block_reduced)` chunks. Every load and store is masked to the
+array: the ragged tail of the groups and of the reduced axis reads 0 and writes nothing, so any
+shape works without padding copies.
 
-Forward block schedule
-----------------------
-grid = (outer, cdiv(groups, block_groups)). Program (o, b) normalizes groups
-[b·block_groups, (b+1)·block_groups) of slab o.
-- A group that fits one chunk (reduced <= block_reduced, the common layer-norm case): the tile
-  is loaded once, its moments computed in registers (mean first, then the mean squared
-  deviation), and y written once: one read and one write of HBM.
-- Longer groups (e.g. 65536 features): a first loop over the cdiv(reduced, block_reduced)
-  chunks merges per-chunk moments (Chan et al.'s parallel variance, stable for data with a large
-  mean), a second loop re-reads each chunk (mostly from L2) and writes y.
-The program also writes the group's mean and 1/std (statistics dtype) for the backward.
+Programs vs the GPU
+-------------------
+A GPU wants two waves of programs or more (`Target.min_programs`: 264 on an H100's 132 SMs).
+Groups give `outer · num_blocks` programs (num_blocks = cdiv(groups, block_groups)); where that
+is fewer than the SMs and a group is several chunks long (batch-norm-style statistics over
+leading axes, e.g. (1M, 64) over axis 0: 2 group blocks of 8192 chunks), the groups are split
+along the reduced axis into `splits` ranges of `per_split` chunks (`schedule`), at least two
+waves of them, reduced in parallel and merged by XLA, and the elementwise pass gets one
+program per tile.
 
-Backward block schedule
------------------------
-grid = (outer, num_partials). Inputs: x, dy, the saved mean and 1/std and their cotangents
-(zero unless this is a second-order gradient). Per group the kernel needs sum(dy·scale) and
-sum(dy·scale·x̂) before it can write dx.
-- One chunk per group: program (o, q) walks the group blocks q, q + num_partials, ... of slab o;
-  each block is loaded once (x and dy), its sums and dx computed in registers, dx written once,
-  and the block's column sums of dy·x̂ and dy added to register accumulators; the program
-  writes its one partial row of dscale and doffset at the end.
-- Several chunks per group: num_partials = number of group blocks (one block per program); a
-  first loop over chunks accumulates the sums, a second re-reads each chunk, writes dx and the
-  chunk of the block's partial dscale/doffset row.
-The (outer·num_partials, reduced) partial rows are summed by XLA afterwards: no float atomics,
-so the result is the same on every run.
+Forward
+-------
+- Fused, grid (outer, num_blocks): program (o, b) normalizes groups [b·block_groups, ...) of
+  slab o. One chunk per group (layer norm's common case): the tile is loaded once, its moments
+  computed in registers (mean first, then the squared deviations) and y written once. Longer
+  groups with enough group blocks to fill the GPU: a first loop merges per-chunk moments (Chan
+  et al.'s parallel variance), a second re-reads each chunk (mostly from L2) and writes y.
+  The program writes the groups' mean and 1/std (statistics dtype) for the backward.
+- Two-phase (several chunks, too few group blocks): `_moments_kernel`, grid (outer, num_blocks,
+  splits), program (o, b, s) merges the moments of chunks [s·per_split, (s+1)·per_split) and
+  writes their mean and M2; XLA merges the splits (`common.merge_split_moments`) into mean and
+  1/std; `_normalize_kernel`, grid (outer, num_blocks, num_chunks), writes one tile of y per
+  program. x is read twice, y written once.
+
+Backward
+--------
+grid = (outer, num_partials, num_chunks). Inputs: x, dy, the saved mean and 1/std and their
+cotangents (zero unless this is a second-order gradient). Program (o, q, c) walks group blocks
+q, q + num_partials, ... of slab o in chunk c: loads x and dy once, writes dx once, and adds the
+tile's column sums of dy·x̂ and dy to register accumulators; at the end it writes its chunk of
+partial row o·num_partials + q of dscale and doffset, which XLA sums (no float atomics: the same
+result on every run). dx needs two per-group sums, sum(dy·scale) and sum(dy·scale·x̂): with one
+chunk per group the tile holds them; otherwise `_sums_kernel` (grid (outer, num_blocks, splits),
+like `_moments_kernel`) computes them first, and XLA adds the splits. So a long row never makes
+the backward write a float32 partial row per group row, and never runs fewer programs than the
+GPU has SMs when the problem has that many tiles.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
-from kernels._blocks import check_triton_config, int32_loop, is_power_of_2, next_power_of_2
+from kernels import _targets
+from kernels._blocks import (Split, check_triton_config, int32_loop, is_positive_int,
+                             is_power_of_2, next_power_of_2, split_reduction)
 from kernels._pallas import pl, triton_call, triton_load, triton_store
 from kernels.normalize import common
 from kernels.normalize.common import NormalizeConfig, Problem, unpack_refs
@@ -60,7 +75,7 @@ def resolve_config(p: Problem, config: NormalizeConfig | None) -> NormalizeConfi
 
     Rows: the whole group in one chunk when it fits, then as many groups as fit. Columns: 32
     groups (a 128-byte contiguous run per reduced element, coalesced) then as many reduced
-    elements as fit.
+    elements as fit. `num_partials` stays None unless given: `num_partials()` picks it.
     """
     config = config or NormalizeConfig()
     max_tile = _MAX_TILE // 2 if jnp.dtype(p.dtype).itemsize == 8 else _MAX_TILE
@@ -74,8 +89,8 @@ def resolve_config(p: Problem, config: NormalizeConfig | None) -> NormalizeConfi
             next_power_of_2(p.reduced), max(1, max_tile // max(1, block_groups))))
     tile = block_groups * block_reduced if is_power_of_2(block_groups * block_reduced) else 0
     num_warps = _or(config.num_warps, 8 if tile >= 4096 else 4 if tile >= 1024 else 1)
-    return NormalizeConfig(block_groups, block_reduced, _or(config.num_partials, 256),
-                           num_warps, _or(config.num_stages, 2))
+    return NormalizeConfig(block_groups, block_reduced, config.num_partials, num_warps,
+                           _or(config.num_stages, 2))
 
 
 def check(p: Problem, config: NormalizeConfig | None) -> None:
@@ -86,10 +101,34 @@ def check(p: Problem, config: NormalizeConfig | None) -> None:
         return  # nothing to launch: the wrapper returns the empty result itself
     config = resolve_config(p, config)
     check_triton_config(config, ("block_reduced", "block_groups"), min_block=1)
-    if (not isinstance(config.num_partials, int) or isinstance(config.num_partials, bool)
-            or config.num_partials < 1):
+    if config.num_partials is not None and not is_positive_int(config.num_partials):
         raise ValueError(f"config.num_partials must be a positive int, got "
                          f"{config.num_partials!r}")
+
+
+class Schedule(NamedTuple):
+    """How a problem's tiles become programs (see "Programs vs the GPU" above)."""
+
+    num_blocks: int  # group blocks per slab
+    num_chunks: int  # chunks per group
+    splits: int  # reduction programs per group block; 1 = the forward runs fused
+    per_split: int  # chunks each reduction program folds (the last split may have fewer)
+
+
+def schedule(p: Problem, config: NormalizeConfig) -> Schedule:
+    """Splits only when the group blocks would not give every SM one program: a fused pass
+    reads x once from HBM, the two phases twice, so one wave of fused programs wins."""
+    num_blocks = pl.cdiv(p.groups, config.block_groups)
+    num_chunks = pl.cdiv(p.reduced, config.block_reduced)
+    split = split_reduction(p.outer * num_blocks, num_chunks)
+    return Schedule(num_blocks, num_chunks, split.splits, split.per_split)
+
+
+def num_partials(p: Problem, config: NormalizeConfig, s: Schedule) -> int:
+    """Backward programs per slab and chunk (= partial dscale/doffset rows per slab): enough
+    for two waves with the slabs and chunks, or `config.num_partials`, at most one per block."""
+    wanted = pl.cdiv(_targets.current("gpu").min_programs, p.outer * s.num_chunks)
+    return min(s.num_blocks, _or(config.num_partials, wanted))
 
 
 class _Tiles:
@@ -131,18 +170,20 @@ class _Tiles:
         triton_store(self.view(ref, outer, chunk), value.astype(ref.dtype),
                      mask=self.mask(chunk))
 
-    def _stats_view(self, ref, outer):
+    def _stats_view(self, ref, outer, split):
         groups = pl.ds(self.group_start, self.block_groups)
-        return ref.at[(outer, *self._orient(groups, pl.ds(jnp.int32(0), 1)))]
+        return ref.at[(outer, *self._orient(groups, pl.ds(jnp.asarray(split, jnp.int32), 1)))]
 
     def _stats_mask(self):
         return self.group_valid[:, None] if self.p.rows else self.group_valid[None, :]
 
-    def load_stats(self, ref, outer) -> jax.Array:
-        return triton_load(self._stats_view(ref, outer), mask=self._stats_mask(), other=0)
+    def load_stats(self, ref, outer, split=0) -> jax.Array:
+        """Per-group values, stats-shaped (`split` indexes a per-split array's reduced dim)."""
+        return triton_load(self._stats_view(ref, outer, split), mask=self._stats_mask(),
+                           other=0)
 
-    def store_stats(self, ref, outer, value) -> None:
-        triton_store(self._stats_view(ref, outer), value.astype(ref.dtype),
+    def store_stats(self, ref, outer, value, split=0) -> None:
+        triton_store(self._stats_view(ref, outer, split), value.astype(ref.dtype),
                      mask=self._stats_mask())
 
     def load_param(self, ref, chunk, dtype) -> jax.Array:
@@ -157,171 +198,221 @@ class _Tiles:
                            other=0).astype(dtype)
 
 
-def _forward_kernel(*refs, p: Problem, config: NormalizeConfig):
-    x_ref, scale_ref, offset_ref, outputs = unpack_refs(refs, p.has_scale, p.has_offset)
-    y_ref, mean_ref, rstd_ref = outputs
+def _fold(first, count, chunk_value, merge):
+    """merge(...merge(chunk_value(first), chunk_value(first + 1))..., chunk_value(last)) over
+    `count` >= 1 chunks, in order."""
+    return lax.fori_loop(jnp.int32(1), jnp.asarray(count, jnp.int32),
+                         lambda i, acc: merge(acc, chunk_value(first + i)), chunk_value(first))
+
+
+def _split_range(s: Schedule):
+    """(first chunk, chunk count) of this program's split (grid axis 2)."""
+    return Split(s.splits, s.per_split).range_of(pl.program_id(2), s.num_chunks)
+
+
+def _moments(tiles: _Tiles, x_ref, outer, chunk, p: Problem) -> common.Moments:
+    x = tiles.load(x_ref, outer, chunk, p.stat_dtype)
+    return common.chunk_moments(x, tiles.mask(chunk), p)
+
+
+def _write_y(tiles: _Tiles, refs, outer, chunk, x, mean, rstd, p: Problem) -> None:
+    """Normalizes tile `x` of `chunk`, applies scale/offset and stores it in y."""
+    scale_ref, offset_ref, y_ref = refs
+    dtype = p.stat_dtype
+    scale = None if scale_ref is None else tiles.load_param(scale_ref, chunk, dtype)
+    offset = None if offset_ref is None else tiles.load_param(offset_ref, chunk, dtype)
+    tiles.store(y_ref, outer, chunk, common.affine(common.normalized(x, mean, rstd, p),
+                                                   scale, offset))
+
+
+def _forward_kernel(*refs, p: Problem, config: NormalizeConfig, s: Schedule):
+    x_ref, scale_ref, offset_ref, (y_ref, mean_ref, rstd_ref) = unpack_refs(
+        refs, p.has_scale, p.has_offset)
     outer = pl.program_id(0)
     tiles = _Tiles(p, config, pl.program_id(1))
-    dtype = p.stat_dtype
-    num_chunks = pl.cdiv(p.reduced, config.block_reduced)
-
-    def load(chunk):
-        return tiles.load(x_ref, outer, chunk, dtype)
-
-    def write(chunk, x, mean, rstd):
-        scale = None if scale_ref is None else tiles.load_param(scale_ref, chunk, dtype)
-        offset = None if offset_ref is None else tiles.load_param(offset_ref, chunk, dtype)
-        y = common.affine(common.normalized(x, mean, rstd, p), scale, offset)
-        tiles.store(y_ref, outer, chunk, y)
-
-    if num_chunks == 1:  # the tile stays in registers: one read, one write
-        x = load(0)
+    write = functools.partial(_write_y, tiles, (scale_ref, offset_ref, y_ref), outer, p=p)
+    if s.num_chunks == 1:  # the tile stays in registers: one read, one write
+        x = tiles.load(x_ref, outer, 0, p.stat_dtype)
         mean, rstd = common.mean_and_rstd(common.chunk_moments(x, tiles.mask(0), p), p)
         write(0, x, mean, rstd)
     else:
-        def merge(chunk, moments):
-            chunk_moments = common.chunk_moments(load(chunk), tiles.mask(chunk), p)
-            return common.Moments(*common.merge_moments(moments, chunk_moments, p))
-
-        first = common.chunk_moments(load(0), tiles.mask(0), p)
-        moments = lax.fori_loop(jnp.int32(1), jnp.int32(num_chunks), merge, first)
+        moments = _fold(0, s.num_chunks, lambda c: _moments(tiles, x_ref, outer, c, p),
+                        functools.partial(common.merge_moments, p=p))
         mean, rstd = common.mean_and_rstd(moments, p)
 
         def write_chunk(chunk, carry):
-            write(chunk, load(chunk), mean, rstd)
+            write(chunk, tiles.load(x_ref, outer, chunk, p.stat_dtype), mean, rstd)
             return carry
 
-        int32_loop(num_chunks, write_chunk, 0)
+        int32_loop(s.num_chunks, write_chunk, 0)
     tiles.store_stats(mean_ref, outer, mean)
     tiles.store_stats(rstd_ref, outer, rstd)
+
+
+def _moments_kernel(x_ref, means_ref, m2s_ref, *, p: Problem, config: NormalizeConfig,
+                    s: Schedule):
+    outer, split = pl.program_id(0), pl.program_id(2)
+    tiles = _Tiles(p, config, pl.program_id(1))
+    moments = _fold(*_split_range(s), lambda c: _moments(tiles, x_ref, outer, c, p),
+                    functools.partial(common.merge_moments, p=p))
+    tiles.store_stats(means_ref, outer, moments.mean, split)
+    tiles.store_stats(m2s_ref, outer, moments.m2, split)
+
+
+def _normalize_kernel(*refs, p: Problem, config: NormalizeConfig):
+    x_ref, scale_ref, offset_ref, (mean_ref, rstd_ref, y_ref) = unpack_refs(
+        refs, p.has_scale, p.has_offset)
+    outer, chunk = pl.program_id(0), pl.program_id(2)
+    tiles = _Tiles(p, config, pl.program_id(1))
+    _write_y(tiles, (scale_ref, offset_ref, y_ref), outer, chunk,
+             tiles.load(x_ref, outer, chunk, p.stat_dtype), tiles.load_stats(mean_ref, outer),
+             tiles.load_stats(rstd_ref, outer), p)
+
+
+def _split_shape(p: Problem, s: Schedule) -> jax.ShapeDtypeStruct:
+    """One value per group and split, the splits along the view's reduced dim."""
+    shape = (p.outer, p.groups, s.splits) if p.rows else (p.outer, s.splits, p.groups)
+    return jax.ShapeDtypeStruct(shape, p.stat_dtype)
+
+
+def _split_counts(p: Problem, config: NormalizeConfig, s: Schedule) -> np.ndarray:
+    """Elements in each split, shaped to broadcast against `_split_shape`."""
+    split_size = s.per_split * config.block_reduced
+    counts = np.clip(p.reduced - np.arange(s.splits) * split_size, 0, split_size)
+    return counts.reshape((1, 1, -1) if p.rows else (1, -1, 1))
+
+
+def _call(kernel, p: Problem, config: NormalizeConfig, grid, out_shape, flops_and_bytes, name,
+          interpret):
+    return triton_call(kernel, out_shape=out_shape, grid=grid, num_warps=config.num_warps,
+                       num_stages=config.num_stages, interpret=interpret,
+                       cost_estimate=common.cost_estimate(flops_and_bytes, p), name=name)
+
+
+def _reads(p: Problem, arrays: int, flops_per_element: int, s: Schedule):
+    """(flops, bytes) of a reduction pass: `arrays` view-sized reads and two per-split
+    outputs."""
+    item, stat = jnp.dtype(p.dtype).itemsize, jnp.dtype(p.stat_dtype).itemsize
+    return (flops_per_element * p.size,
+            arrays * p.size * item + 2 * p.outer * p.groups * s.splits * stat)
 
 
 def forward(x: jax.Array, scale: jax.Array | None, offset: jax.Array | None, p: Problem, *,
             config: NormalizeConfig | None, interpret: bool):
     """(y, mean, rstd) for the view-shaped `x` of a problem that `check` accepted."""
     config = resolve_config(p, config)
+    s = schedule(p, config)
     stats = jax.ShapeDtypeStruct(p.stats_shape, p.stat_dtype)
-    kernel = functools.partial(_forward_kernel, p=p, config=config)
-    args = [a for a in (x, scale, offset) if a is not None]
-    return triton_call(
-        kernel,
-        out_shape=(jax.ShapeDtypeStruct(p.view_shape, p.dtype), stats, stats),
-        grid=(p.outer, pl.cdiv(p.groups, config.block_groups)),
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-        interpret=interpret,
-        cost_estimate=common.cost_estimate(common.forward_flops_and_bytes(p), p),
-        name="normalize_forward_triton",
-    )(*args)
+    y = jax.ShapeDtypeStruct(p.view_shape, p.dtype)
+    params = [a for a in (scale, offset) if a is not None]
+    cost = common.forward_flops_and_bytes(p)
+    if s.splits == 1:
+        return _call(functools.partial(_forward_kernel, p=p, config=config, s=s), p, config,
+                     (p.outer, s.num_blocks), (y, stats, stats), cost,
+                     "normalize_forward_triton", interpret)(x, *params)
+    means, m2s = _call(functools.partial(_moments_kernel, p=p, config=config, s=s), p, config,
+                       (p.outer, s.num_blocks, s.splits), (_split_shape(p, s),) * 2,
+                       _reads(p, 1, 4, s), "normalize_moments_triton", interpret)(x)
+    counts = jnp.asarray(_split_counts(p, config, s), p.stat_dtype)
+    mean, rstd = common.mean_and_rstd(common.merge_split_moments(means, m2s, counts, p), p)
+    y = _call(functools.partial(_normalize_kernel, p=p, config=config), p, config,
+              (p.outer, s.num_blocks, s.num_chunks), y, cost, "normalize_forward_triton",
+              interpret)(x, *params, mean, rstd)
+    return y, mean, rstd
 
 
-def num_partials(p: Problem, config: NormalizeConfig) -> int:
-    """Backward programs per slab (= partial dscale/doffset rows per slab)."""
-    num_blocks = pl.cdiv(p.groups, config.block_groups)
-    if pl.cdiv(p.reduced, config.block_reduced) > 1:
-        return num_blocks  # one block per program: its chunks' partials are written directly
-    return min(num_blocks, config.num_partials)
+def _gradient_inputs(tiles: _Tiles, refs, outer, chunk, mean, rstd, p: Problem):
+    """(dy, dy·scale, x̂) of one tile, in the statistics dtype."""
+    x_ref, gy_ref, scale_ref = refs
+    dtype = p.stat_dtype
+    x = tiles.load(x_ref, outer, chunk, dtype)
+    g = tiles.load(gy_ref, outer, chunk, dtype)
+    gs = g if scale_ref is None else g * tiles.load_param(scale_ref, chunk, dtype)
+    return g, gs, common.normalized(x, mean, rstd, p)
 
 
-def _backward_kernel(*refs, p: Problem, config: NormalizeConfig, partials: int):
+def _sums_kernel(*refs, p: Problem, config: NormalizeConfig, s: Schedule):
+    x_ref, scale_ref, _, (mean_ref, rstd_ref, gy_ref, gs_ref, gs_xhat_ref) = unpack_refs(
+        refs, p.has_scale, False)
+    outer, split = pl.program_id(0), pl.program_id(2)
+    tiles = _Tiles(p, config, pl.program_id(1))
+    mean, rstd = tiles.load_stats(mean_ref, outer), tiles.load_stats(rstd_ref, outer)
+
+    def chunk_sums(chunk):
+        _, gs, xhat = _gradient_inputs(tiles, (x_ref, gy_ref, scale_ref), outer, chunk, mean,
+                                       rstd, p)
+        return common.row_sums(gs, xhat, tiles.mask(chunk), p)
+
+    sums = _fold(*_split_range(s), chunk_sums,
+                 lambda a, b: common.RowSums(a.gs + b.gs, a.gs_xhat + b.gs_xhat))
+    tiles.store_stats(gs_ref, outer, sums.gs, split)
+    tiles.store_stats(gs_xhat_ref, outer, sums.gs_xhat, split)
+
+
+def _backward_kernel(*refs, p: Problem, config: NormalizeConfig, s: Schedule, partials: int):
     x_ref, scale_ref, _, rest = unpack_refs(refs, p.has_scale, False)
-    mean_ref, rstd_ref, gy_ref, gmean_ref, grstd_ref, dx_ref, *partial_refs = rest
+    mean_ref, rstd_ref, gy_ref, gmean_ref, grstd_ref, *rest = rest
+    sums_refs = (rest.pop(0), rest.pop(0)) if s.num_chunks > 1 else None
+    dx_ref, *partial_refs = rest
     dscale_ref = partial_refs.pop(0) if p.has_scale else None
     doffset_ref = partial_refs.pop(0) if p.has_offset else None
-    outer, program = pl.program_id(0), pl.program_id(1)
-    partial_row = outer * partials + program
-    dtype = p.stat_dtype
-    num_chunks = pl.cdiv(p.reduced, config.block_reduced)
-    num_blocks = pl.cdiv(p.groups, config.block_groups)
+    outer, program, chunk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     group_axis = 1 - p.reduce_axis
 
-    def block_gradient(group_block, accumulators):
-        """dx of one group block; returns its partial dscale/doffset (single-chunk case) or
-        writes them chunk by chunk (multi-chunk case)."""
-        tiles = _Tiles(p, config, group_block)
+    def block_gradient(i, accumulators):
+        """dx of group block program + i·partials in this chunk; adds the block's column sums
+        of dy·x̂ and dy to the accumulators. Blocks past the last are fully masked: they add 0
+        and write nothing."""
+        tiles = _Tiles(p, config, program + i * partials)
         mean, rstd = tiles.load_stats(mean_ref, outer), tiles.load_stats(rstd_ref, outer)
-        gmean, grstd = tiles.load_stats(gmean_ref, outer), tiles.load_stats(grstd_ref, outer)
+        g, gs, xhat = _gradient_inputs(tiles, (x_ref, gy_ref, scale_ref), outer, chunk, mean,
+                                       rstd, p)
+        valid = tiles.mask(chunk)
+        if sums_refs is None:
+            sums = common.row_sums(gs, xhat, valid, p)
+        else:
+            sums = common.RowSums(*(tiles.load_stats(ref, outer) for ref in sums_refs))
+        dx = common.input_gradient(gs, xhat, rstd, sums, tiles.load_stats(gmean_ref, outer),
+                                   tiles.load_stats(grstd_ref, outer), p)
+        tiles.store(dx_ref, outer, chunk, dx)
+        # Groups past the edge loaded 0 but x̂ = -mean·rstd there: keep them out of the sums.
+        zero = jnp.zeros_like(g)
+        return (accumulators[0] + jnp.sum(jnp.where(valid, g * xhat, zero), axis=group_axis),
+                accumulators[1] + jnp.sum(jnp.where(valid, g, zero), axis=group_axis))
 
-        def load(chunk):
-            x = tiles.load(x_ref, outer, chunk, dtype)
-            g = tiles.load(gy_ref, outer, chunk, dtype)
-            xhat = common.normalized(x, mean, rstd, p)
-            gs = g if scale_ref is None else g * tiles.load_param(scale_ref, chunk, dtype)
-            return g, gs, xhat
-
-        def write(chunk, g, gs, xhat, sums):
-            dx = common.input_gradient(gs, xhat, rstd, sums, gmean, grstd, p)
-            tiles.store(dx_ref, outer, chunk, dx)
-            # Groups past the edge loaded 0 but x̂ = -mean·rstd there: keep them out of the sums.
-            valid = tiles.mask(chunk)
-            zero = jnp.zeros_like(g)
-            return (jnp.sum(jnp.where(valid, g * xhat, zero), axis=group_axis),
-                    jnp.sum(jnp.where(valid, g, zero), axis=group_axis))
-
-        if num_chunks == 1:
-            g, gs, xhat = load(0)
-            partial = write(0, g, gs, xhat, common.row_sums(gs, xhat, tiles.mask(0), p))
-            return tuple(a + b for a, b in zip(accumulators, partial))
-
-        def add_sums(chunk, sums):
-            g, gs, xhat = load(chunk)
-            chunk_sums = common.row_sums(gs, xhat, tiles.mask(chunk), p)
-            return common.RowSums(*(a + b for a, b in zip(sums, chunk_sums)))
-
-        zeros = jnp.zeros(p.tile_shape(config.block_groups, 1), dtype)
-        sums = int32_loop(num_chunks, add_sums, common.RowSums(zeros, zeros))
-
-        def write_chunk(chunk, carry):
-            dscale, doffset = write(chunk, *load(chunk), sums)
-            columns = pl.ds(tiles.chunk_start(chunk), config.block_reduced)
-            valid = tiles.reduced_valid(chunk)
-            if dscale_ref is not None:
-                triton_store(dscale_ref.at[partial_row, columns], dscale, mask=valid)
-            if doffset_ref is not None:
-                triton_store(doffset_ref.at[partial_row, columns], doffset, mask=valid)
-            return carry
-
-        int32_loop(num_chunks, write_chunk, 0)
-        return accumulators
-
-    zeros = jnp.zeros((config.block_reduced,), dtype)
-    if num_chunks == 1:
-        def step(i, accumulators):
-            return block_gradient(program + i * partials, accumulators)
-
-        # Blocks past the last are fully masked: they add 0 and write nothing.
-        dscale, doffset = int32_loop(pl.cdiv(num_blocks, partials), step, (zeros, zeros))
-        columns = pl.ds(jnp.int32(0), config.block_reduced)  # see _Tiles.chunk_start
-        valid = jnp.arange(config.block_reduced, dtype=jnp.int32) < p.reduced
-        if dscale_ref is not None:
-            triton_store(dscale_ref.at[partial_row, columns], dscale, mask=valid)
-        if doffset_ref is not None:
-            triton_store(doffset_ref.at[partial_row, columns], doffset, mask=valid)
-    else:
-        block_gradient(program, (zeros, zeros))
+    zeros = jnp.zeros((config.block_reduced,), p.stat_dtype)
+    dscale, doffset = int32_loop(pl.cdiv(s.num_blocks, partials), block_gradient,
+                                 (zeros, zeros))
+    tiles = _Tiles(p, config, program)
+    columns = pl.ds(tiles.chunk_start(chunk), config.block_reduced)
+    partial_row = outer * partials + program
+    for ref, value in ((dscale_ref, dscale), (doffset_ref, doffset)):
+        if ref is not None:
+            triton_store(ref.at[partial_row, columns], value, mask=tiles.reduced_valid(chunk))
 
 
 def backward(x, scale, mean, rstd, gy, gmean, grstd, p: Problem, *,
              config: NormalizeConfig | None, interpret: bool):
     """(dx, dscale or None, doffset or None); dscale/doffset in `p.param_shape`."""
     config = resolve_config(p, config)
-    partials = num_partials(p, config)
-    partial = jax.ShapeDtypeStruct((p.outer * partials, p.reduced), p.stat_dtype)
-    out_shape = [jax.ShapeDtypeStruct(p.view_shape, p.dtype)]
-    out_shape += [partial] * (p.has_scale + p.has_offset)
-    kernel = functools.partial(_backward_kernel, p=p, config=config, partials=partials)
+    s = schedule(p, config)
+    partials = num_partials(p, config, s)
     args = [a for a in (x, scale, mean, rstd, gy, gmean, grstd) if a is not None]
-    outs = list(triton_call(
-        kernel,
-        out_shape=tuple(out_shape),
-        grid=(p.outer, partials),
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-        interpret=interpret,
-        cost_estimate=common.cost_estimate(
-            common.backward_flops_and_bytes(p, p.outer * partials), p),
-        name="normalize_backward_triton",
-    )(*args))
+    if s.num_chunks > 1:  # the per-group sums dx needs come from a first pass
+        split_sums = _call(
+            functools.partial(_sums_kernel, p=p, config=config, s=s), p, config,
+            (p.outer, s.num_blocks, s.splits), (_split_shape(p, s),) * 2, _reads(p, 2, 6, s),
+            "normalize_sums_triton", interpret,
+        )(*[a for a in (x, scale, mean, rstd, gy) if a is not None])
+        args += [jnp.sum(a, axis=p.view_reduce_axis, keepdims=True) for a in split_sums]
+    partial = jax.ShapeDtypeStruct((p.outer * partials, p.reduced), p.stat_dtype)
+    out_shape = (jax.ShapeDtypeStruct(p.view_shape, p.dtype),) + (partial,) * (
+        p.has_scale + p.has_offset)
+    outs = list(_call(
+        functools.partial(_backward_kernel, p=p, config=config, s=s, partials=partials), p,
+        config, (p.outer, partials, s.num_chunks), out_shape,
+        common.backward_flops_and_bytes(p, p.outer * partials), "normalize_backward_triton",
+        interpret)(*args))
     dx = outs.pop(0)
     dscale = jnp.sum(outs.pop(0), axis=0).reshape(p.param_shape) if p.has_scale else None
     doffset = jnp.sum(outs.pop(0), axis=0).reshape(p.param_shape) if p.has_offset else None
