@@ -41,28 +41,35 @@ def _env() -> dict[str, str]:
 
 @pytest.fixture(scope="session")
 def results(tmp_path_factory):
-    """impl -> {(case, mesh): record}; each implementation's subprocess runs once per session,
-    whichever xdist worker asks first (the others wait on its lock and read its file)."""
+    """impl -> {(case, mesh): record}. The first xdist worker to ask starts the subprocesses of
+    all implementations at once (the others wait on its lock and read their files): run one
+    after another, each kept a worker waiting on it with a core idle."""
     shared = tmp_path_factory.getbasetemp().parent
 
     def run(impl: str) -> dict:
         if impl not in _results:
-            out = shared / f"sharded-{impl}.jsonl"
-            with open(shared / f"sharded-{impl}.lock", "w") as lock:
+            outputs = {name: shared / f"sharded-{name}.jsonl" for name in IMPLEMENTATIONS}
+            with open(shared / "sharded.lock", "w") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)
-                if not out.exists():
-                    done = subprocess.run(
-                        [sys.executable, str(HERE / "sharded_run.py"), impl],
-                        capture_output=True, text=True, timeout=900, env=_env(),
-                        cwd=HERE.parent)
-                    assert done.returncode == 0, done.stderr[-3000:]
-                    out.write_text(done.stdout)
-            records = [json.loads(line) for line in out.read_text().splitlines()
+                if not outputs[impl].exists():
+                    _run_all(outputs)
+            records = [json.loads(line) for line in outputs[impl].read_text().splitlines()
                        if line.startswith("{")]
             _results[impl] = {(r["case"], r["mesh"]): r for r in records}
         return _results[impl]
 
     return run
+
+
+def _run_all(outputs: dict[str, Path]) -> None:
+    procs = {name: subprocess.Popen([sys.executable, str(HERE / "sharded_run.py"), name],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    env=_env(), cwd=HERE.parent)
+             for name in outputs}
+    for name, proc in procs.items():
+        out, err = proc.communicate(timeout=900)
+        assert proc.returncode == 0, f"{name}: {err[-3000:]}"
+        outputs[name].write_text(out)
 
 
 @pytest.mark.parametrize("mesh", ["Auto", "Explicit"])
