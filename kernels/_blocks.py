@@ -117,7 +117,10 @@ class Split(NamedTuple):
     per_split: int
 
     def range_of(self, split: Any, num_steps: int) -> tuple[Any, Any]:
-        """(first step, number of steps) of split `split` (a program id)."""
+        """(first step, number of steps) of split `split` (a program id); static when there
+        is one split, so an unsplit loop keeps its static trip count."""
+        if self.splits == 1:
+            return 0, num_steps
         first = split * self.per_split
         return first, jnp.minimum(self.per_split, num_steps - first)
 

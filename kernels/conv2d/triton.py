@@ -294,8 +294,8 @@ def weight_grad_config(p: Problem) -> Conv2dConfig:
     block_k = triton_block(p.k, 64 if itemsize >= 8 else 128)
     block_n = triton_block(_output_channels(p), 64 if itemsize >= 8 else 128)
     if not p.depthwise:
-        block_k, block_n = fill_sms(block_k, block_n, lambda rows, cols: (
-            pl.cdiv(p.k, rows) * pl.cdiv(p.og, cols) * p.groups))
+        block_k, block_n = fill_sms(block_k, block_n, lambda rows, cols: math.prod(
+            _weight_grad_grid(p, Conv2dConfig(block_k=rows, block_n=cols))))
     block_m = triton_block(p.m, {2: 64, 4: 32, 8: 16}.get(itemsize, 64))
     num_warps = 8 if block_k * block_n > 64 * 64 else 4
     return Conv2dConfig(block_m, block_n, block_k, None, num_warps, 3)

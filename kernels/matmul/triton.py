@@ -183,12 +183,9 @@ def _matmul_kernel(a_ref, b_ref, out_ref, *, p: Problem, config: MatmulConfig, p
                          precision)
 
     num_k_blocks = pl.cdiv(p.k, block_k)
-    if config.split_k == 1:
-        first, count, out_index = 0, num_k_blocks, batch
-    else:  # partial sums of this split's K range, stored at [split, batch]
-        split = pl.program_id(2)
-        first, count = _split(p, config).range_of(split, num_k_blocks)
-        out_index = split * p.num_batches + batch
+    split = pl.program_id(2)  # partial sums of this split's K range, stored at [split, batch]
+    first, count = _split(p, config).range_of(split, num_k_blocks)
+    out_index = split * p.num_batches + batch
     acc = int32_loop(count, lambda i, acc: step(first + i, acc),
                      jnp.zeros((block_m, block_n), p.accumulator_dtype))
     triton_store(_tile(out_ref, out_index, rows, cols), acc.astype(out_ref.dtype),
