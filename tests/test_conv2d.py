@@ -277,6 +277,73 @@ def test_triton_weight_gradient_fills_an_h100(name):
     assert 2 * split.splits * p.k * p.o * 4 <= operand_bytes / 2 or split.splits == 1
 
 
+# The sub-pixel phases of a strided input gradient at their edge cases: a 1x1 stride-2 kernel
+# (three of four phases get no tap), stride 3 with dilation 3 (every tap in one phase per axis),
+# a stride larger than the kernel with cropping padding (phases whose pixels all miss).
+PHASE_CASES = [
+    ((1, 8, 9, 3), (1, 1, 3, 4), {"stride": 2, "padding": 0}),
+    ((1, 10, 11, 2), (3, 2, 2, 3), {"stride": 3, "dilation": 3, "padding": "SAME"}),
+    ((1, 9, 7, 2), (2, 3, 2, 2), {"stride": (4, 3), "padding": ((2, -1), (-1, 3))}),
+]
+
+
+@pytest.mark.parametrize("implementation", ["triton", "mosaic"])
+@pytest.mark.parametrize("x_shape,w_shape,options", PHASE_CASES,
+                         ids=["1x1-stride2", "stride3-dilation3", "stride4x3-cropped"])
+def test_strided_input_gradient_phases(implementation, x_shape, w_shape, options):
+    x, w = _inputs(x_shape, w_shape, jnp.float32)
+    got = jax.grad(_loss(implementation, **options), argnums=0)(x, w)
+    with x64():
+        want = jax.grad(_loss("reference", **options), argnums=0)(as_f64(x), as_f64(w))
+    assert_close(got, want, jnp.float32, reduction_length=np.prod(w_shape))
+
+
+# Strided layers at batch 32 (bfloat16): the input gradient of a stride-s forward convolves
+# the output gradient dilated by s; multiplying its zeros executed s² times the MACs needed.
+STRIDED_INPUT_GRADIENTS = {
+    "ResNet-50 stem 7x7/2": ((32, 224, 224, 3), (7, 7, 3, 64), {}),
+    "ResNet-50 conv3_1 3x3/2": ((32, 56, 56, 128), (3, 3, 128, 128), {}),
+    "ResNet-50 downsample 1x1/2": ((32, 56, 56, 256), (1, 1, 256, 512), {"padding": 0}),
+    "MobileNet depthwise 3x3/2": ((32, 112, 112, 64), (3, 3, 1, 64),
+                                  {"feature_group_count": 64}),
+}
+
+
+@pytest.mark.parametrize("target", ["sm_90", "v5e"])
+@pytest.mark.parametrize("name", STRIDED_INPUT_GRADIENTS)
+def test_strided_input_gradient_executes_the_forward_macs(target, name):
+    """Design property (no device needed): the input-gradient launches of a stride-2 layer
+    execute at most 1.1x the forward's multiply-adds, and none reads an array of twice dy's size
+    (the zero-dilated dy was stride² = 4x)."""
+    from kernels import _targets
+    from kernels.compile import launches
+
+    x_shape, w_shape, options = STRIDED_INPUT_GRADIENTS[name]
+    options = {"stride": 2, **options}
+    x = jax.ShapeDtypeStruct(x_shape, jnp.bfloat16)
+    w = jax.ShapeDtypeStruct(w_shape, jnp.bfloat16)
+    implementation = "triton" if target.startswith("sm") else "mosaic"
+
+    def forward(x, w):
+        return conv2d(x, w, implementation=implementation, interpret=False, **options)
+
+    def input_gradient(x, w):
+        y, vjp = jax.vjp(lambda x: forward(x, w), x)
+        return vjp(jnp.ones_like(y))
+
+    dy = jax.eval_shape(forward, x, w)
+    target = _targets.TARGETS[target]
+    forward_calls = launches(forward, x, w, target=target)
+    calls = [eqn for eqn in launches(input_gradient, x, w, target=target)[len(forward_calls):]
+             if "weight_grad" not in eqn.params["name"]]
+    forward_macs = dy.size * w_shape[0] * w_shape[1] * w_shape[2]
+    executed_macs = sum(eqn.params["cost_estimate"].flops for eqn in calls) // 2
+    assert calls and executed_macs <= 1.1 * forward_macs, (len(calls), executed_macs,
+                                                            forward_macs)
+    for eqn in calls:  # Mosaic's staged dy is padded to whole blocks: < 2x, not 4x
+        assert max(v.aval.size for v in eqn.invars) < 2 * max(dy.size, np.prod(w_shape))
+
+
 @pytest.mark.parametrize("impl", KERNELS)
 def test_gradients_bfloat16(impl):
     x, w = _inputs((1, 7, 9, 4), (3, 3, 2, 6), jnp.bfloat16)

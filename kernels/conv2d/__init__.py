@@ -28,7 +28,8 @@ from jax import lax
 
 from kernels import _dispatch, partition
 from kernels.conv2d import mosaic, sharding, triton
-from kernels.conv2d.common import Conv2dConfig, ConvConfig, make_problem
+from kernels.conv2d.common import (Conv2dConfig, ConvConfig, Phase, make_problem,
+                                   subpixel_phases)
 from reference.conv2d import Geometry, conv2d as reference_conv2d, dilated_size
 from reference.conv2d import geometry as make_geometry
 
@@ -109,10 +110,41 @@ def _transposed_geometry(g: Geometry, in_hw, kernel_hw, out_hw) -> Geometry:
 
 
 def _input_gradient(dy, w, s: _Static, in_hw, dtype) -> jax.Array:
-    """dX of `_conv(x, w, s)` for output gradient dy, as a `_conv` of dy."""
+    """dX of `_conv(x, w, s)` for output gradient dy, as `_conv`s of dy.
+
+    A strided forward makes this a convolution of the zero-dilated dy. Rather than storing or
+    multiplying those zeros, it runs as stride_h·stride_w sub-pixel phases (`subpixel_phases`):
+    each a stride-1 convolution of dy itself with the taps that reach its pixels, together
+    executing the forward's multiply-adds; XLA interleaves their outputs (one copy of dX)."""
     geometry = _transposed_geometry(s.geometry, in_hw, w.shape[:2], dy.shape[1:3])
     static = s._replace(config=None, geometry=geometry, out_dtype=jnp.dtype(dtype))
-    return _conv(dy, _flip_and_swap(w, s.geometry.groups), static)
+    w = _flip_and_swap(w, s.geometry.groups)
+    phases = subpixel_phases(geometry, dy.shape[1:3], w.shape[:2], tuple(in_hw))
+    if phases is None:
+        return _conv(dy, w, static)
+    outputs = [_phase_output(dy, w, static, phase) for phase in phases]
+    return _interleave(outputs, geometry.lhs_dilation, tuple(in_hw))
+
+
+def _phase_output(dy, w, s: _Static, phase: Phase) -> jax.Array:
+    """The phase's pixels of dX, padded to the ceil(H/L) x ceil(W/L) grid of every phase."""
+    w = w[phase.taps]
+    shape = (dy.shape[0], *phase.out_hw, w.shape[3])
+    if 0 in w.shape[:2] or 0 in phase.out_hw:  # no tap reaches these pixels
+        return jnp.zeros(shape, s.out_dtype)
+    return _conv(dy, w, s._replace(geometry=phase.geometry))
+
+
+def _interleave(outputs: list[jax.Array], lhs_dilation, out_hw) -> jax.Array:
+    """Phase (a, b)'s output j, i lands at (a + L_h·j, b + L_w·i)."""
+    rows, cols = (-(-size // step) for size, step in zip(out_hw, lhs_dilation))
+    padded = [jnp.pad(o, ((0, 0), (0, rows - o.shape[1]), (0, cols - o.shape[2]), (0, 0)))
+              for o in outputs]
+    n, c = padded[0].shape[0], padded[0].shape[3]
+    grid = jnp.stack(padded).reshape(*lhs_dilation, n, rows, cols, c)
+    dx = grid.transpose(2, 3, 0, 4, 1, 5).reshape(n, rows * lhs_dilation[0],
+                                                  cols * lhs_dilation[1], c)
+    return dx[:, :out_hw[0], :out_hw[1]]
 
 
 def _weight_gradient_whole(x, dy, statics: tuple[_Static, tuple[int, int]]) -> jax.Array:
