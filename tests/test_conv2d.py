@@ -244,10 +244,11 @@ def test_triton_weight_gradient_pixel_splits(x_shape, w_shape, options):
 
 # ResNet-50's weight gradients at batch 32 (bfloat16) and the programs the Triton kernel
 # launched for them before the pixel split: every pixel of a dW tile in one program.
+# (The stride-1 1x1s, 2 programs each before, run on the matmul kernels now: see
+# test_pointwise_convolution_launches_matmul_kernels and matmul's split-K tests.)
 RESNET_WEIGHT_GRADIENTS = {
-    "conv2_x 1x1 64->256": ((32, 56, 56, 64), (1, 1, 64, 256), {}),  # was 2 programs
-    "conv2_x 3x3 64->64": ((32, 56, 56, 64), (3, 3, 64, 64), {}),  # was 5
-    "conv2_x 1x1 256->64": ((32, 56, 56, 256), (1, 1, 256, 64), {}),  # was 2
+    "conv2_x 3x3 64->64": ((32, 56, 56, 64), (3, 3, 64, 64), {}),  # was 5 programs
+    "conv3_1 downsample 1x1/2 256->512": ((32, 56, 56, 256), (1, 1, 256, 512), {"stride": 2}),
     "conv4_x 3x3 256->256": ((32, 14, 14, 256), (3, 3, 256, 256), {}),  # was 36
     "MobileNet depthwise 3x3 x64": ((32, 56, 56, 64), (3, 3, 1, 64),
                                     {"feature_group_count": 64}),  # was 9
@@ -296,6 +297,37 @@ def test_strided_input_gradient_phases(implementation, x_shape, w_shape, options
     with x64():
         want = jax.grad(_loss("reference", **options), argnums=0)(as_f64(x), as_f64(w))
     assert_close(got, want, jnp.float32, reduction_length=np.prod(w_shape))
+
+
+@pytest.mark.parametrize("implementation", ["triton", "mosaic"])
+def test_pointwise_convolution_gradients(implementation):
+    """A 1x1 stride-1 convolution runs on the matmul kernels, forward, dX and dW."""
+    x, w = _inputs((2, 5, 7, 6), (1, 1, 6, 9), jnp.float32)
+    _check(x, w, conv2d(x, w, implementation=implementation), jnp.float32)
+    grads = jax.grad(_loss(implementation), argnums=(0, 1))(x, w)
+    with x64():
+        want = jax.grad(_loss("reference"), argnums=(0, 1))(as_f64(x), as_f64(w))
+    for got, expected in zip(grads, want):
+        assert_close(got, expected, jnp.float32, reduction_length=70)
+
+
+@pytest.mark.parametrize("target", ["sm_90", "v5e"])
+def test_pointwise_convolution_launches_matmul_kernels(target):
+    """ResNet-50's bottleneck 1x1s (here conv2_x 64->256 at batch 32) are matmuls of contiguous
+    pixel rows: forward, dX and dW launch the matmul kernel (tiles by shape class, split-K,
+    vectorized loads), not the implicit-GEMM patch gather."""
+    from kernels import _targets
+    from kernels.compile import launches
+
+    implementation = "triton" if target.startswith("sm") else "mosaic"
+    x = jax.ShapeDtypeStruct((32, 56, 56, 64), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((1, 1, 64, 256), jnp.bfloat16)
+    loss = lambda x, w: jnp.sum(conv2d(x, w, implementation=implementation,  # noqa: E731
+                                       interpret=False).astype(jnp.float32))
+    calls = launches(jax.value_and_grad(loss, argnums=(0, 1)), x, w,
+                     target=_targets.TARGETS[target])
+    names = [eqn.params["name"] for eqn in calls]
+    assert len(names) == 3 and all(name.startswith("matmul") for name in names), names
 
 
 # Strided layers at batch 32 (bfloat16): the input gradient of a stride-s forward convolves
