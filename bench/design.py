@@ -4,11 +4,12 @@ marked `design`, forward and backward.
 
 Per launch: the grid and its programs, against the H100's 132 SMs (waves; fewer than two leave
 SMs idle) or, on a TPU, the sequential grid steps of its one core; the flops and HBM bytes the
-kernel's cost estimate states, the flops against the op's forward (`op_flops`, which a matmul
-backward kernel needs too), the bytes beside the launch's operands and outputs taken once
-(`min_bytes`; a gather touches only the rows it gathers of its table); and, with the compilers
-installed (the `test` extra), what the real back end reports: shared memory, registers and
-spills (Triton) or planned VMEM (Mosaic).
+kernel's cost estimate states, the flops against the op's forward (`op_flops`, which each
+backward kernel of a matmul or convolution needs too; a strided convolution's input gradient
+runs as several launches that share it), the bytes beside the launch's operands and outputs
+taken once (`min_bytes`; a gather touches only the rows it gathers of its table); and, with the
+compilers installed (the `test` extra), what the real back end reports: shared memory,
+registers and spills (Triton) or planned VMEM (Mosaic).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import importlib.util
 import math
 from collections.abc import Iterator
 
+import jax
 import jax.numpy as jnp
 
 from bench.harness import aligned
@@ -36,6 +38,9 @@ def _op_flops(case) -> int | None:
     if case.op == "matmul":
         (*batch, m, k), n = shapes[0], shapes[1][-1]
         return 2 * math.prod(batch) * m * n * k
+    if case.op == "conv2d":  # output pixels x channels x taps x input channels per group
+        kh, kw, cg, _ = shapes[1]
+        return 2 * jax.eval_shape(case.function("xla"), *case.args).size * kh * kw * cg
     return None
 
 
@@ -91,7 +96,8 @@ def table(design_rows: list[dict]) -> str:
 
 LEGEND = ("Design figures (no device needed): waves = programs / 132 SMs of an H100 (under 2 "
           "leaves SMs idle); TPU grid steps run in order on one v5e core. flops vs op: the "
-          "kernel's cost estimate over the op's forward flops (a matmul backward kernel needs "
-          "the same). HBM MB est.: the bytes the kernel's cost estimate states; operands MB: its "
-          "inputs and outputs, each once (a gather reads only the rows it gathers). compiled: the "
-          "real compiler's report for that target.")
+          "kernel's cost estimate over the op's forward flops (each matmul or conv backward "
+          "kernel needs the same; a strided conv's input-gradient phases share them). HBM MB "
+          "est.: the bytes the kernel's cost estimate states; operands MB: its inputs and "
+          "outputs, each once (a gather reads only the rows it gathers). compiled: the real "
+          "compiler's report for that target.")

@@ -117,13 +117,18 @@ def _operands(eqn) -> str:
     return ", ".join(f"{jnp.dtype(v.aval.dtype).name}{list(v.aval.shape)}" for v in eqn.invars)
 
 
-def pallas_calls(fn: Callable[..., Any], *args: Any, target: Target) -> list:
-    """The distinct `pallas_call` equations that `fn(*args)` runs when traced for `target`
-    (kernels called with `interpret=False`), in order of appearance."""
+def launches(fn: Callable[..., Any], *args: Any, target: Target) -> list:
+    """Every `pallas_call` equation that `fn(*args)` runs when traced for `target` (kernels
+    called with `interpret=False`), in order: a kernel launched twice appears twice."""
     with on_target(target):
         jaxpr = jax.make_jaxpr(fn)(*args)
+    return _find_pallas_calls(jaxpr.jaxpr, [])
+
+
+def pallas_calls(fn: Callable[..., Any], *args: Any, target: Target) -> list:
+    """The distinct `launches` of `fn(*args)` for `target`, in order of appearance."""
     calls, seen = [], set()
-    for eqn in _find_pallas_calls(jaxpr.jaxpr, []):
+    for eqn in launches(fn, *args, target=target):
         key = (eqn.params["name"], _operands(eqn), eqn.params["grid_mapping"].grid,
                str(eqn.params["jaxpr"]))
         if key not in seen:

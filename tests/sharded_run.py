@@ -1,8 +1,9 @@
 """Runs every op's sharding rules on 8 fake CPU devices and prints one JSON line per case.
 
 Run by `tests/test_sharding.py` in its own process (the device count must be set before jax
-starts): `python tests/sharded_run.py IMPLEMENTATION`. Each case calls the op under `jit` with
-inputs sharded on a (2, 4) mesh ("data", "model") of Auto or Explicit axes, and inside
+starts): `python tests/sharded_run.py IMPLEMENTATION Auto,Explicit`. Each case calls the op
+under `jit` with inputs sharded on a (2, 4) mesh ("data", "model") of the given axis types, and
+inside
 `shard_map`, and records: the largest differences of values and gradients from the unsharded
 call, the output sharding against the `xla` implementation's, and the collectives in the
 compiled forward and gradient programs.
@@ -186,9 +187,9 @@ def run_reduce_scatter(impl):
             "forward": collectives(program), "out_spec": str(out.sharding.spec)}
 
 
-def main(impl: str) -> None:
+def main(impl: str, mesh_kinds: list[str]) -> None:
     xla_cases = cases("xla")
-    for axis_type in (AxisType.Auto, AxisType.Explicit):
+    for axis_type in (getattr(AxisType, kind) for kind in mesh_kinds):
         for name, (fn, specs) in cases(impl).items():
             try:
                 record = run_case(impl, name, fn, specs, axis_type, xla_cases[name][0])
@@ -204,4 +205,4 @@ def main(impl: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2].split(","))

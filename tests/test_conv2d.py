@@ -244,10 +244,11 @@ def test_triton_weight_gradient_pixel_splits(x_shape, w_shape, options):
 
 # ResNet-50's weight gradients at batch 32 (bfloat16) and the programs the Triton kernel
 # launched for them before the pixel split: every pixel of a dW tile in one program.
+# (The stride-1 1x1s, 2 programs each before, run on the matmul kernels now: see
+# test_pointwise_convolution_launches_matmul_kernels and matmul's split-K tests.)
 RESNET_WEIGHT_GRADIENTS = {
-    "conv2_x 1x1 64->256": ((32, 56, 56, 64), (1, 1, 64, 256), {}),  # was 2 programs
-    "conv2_x 3x3 64->64": ((32, 56, 56, 64), (3, 3, 64, 64), {}),  # was 5
-    "conv2_x 1x1 256->64": ((32, 56, 56, 256), (1, 1, 256, 64), {}),  # was 2
+    "conv2_x 3x3 64->64": ((32, 56, 56, 64), (3, 3, 64, 64), {}),  # was 5 programs
+    "conv3_1 downsample 1x1/2 256->512": ((32, 56, 56, 256), (1, 1, 256, 512), {"stride": 2}),
     "conv4_x 3x3 256->256": ((32, 14, 14, 256), (3, 3, 256, 256), {}),  # was 36
     "MobileNet depthwise 3x3 x64": ((32, 56, 56, 64), (3, 3, 1, 64),
                                     {"feature_group_count": 64}),  # was 9
@@ -275,6 +276,104 @@ def test_triton_weight_gradient_fills_an_h100(name):
         assert tiles * split.splits >= h100.min_programs, (config, split)
     operand_bytes = 2 * (math.prod(x_shape) + p.m * p.o)
     assert 2 * split.splits * p.k * p.o * 4 <= operand_bytes / 2 or split.splits == 1
+
+
+# The sub-pixel phases of a strided input gradient at their edge cases: a 1x1 stride-2 kernel
+# (three of four phases get no tap), stride 3 with dilation 3 (every tap in one phase per axis),
+# a stride larger than the kernel with cropping padding (phases whose pixels all miss).
+PHASE_CASES = [
+    ((1, 8, 9, 3), (1, 1, 3, 4), {"stride": 2, "padding": 0}),
+    ((1, 10, 11, 2), (3, 2, 2, 3), {"stride": 3, "dilation": 3, "padding": "SAME"}),
+    ((1, 9, 7, 2), (2, 3, 2, 2), {"stride": (4, 3), "padding": ((2, -1), (-1, 3))}),
+]
+
+
+@pytest.mark.parametrize("implementation", ["triton", "mosaic"])
+@pytest.mark.parametrize("x_shape,w_shape,options", PHASE_CASES,
+                         ids=["1x1-stride2", "stride3-dilation3", "stride4x3-cropped"])
+def test_strided_input_gradient_phases(implementation, x_shape, w_shape, options):
+    x, w = _inputs(x_shape, w_shape, jnp.float32)
+    got = jax.grad(_loss(implementation, **options), argnums=0)(x, w)
+    with x64():
+        want = jax.grad(_loss("reference", **options), argnums=0)(as_f64(x), as_f64(w))
+    assert_close(got, want, jnp.float32, reduction_length=np.prod(w_shape))
+
+
+@pytest.mark.parametrize("implementation", ["triton", "mosaic"])
+def test_pointwise_convolution_gradients(implementation):
+    """A 1x1 stride-1 convolution runs on the matmul kernels, forward, dX and dW."""
+    x, w = _inputs((2, 5, 7, 6), (1, 1, 6, 9), jnp.float32)
+    _check(x, w, conv2d(x, w, implementation=implementation), jnp.float32)
+    grads = jax.grad(_loss(implementation), argnums=(0, 1))(x, w)
+    with x64():
+        want = jax.grad(_loss("reference"), argnums=(0, 1))(as_f64(x), as_f64(w))
+    for got, expected in zip(grads, want):
+        assert_close(got, expected, jnp.float32, reduction_length=70)
+
+
+@pytest.mark.parametrize("target", ["sm_90", "v5e"])
+def test_pointwise_convolution_launches_matmul_kernels(target):
+    """ResNet-50's bottleneck 1x1s (here conv2_x 64->256 at batch 32) are matmuls of contiguous
+    pixel rows: forward, dX and dW launch the matmul kernel (tiles by shape class, split-K,
+    vectorized loads), not the implicit-GEMM patch gather."""
+    from kernels import _targets
+    from kernels.compile import launches
+
+    implementation = "triton" if target.startswith("sm") else "mosaic"
+    x = jax.ShapeDtypeStruct((32, 56, 56, 64), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((1, 1, 64, 256), jnp.bfloat16)
+    loss = lambda x, w: jnp.sum(conv2d(x, w, implementation=implementation,  # noqa: E731
+                                       interpret=False).astype(jnp.float32))
+    calls = launches(jax.value_and_grad(loss, argnums=(0, 1)), x, w,
+                     target=_targets.TARGETS[target])
+    names = [eqn.params["name"] for eqn in calls]
+    assert len(names) == 3 and all(name.startswith("matmul") for name in names), names
+
+
+# Strided layers at batch 32 (bfloat16): the input gradient of a stride-s forward convolves
+# the output gradient dilated by s; multiplying its zeros executed s² times the MACs needed.
+STRIDED_INPUT_GRADIENTS = {
+    "ResNet-50 stem 7x7/2": ((32, 224, 224, 3), (7, 7, 3, 64), {}),
+    "ResNet-50 conv3_1 3x3/2": ((32, 56, 56, 128), (3, 3, 128, 128), {}),
+    "ResNet-50 downsample 1x1/2": ((32, 56, 56, 256), (1, 1, 256, 512), {"padding": 0}),
+    "MobileNet depthwise 3x3/2": ((32, 112, 112, 64), (3, 3, 1, 64),
+                                  {"feature_group_count": 64}),
+}
+
+
+@pytest.mark.parametrize("target", ["sm_90", "v5e"])
+@pytest.mark.parametrize("name", STRIDED_INPUT_GRADIENTS)
+def test_strided_input_gradient_executes_the_forward_macs(target, name):
+    """Design property (no device needed): the input-gradient launches of a stride-2 layer
+    execute at most 1.1x the forward's multiply-adds, and none reads an array of twice dy's size
+    (the zero-dilated dy was stride² = 4x)."""
+    from kernels import _targets
+    from kernels.compile import launches
+
+    x_shape, w_shape, options = STRIDED_INPUT_GRADIENTS[name]
+    options = {"stride": 2, **options}
+    x = jax.ShapeDtypeStruct(x_shape, jnp.bfloat16)
+    w = jax.ShapeDtypeStruct(w_shape, jnp.bfloat16)
+    implementation = "triton" if target.startswith("sm") else "mosaic"
+
+    def forward(x, w):
+        return conv2d(x, w, implementation=implementation, interpret=False, **options)
+
+    def input_gradient(x, w):
+        y, vjp = jax.vjp(lambda x: forward(x, w), x)
+        return vjp(jnp.ones_like(y))
+
+    dy = jax.eval_shape(forward, x, w)
+    target = _targets.TARGETS[target]
+    forward_calls = launches(forward, x, w, target=target)
+    calls = [eqn for eqn in launches(input_gradient, x, w, target=target)[len(forward_calls):]
+             if "weight_grad" not in eqn.params["name"]]
+    forward_macs = dy.size * w_shape[0] * w_shape[1] * w_shape[2]
+    executed_macs = sum(eqn.params["cost_estimate"].flops for eqn in calls) // 2
+    assert calls and executed_macs <= 1.1 * forward_macs, (len(calls), executed_macs,
+                                                            forward_macs)
+    for eqn in calls:  # Mosaic's staged dy is padded to whole blocks: < 2x, not 4x
+        assert max(v.aval.size for v in eqn.invars) < 2 * max(dy.size, np.prod(w_shape))
 
 
 @pytest.mark.parametrize("impl", KERNELS)

@@ -298,33 +298,113 @@ def test_16_bit_gradients_accumulate_in_float32(implementation):
     assert_close(dx, expected_gradient(x.shape, ct, indices), jnp.bfloat16)
 
 
-def test_hot_ids_over_many_steps_and_row_blocks(implementation):
+@pytest.mark.parametrize("shape,axis", [((20, 600), 0), ((2, 20, 300), 1)], ids=str)
+def test_hot_ids_over_many_steps_and_row_blocks(implementation, shape, axis):
     """Wide rows (the Triton backward sums 8 cotangent rows per step at 512 columns): a row hit
-    100 times spans many steps, and rows sit in several row blocks, the last one partial."""
-    x = jnp.zeros((20, 600), jnp.float32)
+    100 times spans many steps and a piece (its first 64 positions summed by its owner, the
+    rest in a piece's partial sum), rows sit in several row blocks, the last one partial, and a
+    leading batch dim has its own pieces."""
+    x = jnp.zeros(shape, jnp.float32)
     indices = jnp.asarray([3] * 100 + [17] * 9 + [0, 19, 8, 3, -1], jnp.int32)
-    ct = random((indices.size, 600), jnp.float32, seed=23)
-    dx = jax.vjp(lambda x: gather(x, indices, implementation=implementation), x)[1](ct)[0]
-    assert_close(dx, expected_gradient(x.shape, ct, indices), jnp.float32, reduction_length=100)
+    ct_shape = (*shape[:axis], indices.size, *shape[axis + 1:])
+    ct = random(ct_shape, jnp.float32, seed=23)
+    dx = jax.vjp(lambda x: gather(x, indices, axis=axis, implementation=implementation),
+                 x)[1](ct)[0]
+    want = jax.vjp(lambda x: jnp.take(x, indices, axis=axis, mode="fill"), x)[1](ct)[0]
+    assert_close(dx, want, jnp.float32, reduction_length=100)
 
 
-def test_triton_scatter_add_work_per_program():
-    """Issue 10, finding 9, at a 128k vocabulary with 8192 ids of one hot id: programs own
-    blocks of rows (not one program per mostly-zero row) and the hot row's 8192 hits take at
-    most 8192 / 8 dependent steps (several cotangent rows loaded per step)."""
+@pytest.mark.parametrize("num_ids", [8192, 1 << 20])
+def test_triton_scatter_add_work_per_program(num_ids):
+    """Issue 10, finding 9, at a 128k vocabulary: programs own blocks of rows (not one
+    program per mostly-zero row), and no loop grows with how often an id repeats: whatever the
+    ids, a row's owner runs at most about 2·sqrt(m)/8 load steps (its first piece, then the
+    partial sums of its other pieces), where one id hit m times took m/8 steps before (1024 and
+    131072 here)."""
+    import math
+
     from kernels import _targets
     from kernels.compile import pallas_calls
     from kernels.gather import triton as gather_triton
+    from kernels.gather.common import Problem
 
+    p = Problem(1, 131072, 512, num_ids, jnp.dtype(jnp.bfloat16), "clip", None)
+    assert gather_triton.longest_loop(p) <= 4 * math.sqrt(num_ids) / 8
     table = jax.ShapeDtypeStruct((131072, 512), jnp.bfloat16)
-    ids = jnp.zeros((8192,), jnp.int32)
-    grad = jax.grad(lambda t: jnp.sum(gather(t, ids, implementation="triton",
-                                             interpret=False).astype(jnp.float32)))
-    calls = pallas_calls(grad, table, target=_targets.DEFAULT["gpu"])
-    scatter = next(eqn for eqn in calls if eqn.params["name"] == "scatter_add_triton")
-    rows_programs, column_programs = scatter.params["grid_mapping"].grid[:2]
+    ids = jax.ShapeDtypeStruct((num_ids,), jnp.int32)
+    grad = jax.grad(lambda t, ids: jnp.sum(gather(t, ids, implementation="triton",
+                                                  interpret=False).astype(jnp.float32)))
+    calls = {eqn.params["name"]: eqn
+             for eqn in pallas_calls(grad, table, ids, target=_targets.DEFAULT["gpu"])}
+    rows_programs, column_programs = calls["scatter_add_triton"].params["grid_mapping"].grid
     assert rows_programs <= 131072 // 8 and column_programs == 1
-    assert 8192 / gather_triton._segment_rows(512) <= 8192 / 8
+    piece_programs = calls["scatter_add_pieces_triton"].params["grid_mapping"].grid[0]
+    assert piece_programs == gather_triton.pieces(p, 512).count
+
+
+# (ids, whether to run the gradient too: interpret mode is slow, the hot layouts suffice)
+PIECE_LAYOUTS = {"one": ([5] * 1000, True), "two": ([0] * 500 + [9] * 499 + [3], False),
+                 "spread": (list(range(-10, 990)), False),
+                 "dropped": ([7] * 300 + [99] * 700, True)}
+
+
+@pytest.mark.parametrize("layout", PIECE_LAYOUTS)
+def test_triton_scatter_add_pieces_cover_each_row_once(layout):
+    """The backward's piece table: past its first `length` positions, every sorted position
+    of a row lies in exactly one piece of that row, and no piece is longer than `length`; the
+    gradient through many pieces is JAX's."""
+    from kernels.gather import triton as gather_triton
+    from kernels.gather.common import Problem, scatter_plan
+
+    ids, run_gradient = PIECE_LAYOUTS[layout]
+    n = 20
+    p = Problem(1, n, 512, len(ids), jnp.dtype(jnp.float32), "fill", None)
+    layout = gather_triton.pieces(p, 512)
+    plan = scatter_plan(jnp.asarray(ids, jnp.int32), n, "drop")
+    table = gather_triton.piece_table(plan, p, layout)
+    row_starts, row_pieces = np.asarray(plan.row_starts), np.asarray(table.row_pieces)
+    bounds = np.asarray(table.bounds)
+    assert layout.count > 0 and np.all(bounds[:, 1] - bounds[:, 0] <= layout.length)
+    for row in range(n):
+        covered = [q for lo, hi in bounds[row_pieces[row]:row_pieces[row + 1]]
+                   for q in range(lo, hi)]
+        assert covered == list(range(row_starts[row] + layout.length, row_starts[row + 1]))
+    assert np.all(bounds[row_pieces[n]:] == 0)  # unused pieces are empty
+    if not run_gradient:
+        return
+    x, indices = jnp.zeros((n, 512), jnp.float32), jnp.asarray(ids, jnp.int32)
+    ct = random((len(ids), 512), jnp.float32, seed=5)
+    dx = jax.vjp(lambda x: gather(x, indices, implementation="triton"), x)[1](ct)[0]
+    assert_close(dx, expected_gradient(x.shape, ct, indices), jnp.float32,
+                 reduction_length=len(ids))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=_ids)
+def test_mosaic_row_copies_keep_a_ring_in_flight(dtype):
+    """Issue 10, finding 8: the scatter-add (and the 16-bit forward, which moves tile groups
+    through VMEM) keep a ring of 8 row DMAs in flight, each with its own buffer and semaphore,
+    instead of waiting on one DMA per index. (TPU interpret mode runs a DMA when it is waited
+    on and poisons scratch memory with NaN, so the numerics tests would fail if a row were
+    read before its own copy was waited on.)"""
+    from kernels import _targets
+    from kernels.compile import pallas_calls
+
+    table = jax.ShapeDtypeStruct((32000, 4096), dtype)
+    ids = jax.ShapeDtypeStruct((8192,), jnp.int32)
+    grad = jax.grad(lambda t, i: jnp.sum(gather(t, i, implementation="mosaic",
+                                                interpret=False).astype(jnp.float32)))
+    calls = pallas_calls(grad, table, ids, target=_targets.TARGETS["v5e"])
+    ringed = {"scatter_add_mosaic"} | ({"gather_mosaic"} if dtype == jnp.bfloat16 else set())
+    for eqn in calls:
+        if eqn.params["name"] not in ringed:
+            continue
+        scratch = eqn.params["grid_mapping"].scratch_avals
+        semaphores = [a.shape for a in scratch if "sem" in str(a.dtype)]
+        buffers = [a.shape for a in scratch if len(a.shape) == 3]
+        assert semaphores == [(8,)] and buffers and buffers[0][0] == 8, (eqn.params["name"],
+                                                                        scratch)
+        ringed.discard(eqn.params["name"])
+    assert not ringed
 
 
 def test_backward_is_deterministic(implementation):

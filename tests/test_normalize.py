@@ -444,6 +444,30 @@ def test_grad_of_grad(implementation, subtract_mean):
         assert_close(a, b, jnp.float32, reduction_length=x.size)
 
 
+@pytest.mark.parametrize("target", ["sm_90", "v5e"])
+def test_first_order_backward_reads_no_statistics_cotangents(target):
+    """The public functions return y alone, so the cotangents of the saved mean and 1/std are
+    zero at first order: the backward kernel takes x, scale, mean, rstd and dy only (a
+    materialized zero pair was padded to 128 lanes on a TPU). Grad of grad, whose cotangents
+    reach the statistics, passes them (7 operands)."""
+    from kernels import _targets
+    from kernels.compile import launches
+
+    implementation = "triton" if target.startswith("sm") else "mosaic"
+    x = jax.ShapeDtypeStruct((4096, 1024), jnp.bfloat16)
+    scale = offset = jax.ShapeDtypeStruct((1024,), jnp.bfloat16)
+    loss = _loss(layer_norm, implementation=implementation, interpret=False)
+    target = _targets.TARGETS[target]
+
+    def backward_operands(fn):
+        return [len(eqn.invars) for eqn in launches(fn, x, scale, offset, target=target)
+                if "backward" in eqn.params["name"]]
+
+    assert backward_operands(jax.grad(loss)) == [5]
+    second_order = jax.grad(lambda x, s, o: jnp.sum(jax.grad(loss)(x, s, o) ** 2))
+    assert 7 in backward_operands(second_order)
+
+
 @pytest.mark.parametrize("implementation", [i for i in ("xla", "triton")
                                             if SUPPORTS_FLOAT64[i]])
 @pytest.mark.parametrize("shape,axis,subtract_mean,order", [

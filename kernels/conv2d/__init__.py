@@ -8,12 +8,15 @@ convolution with general window arithmetic. Its backward pass runs kernels of th
 implementation:
 - the input gradient is a forward convolution of the output gradient with the spatially flipped
   kernel whose in/out channels are swapped within each group; the forward stride becomes that
-  convolution's input (lhs) dilation and the forward lhs dilation its stride, with padding
-  chosen so the result has the input's shape (`_input_gradient`);
+  convolution's input (lhs) dilation, with padding chosen so the result has the input's shape
+  (`_input_gradient`). A strided forward's input gradient runs as stride² sub-pixel phases
+  (`common.subpixel_phases`), so no kernel multiplies the zeros of the dilation;
 - the weight gradient is a correlation of the input with the output gradient, reduced over
   pixels: the `weight_grad` kernels (`_weight_gradient`, itself a `custom_vjp`).
 Both are bilinear, and the backward of each is expressed through `_conv` and
-`_weight_gradient`, so `grad` of `grad` runs kernels too, to any order.
+`_weight_gradient`, so `grad` of `grad` runs kernels too, to any order. A 1x1 convolution with
+stride 1 and no padding (and its input and weight gradients) runs on the matmul kernels of the
+same implementation (`_is_pointwise`).
 """
 
 from __future__ import annotations
@@ -28,13 +31,18 @@ from jax import lax
 
 from kernels import _dispatch, partition
 from kernels.conv2d import mosaic, sharding, triton
-from kernels.conv2d.common import Conv2dConfig, ConvConfig, make_problem
+from kernels.conv2d.common import (Conv2dConfig, ConvConfig, Phase, Problem, make_problem,
+                                   subpixel_phases)
+from kernels.matmul import mosaic as matmul_mosaic
+from kernels.matmul import triton as matmul_triton
+from kernels.matmul.common import make_problem as matmul_problem
 from reference.conv2d import Geometry, conv2d as reference_conv2d, dilated_size
 from reference.conv2d import geometry as make_geometry
 
 __all__ = ["conv2d", "Conv2dConfig", "ConvConfig"]
 
 _KERNELS = {"triton": triton, "mosaic": mosaic}
+_MATMUL_KERNELS = {"triton": matmul_triton, "mosaic": matmul_mosaic}
 
 
 class _Static(NamedTuple):
@@ -48,10 +56,38 @@ class _Static(NamedTuple):
     out_dtype: jnp.dtype
 
 
+def _is_pointwise(p: Problem, config: Conv2dConfig | None) -> bool:
+    """A 1x1 convolution with stride 1, no padding and one group is the matmul
+    (N·H·W, C) @ (C, O) of contiguous rows: it runs on the matmul kernels (their tiles by shape
+    class, split-K, vectorized loads) unless a conv config asks for the conv kernel."""
+    g = p.geometry
+    return (config is None and (p.kh, p.kw, p.groups) == (1, 1, 1) and g.stride == (1, 1)
+            and g.padding == ((0, 0), (0, 0)))
+
+
+def _check(kernel: str, p: Problem, config: Conv2dConfig | None) -> None:
+    if _is_pointwise(p, config):
+        a = jax.ShapeDtypeStruct((p.m, p.c), p.x_dtype)
+        b = jax.ShapeDtypeStruct((p.c, p.o), p.w_dtype)
+        _MATMUL_KERNELS[kernel].check(matmul_problem(a, b, False, False, p.out_dtype), None)
+    else:
+        _KERNELS[kernel].check(p, config)
+
+
+def _matmul(a: jax.Array, b: jax.Array, transpose_a: bool, s: _Static,
+            out_dtype: jnp.dtype) -> jax.Array:
+    kernel = _MATMUL_KERNELS[s.implementation]
+    p = matmul_problem(a, b, transpose_a, False, out_dtype)
+    return kernel.matmul(a, b, p, config=None, precision=s.precision, interpret=s.interpret)
+
+
 def _run_whole(x: jax.Array, w: jax.Array, s: _Static) -> jax.Array:
     p = make_problem(x.shape, w.shape, x.dtype, w.dtype, s.geometry, s.out_dtype)
     if p.is_empty:
         return jnp.zeros((p.n, p.oh, p.ow, p.o), p.out_dtype)
+    if _is_pointwise(p, s.config):
+        out = _matmul(x.reshape(p.m, p.c), w.reshape(p.c, p.o), False, s, p.out_dtype)
+        return out.reshape(p.n, p.oh, p.ow, p.o)
     return _KERNELS[s.implementation].conv(x, w, p, config=s.config, precision=s.precision,
                                            interpret=s.interpret)
 
@@ -109,10 +145,41 @@ def _transposed_geometry(g: Geometry, in_hw, kernel_hw, out_hw) -> Geometry:
 
 
 def _input_gradient(dy, w, s: _Static, in_hw, dtype) -> jax.Array:
-    """dX of `_conv(x, w, s)` for output gradient dy, as a `_conv` of dy."""
+    """dX of `_conv(x, w, s)` for output gradient dy, as `_conv`s of dy.
+
+    A strided forward makes this a convolution of the zero-dilated dy. Rather than storing or
+    multiplying those zeros, it runs as stride_h·stride_w sub-pixel phases (`subpixel_phases`):
+    each a stride-1 convolution of dy itself with the taps that reach its pixels, together
+    executing the forward's multiply-adds; XLA interleaves their outputs (one copy of dX)."""
     geometry = _transposed_geometry(s.geometry, in_hw, w.shape[:2], dy.shape[1:3])
     static = s._replace(config=None, geometry=geometry, out_dtype=jnp.dtype(dtype))
-    return _conv(dy, _flip_and_swap(w, s.geometry.groups), static)
+    w = _flip_and_swap(w, s.geometry.groups)
+    phases = subpixel_phases(geometry, dy.shape[1:3], w.shape[:2], tuple(in_hw))
+    if phases is None:
+        return _conv(dy, w, static)
+    outputs = [_phase_output(dy, w, static, phase) for phase in phases]
+    return _interleave(outputs, geometry.lhs_dilation, tuple(in_hw))
+
+
+def _phase_output(dy, w, s: _Static, phase: Phase) -> jax.Array:
+    """The phase's pixels of dX, padded to the ceil(H/L) x ceil(W/L) grid of every phase."""
+    w = w[phase.taps]
+    shape = (dy.shape[0], *phase.out_hw, w.shape[3])
+    if 0 in w.shape[:2] or 0 in phase.out_hw:  # no tap reaches these pixels
+        return jnp.zeros(shape, s.out_dtype)
+    return _conv(dy, w, s._replace(geometry=phase.geometry))
+
+
+def _interleave(outputs: list[jax.Array], lhs_dilation, out_hw) -> jax.Array:
+    """Phase (a, b)'s output j, i lands at (a + L_h·j, b + L_w·i)."""
+    rows, cols = (-(-size // step) for size, step in zip(out_hw, lhs_dilation))
+    padded = [jnp.pad(o, ((0, 0), (0, rows - o.shape[1]), (0, cols - o.shape[2]), (0, 0)))
+              for o in outputs]
+    n, c = padded[0].shape[0], padded[0].shape[3]
+    grid = jnp.stack(padded).reshape(*lhs_dilation, n, rows, cols, c)
+    dx = grid.transpose(2, 3, 0, 4, 1, 5).reshape(n, rows * lhs_dilation[0],
+                                                  cols * lhs_dilation[1], c)
+    return dx[:, :out_hw[0], :out_hw[1]]
 
 
 def _weight_gradient_whole(x, dy, statics: tuple[_Static, tuple[int, int]]) -> jax.Array:
@@ -125,6 +192,9 @@ def _weight_gradient_whole(x, dy, statics: tuple[_Static, tuple[int, int]]) -> j
         return jnp.zeros(shape, s.out_dtype)
     if (p.oh, p.ow) != dy.shape[1:3]:
         raise AssertionError(f"output gradient shape {dy.shape} does not match {p}")
+    if _is_pointwise(p, None):  # dW = xᵀ @ dy over the pixels
+        dw = _matmul(x.reshape(p.m, p.c), dy.reshape(p.m, p.o), True, s, s.out_dtype)
+        return dw.reshape(shape)
     return _KERNELS[s.implementation].weight_grad(x, dy, p, precision=s.precision,
                                                   interpret=s.interpret, dtype=s.out_dtype)
 
@@ -207,8 +277,7 @@ def conv2d(
     problem = make_problem(x_nhwc.shape, w_hwio.shape, x.dtype, w.dtype, geometry, out_dtype)
     name, interpret = _dispatch.choose(
         "conv2d", implementation, interpret,
-        {kernel: functools.partial(module.check, problem, config)
-         for kernel, module in _KERNELS.items()})
+        {kernel: functools.partial(_check, kernel, problem, config) for kernel in _KERNELS})
     if name == "xla":
         return reference_conv2d(
             x, w, stride=stride, padding=padding, dilation=dilation,

@@ -1,15 +1,19 @@
 """What the conv2d kernels share: the problem they solve, its block config and its cost.
 
 Every kernel works in NHWC / HWIO. One problem is a grouped convolution with general window
-arithmetic (`reference.conv2d.Geometry`: stride, explicit possibly negative padding, input
-(lhs) and kernel (rhs) dilation): the forward pass and the input gradient are both such
-convolutions. Its size as a GEMM per group: M = N·OH·OW output pixels, N = O/G output channels,
+arithmetic (`reference.conv2d.Geometry`: stride, explicit possibly negative padding and kernel
+(rhs) dilation): the forward pass and the input gradient are both such convolutions. The input
+gradient of a strided forward would be a convolution of the zero-dilated output gradient (lhs
+dilation); it runs instead as sub-pixel phases (`subpixel_phases`), so no kernel sees an lhs
+dilation. Its size as a GEMM per group: M = N·OH·OW output pixels, N = O/G output channels,
 K = KH·KW·C/G taps times input channels.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
 from typing import NamedTuple
 
 import jax.numpy as jnp
@@ -114,6 +118,8 @@ class Problem(NamedTuple):
 
 
 def make_problem(x_shape, w_shape, x_dtype, w_dtype, geometry: Geometry, out_dtype) -> Problem:
+    if geometry.lhs_dilation != (1, 1):  # the input gradient runs as phases (`subpixel_phases`)
+        raise AssertionError(f"conv2d kernels take no lhs dilation, got {geometry}")
     n, h, w, c = x_shape
     kh, kw, _, o = w_shape
     return Problem(n, h, w, c, kh, kw, o, geometry, jnp.dtype(x_dtype), jnp.dtype(w_dtype),
@@ -139,3 +145,60 @@ def cost_estimate(p: Problem, partial_bytes: int = 0) -> pl.CostEstimate:
     writes instead of its output."""
     flops, nbytes = flops_and_bytes(p)
     return pl.CostEstimate(flops=flops, transcendentals=0, bytes_accessed=nbytes + partial_bytes)
+
+
+class Phase(NamedTuple):
+    """One sub-pixel phase of a convolution whose input is lhs-dilated by L (the input
+    gradient of a stride-L forward): the outputs at positions `offset + L·j` of each axis.
+
+    Only the taps `taps[axis]` (a slice of the kernel) land on real input pixels for these
+    outputs, and they read the undilated input, so the phase is an ordinary stride-1
+    convolution with `geometry` of the sub-kernel: no zero of the dilation is stored or
+    multiplied. An empty `taps` range means the phase's outputs are all zero.
+    """
+
+    offset: tuple[int, int]
+    taps: tuple[slice, slice]
+    geometry: Geometry
+    out_hw: tuple[int, int]
+
+
+def _axis_phase(g: Geometry, axis: int, offset: int, in_size: int, out_size: int,
+                kernel_size: int):
+    """(taps, padding, rhs dilation, output length) of phase `offset` along one axis.
+
+    Output o = offset + L·j reads dilated position o + k·D - pad_lo, a real pixel iff that is
+    a multiple of L: pixel j + q_k with q_k = (offset + k·D - pad_lo) / L. The taps that
+    qualify are every (L / gcd(D, L))-th from the first, and q_k grows by D / gcd(D, L) along
+    them: a sub-kernel with that dilation and front padding -q_first."""
+    lhs_dilation, rhs_dilation = g.lhs_dilation[axis], g.rhs_dilation[axis]
+    pad_lo = g.padding[axis][0]
+    length = len(range(offset, out_size, lhs_dilation))
+    first = next((k for k in range(min(kernel_size, lhs_dilation))
+                  if (offset + k * rhs_dilation - pad_lo) % lhs_dilation == 0), kernel_size)
+    step = lhs_dilation // math.gcd(rhs_dilation, lhs_dilation)
+    taps = slice(first, kernel_size, step)
+    count = len(range(first, kernel_size, step))
+    dilation = rhs_dilation // math.gcd(rhs_dilation, lhs_dilation)
+    before = -((offset + first * rhs_dilation - pad_lo) // lhs_dilation)
+    after = length - in_size - before + (count - 1) * dilation
+    return taps, (before, after), dilation, length
+
+
+def subpixel_phases(g: Geometry, in_hw: tuple[int, int], kernel_hw: tuple[int, int],
+                    out_hw: tuple[int, int]) -> list[Phase] | None:
+    """The L_h·L_w phases of a stride-1 convolution with lhs dilation L (see `Phase`), or None
+    when it has no lhs dilation."""
+    if g.lhs_dilation == (1, 1):
+        return None
+    if g.stride != (1, 1):  # an input gradient's stride is the forward's lhs dilation: 1
+        raise AssertionError(f"sub-pixel phases of a strided convolution: {g}")
+    phases = []
+    for offset in itertools.product(range(g.lhs_dilation[0]), range(g.lhs_dilation[1])):
+        axes = [_axis_phase(g, axis, offset[axis], in_hw[axis], out_hw[axis], kernel_hw[axis])
+                for axis in range(2)]
+        geometry = Geometry((1, 1), tuple(a[1] for a in axes), (1, 1),
+                            tuple(a[2] for a in axes), g.groups)
+        phases.append(Phase(offset, tuple(a[0] for a in axes), geometry,
+                            tuple(a[3] for a in axes)))
+    return phases

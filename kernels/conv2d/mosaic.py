@@ -2,16 +2,16 @@
 
 Staging (in the wrapper, one XLA copy of the input)
 ---------------------------------------------------
-This first version pads in the wrapper: `lax.pad` applies the padding (negative: a crop), the
-lhs dilation (the input gradient's stride) and enough extra zero rows and columns that every
-block is whole, and the stride is removed by splitting the padded image into stride_h·stride_w
-phases: phase (a, b) holds the padded pixels (i·stride_h + a, j·stride_w + b). Tap (kh, kw) of
-output pixel (oh, ow) is then pixel (oh + kh·dh // sh, ow + kw·dw // sw) of phase
-(kh·dh % sh, kw·dw % sw) (dh, dw: the kernel dilation): an unstrided window, so each tap is a
-static, contiguous slice of a VMEM tile. Groups become a separate array axis (GEMM path) so a
-block never straddles them. The output is computed on a grid of whole blocks
-(OH rounded up to block_rows, OW to a multiple of the sublane tile so a (rows, OW, C) window
-reshapes to a (rows·OW, C) matrix without relayout) and cropped afterwards.
+This first version pads in the wrapper: `lax.pad` applies the padding (negative: a crop) and
+enough extra zero rows and columns that every block is whole, and the stride is removed by
+splitting the padded image into stride_h·stride_w phases: phase (a, b) holds the padded pixels
+(i·stride_h + a, j·stride_w + b). Tap (kh, kw) of output pixel (oh, ow) is then pixel
+(oh + kh·dh // sh, ow + kw·dw // sw) of phase (kh·dh % sh, kw·dw % sw) (dh, dw: the kernel
+dilation): an unstrided window, so each tap is a static, contiguous slice of a VMEM tile.
+Groups become a separate array axis (GEMM path) so a block never straddles them. The output is
+computed on a grid of whole blocks (OH rounded up to block_rows, OW to a multiple of the
+sublane tile so a (rows, OW, C) window reshapes to a (rows·OW, C) matrix without relayout) and
+cropped afterwards.
 
 Block schedules
 ---------------
@@ -34,7 +34,8 @@ Weight gradient, GEMM path: grid = (G, (O/G) / block_n, N, cdiv(OH, block_rows))
   Inf or NaN in input rows the convolution never reads does not leak in as 0·Inf.
 Weight gradient, depthwise path: the same grid over channel blocks; per tap the elementwise
   product window·dY is reduced over the tile's pixels into a (KH·KW, block_c) accumulator.
-The input gradient is the forward kernel on the output gradient (see `kernels.conv2d`).
+The input gradient is the forward kernel on the output gradient, one launch per sub-pixel
+phase when the forward is strided (see `kernels.conv2d`): no zero-dilated dY is ever stored.
 
 The whole input tile of a step must fit VMEM with double buffering; a problem whose tile would
 not (very wide images with many channels) is declined.
@@ -137,28 +138,21 @@ def check(p: Problem, config: Conv2dConfig | None) -> None:
                                   " this kernel keeps the whole padded width in one tile")
 
 
-def _dilate_and_pad(x: jax.Array, pads: list[tuple[int, int, int]]) -> jax.Array:
-    """`lax.pad` whose negative edge padding (a crop) is applied after the positive part, so
-    no intermediate shape is negative."""
-    grown = lax.pad(x, jnp.zeros((), x.dtype), [(max(lo, 0), max(hi, 0), interior)
-                                               for lo, hi, interior in pads])
-    starts = [max(-lo, 0) for lo, _, _ in pads]
-    limits = [size - max(-hi, 0) for size, (_, hi, _) in zip(grown.shape, pads)]
+def _pad(x: jax.Array, pads: list[tuple[int, int]]) -> jax.Array:
+    """`lax.pad` whose negative padding (a crop) is applied after the positive part, so no
+    intermediate shape is negative."""
+    grown = lax.pad(x, jnp.zeros((), x.dtype), [(max(lo, 0), max(hi, 0), 0) for lo, hi in pads])
+    starts = [max(-lo, 0) for lo, _ in pads]
+    limits = [size - max(-hi, 0) for size, (_, hi) in zip(grown.shape, pads)]
     return lax.slice(grown, starts, limits)
 
 
 def _stage_input(x: jax.Array, p: Problem, layout: _Layout) -> jax.Array:
-    """(N, H, W, C) -> (N, sh·sw, rows, cols, G, C/G): padded, dilated, split into phases."""
-    g = p.geometry
-    (sh, sw), (ldh, ldw) = g.stride, g.lhs_dilation
-    pads = [(0, 0, 0), (0, 0, 0), (0, 0, 0), (0, 0, 0)]
-    for axis, (size, total, ld) in enumerate(((p.h, layout.rows * sh, ldh),
-                                              (p.w, layout.cols * sw, ldw))):
-        lo = g.padding[axis][0]
-        dilated = 0 if size == 0 else (size - 1) * ld + 1
-        pads[axis + 1] = (lo, total - dilated - lo, ld - 1)
-    padded = _dilate_and_pad(x, pads)
-    phased = padded.reshape(p.n, layout.rows, sh, layout.cols, sw, p.groups, p.cg)
+    """(N, H, W, C) -> (N, sh·sw, rows, cols, G, C/G): padded and split into phases."""
+    (sh, sw), padding = p.geometry.stride, p.geometry.padding
+    pads = [(0, 0), (padding[0][0], layout.rows * sh - p.h - padding[0][0]),
+            (padding[1][0], layout.cols * sw - p.w - padding[1][0]), (0, 0)]
+    phased = _pad(x, pads).reshape(p.n, layout.rows, sh, layout.cols, sw, p.groups, p.cg)
     return phased.transpose(0, 2, 4, 1, 3, 5, 6).reshape(
         p.n, layout.phases, layout.rows, layout.cols, p.groups, p.cg)
 

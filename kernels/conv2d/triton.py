@@ -4,10 +4,9 @@ The convolution is the GEMM out[M, O] = patches[M, K] @ w[K, O] per group, with 
 output pixels and K = KH·KW·C_in/G (taps times input channels, channel fastest). The patch
 matrix is never built in HBM: each program gathers its tile of it straight from the NHWC input
 with masked pointer loads, computing for every (pixel, k) the input position
-`oh·stride + kh·dilation - pad_lo` in the lhs-dilated input; positions in the padding, past an
-edge, or between the pixels of an lhs-dilated input (the input gradient's stride) are masked off
-and read as zero. So strides, dilations and every padding form (negative: a crop) cost nothing
-extra in HBM.
+`oh·stride + kh·dilation - pad_lo`; positions in the padding or past an edge are masked off and
+read as zero. So strides, dilations and every padding form (negative: a crop) cost nothing extra
+in HBM.
 
 Block schedules
 ---------------
@@ -38,7 +37,8 @@ Weight gradient, depthwise path: grid = (splits · KH·KW, cdiv(O, block_n)); a 
   tap's weight row and one pixel split, accumulates input·dY products elementwise in a
   (block_m, block_n) float32 tile, and reduces it over pixels once at the end. (Each tap's
   program reads dY again: up to KH·KW reads of it, mostly from L2.)
-The input gradient is the forward kernel run on the output gradient (see `kernels.conv2d`).
+The input gradient is the forward kernel run on the output gradient, one launch per sub-pixel
+phase when the forward is strided (see `kernels.conv2d`).
 
 All tiles are powers of 2 >= 16 (Triton's rule and its dot's minimum); offsets are int32, so
 arrays of 2³¹ elements or more are declined.
@@ -105,18 +105,10 @@ def check(p: Problem, config: Conv2dConfig | None) -> None:
 
 def _source(p: Problem, out_pos, tap, axis: int):
     """Input index along `axis` read by output position `out_pos` at kernel tap `tap`, and
-    whether it is a real pixel (not padding, not a hole of the lhs dilation)."""
+    whether it is a real pixel (not padding)."""
     g = p.geometry
-    size = (p.h, p.w)[axis]
-    lhs_dilation = g.lhs_dilation[axis]
     pos = out_pos * g.stride[axis] + tap * g.rhs_dilation[axis] - g.padding[axis][0]
-    if lhs_dilation == 1:
-        return pos, (pos >= 0) & (pos < size)
-    inside = pos >= 0
-    pos = jnp.where(inside, pos, 0)  # rem/div below see non-negative values only
-    index = lax.div(pos, jnp.int32(lhs_dilation))
-    on_pixel = lax.rem(pos, jnp.int32(lhs_dilation)) == 0
-    return index, inside & on_pixel & (index < size)
+    return pos, (pos >= 0) & (pos < (p.h, p.w)[axis])
 
 
 def _pixels(p: Problem, start, size: int):

@@ -116,9 +116,11 @@ def gather_cost(p: Problem) -> pl.CostEstimate:
     return pl.CostEstimate(flops=0, transcendentals=0, bytes_accessed=gather_bytes(p))
 
 
-def scatter_cost(p: Problem) -> pl.CostEstimate:
+def scatter_cost(p: Problem, partial_bytes: int = 0) -> pl.CostEstimate:
+    """The scatter-add's flops and minimum bytes, plus `partial_bytes` of partial sums a
+    kernel writes and reads back."""
     return pl.CostEstimate(flops=p.batch * p.num_indices * p.columns, transcendentals=0,
-                           bytes_accessed=scatter_bytes(p))
+                           bytes_accessed=scatter_bytes(p) + partial_bytes)
 
 
 def normalize_row(index: jax.Array, n: int, mode: str) -> tuple[jax.Array, jax.Array]:

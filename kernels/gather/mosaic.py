@@ -29,7 +29,8 @@ table. Traffic: each gathered row read once, each output element written once.
 Forward, 16-bit and 8-bit tables: tile DMAs into VMEM
 ------------------------------------------------------
 grid = (batch, cdiv(m, 128)), both "parallel". Step (b, j) stages its 128 indices; for each,
-it DMAs the aligned (`_dma_rows`, columns) tile group that holds the row into VMEM, selects the
+it DMAs the aligned (`_dma_rows`, columns) tile group that holds the row into one of a ring of
+`_RING` (8) VMEM buffers, started 8 indices ahead so 8 DMAs are in flight, selects the
 row in registers (a masked sum over the group's rows in int32: exact) or the fill value, and
 writes it into row j of a (128, columns) int32 VMEM scratch. A DMA can neither leave the table
 nor move a partial tile, so the rows of a last, partial group come from a copy of that group
@@ -48,13 +49,16 @@ block_rows), columns // block_columns), all "parallel": step (b, r, c) owns the
 zeroed at the start. It walks the sorted indices that land in its rows, staging their positions
 and targets into SMEM 128 at a time from aligned offsets, and for each one DMAs the cotangent's
 tile group holding row `g[b, position, column block]` into VMEM (one row for 32-bit cotangents,
-`_dma_rows` for narrower ones), selects the row and adds it into accumulator row
+`_dma_rows` for narrower ones; a ring of `_RING` buffers, each copy started 8 indices ahead, so
+8 DMAs are in flight), selects the row and adds it into accumulator row
 `target - first row`. Finally the block is cast and written once by the BlockSpec pipeline. Rows
 past n in a ragged last block are never targeted and their writes are dropped. No atomics: one
 owner per output block and a fixed summation order, so every run gives the same bits.
 
 Memory traffic: the cotangent read once (times `_dma_rows` for 16-bit cotangents), the table
-gradient written once; one synchronous DMA per index.
+gradient written once; one DMA per index, 8 in flight (the ring drains at each 128-index
+staging block). A step owns its rows' whole segments, so a row hit k times still costs its step
+k DMAs (the Triton backward bounds this with pieces; not done here).
 """
 
 from __future__ import annotations
@@ -76,6 +80,7 @@ _SLAB_BYTES = 1 << 20        # target bytes of one forward DMA when the batch is
 _MAX_BLOCK_COLUMNS = 1024
 _ACCUMULATOR_BYTES = 2 << 20  # float32 accumulator per backward step
 _INDEX_BLOCK = 128            # indices staged into SMEM at once (1-D int32 tile: 128 words)
+_RING = 8                     # row DMAs in flight in the tile gather and the scatter-add
 _BITS = {1: jnp.int8, 2: jnp.int16, 4: jnp.int32}
 
 
@@ -177,26 +182,56 @@ def _pick_row(group: jax.Array, offset: jax.Array, dtype) -> jax.Array:
                    keepdims=True)
 
 
-def _fetch_row(hbm, tail_hbm, row: jax.Array, n: int, vmem) -> jax.Array:
-    """DMAs the aligned group of `vmem.shape[0]` rows of the (n, columns) HBM ref `hbm` that
-    holds `row` into `vmem`; returns the row's offset in it. Rows of the last, partial group
-    come from `tail_hbm`, that group padded to whole (a DMA may neither leave the table nor
-    move a partial tile), so no read leaves the table."""
+def _start_row_copy(hbm, tail_hbm, row: jax.Array, n: int, vmem, sem) -> None:
+    """Starts the DMA of the aligned group of `vmem.shape[0]` rows of the (n, columns) HBM ref
+    `hbm` that holds `row` into `vmem`; the row is then at offset `row % rows` in it. Rows of
+    the last, partial group come from `tail_hbm`, that group padded to whole (a DMA may neither
+    leave the table nor move a partial tile), so no read leaves the table."""
     rows = vmem.shape[0]
     if rows == 1:
-        pltpu.sync_copy(hbm.at[pl.ds(row, 1)], vmem)
-        return jnp.int32(0)
+        pltpu.make_async_copy(hbm.at[pl.ds(row, 1)], vmem, sem).start()
+        return
     start = pl.multiple_of(row // rows * rows, rows)
     whole = n // rows * rows
     if whole:
         @pl.when(start < whole)
         def _():
-            pltpu.sync_copy(hbm.at[pl.ds(start, rows)], vmem)
+            pltpu.make_async_copy(hbm.at[pl.ds(start, rows)], vmem, sem).start()
     if n % rows:
         @pl.when(start >= whole)
         def _():
-            pltpu.sync_copy(tail_hbm, vmem)
-    return row - start
+            pltpu.make_async_copy(tail_hbm, vmem, sem).start()
+
+
+def _wait_row_copy(tail_hbm, vmem, sem) -> None:
+    # Every row copy has vmem's shape, so any same-shaped descriptor (the tail group's) waits
+    # for one of them.
+    pltpu.make_async_copy(tail_hbm, vmem, sem).wait()
+
+
+def _ring_of_row_copies(rows, lo, hi, start_copy, wait_copy, use) -> None:
+    """For j in [lo, hi): `use(j, slot)` once the copy that `start_copy(j, slot)` started has
+    landed in buffer `slot` of a ring of `rows.shape[0]` (`_RING`) buffers: copies are started
+    that many positions ahead, so that many DMAs are in flight instead of one at a time."""
+    depth = rows.shape[0]
+
+    def prologue(j, carry):
+        start_copy(j, j % depth)
+        return carry
+
+    def step(j, carry):
+        slot = j % depth
+        wait_copy(slot)
+        use(j, slot)
+
+        @pl.when(j + depth < hi)
+        def _():
+            start_copy(j + depth, slot)  # the slot's row has been read: reuse its buffer
+
+        return carry
+
+    lax.fori_loop(lo, jnp.minimum(lo + depth, hi), prologue, 0)
+    lax.fori_loop(lo, hi, step, 0)
 
 
 def _tail_group(x: jax.Array, rows: int) -> jax.Array:
@@ -249,22 +284,30 @@ def _slab_gather_kernel(indices_hbm, x_hbm, fill_hbm, out_hbm, indices_smem, sem
     lax.fori_loop(jnp.int32(0), count, wait, 0)
 
 
-def _tile_gather_kernel(indices_hbm, x_hbm, tail_hbm, out_ref, indices_smem, group_vmem,
-                        rows_vmem, *, p: Problem):
+def _tile_gather_kernel(indices_hbm, x_hbm, tail_hbm, out_ref, indices_smem, groups_vmem,
+                        rows_vmem, sems, *, p: Problem):
     batch, block = pl.program_id(0), pl.program_id(1)
     _stage(indices_hbm, block, indices_smem)
     fill = int(np.asarray(p.fill_value).view(_BITS[p.itemsize]))
+    group_rows = groups_vmem.shape[1]
 
-    def gather_one(j, carry):
-        row, in_range = normalize_row(indices_smem[j], p.n, p.mode)
-        offset = _fetch_row(x_hbm.at[batch], tail_hbm.at[batch], row, p.n, group_vmem)
-        value = _pick_row(group_vmem[...], offset, jnp.int32)
+    def row_of(j):
+        return normalize_row(indices_smem[j], p.n, p.mode)
+
+    def start_copy(j, slot):
+        _start_row_copy(x_hbm.at[batch], tail_hbm.at[batch], row_of(j)[0], p.n,
+                        groups_vmem.at[slot], sems.at[slot])
+
+    def gather_one(j, slot):
+        row, in_range = row_of(j)
+        value = _pick_row(groups_vmem[slot], row % group_rows, jnp.int32)
         if p.mode == "fill":
             value = jnp.where(in_range, value, fill)
         rows_vmem[pl.ds(j, 1), :] = value
-        return carry
 
-    lax.fori_loop(jnp.int32(0), _valid_positions(block, p), gather_one, 0)
+    _ring_of_row_copies(groups_vmem, jnp.int32(0), _valid_positions(block, p), start_copy,
+                        lambda slot: _wait_row_copy(tail_hbm.at[batch], groups_vmem.at[slot],
+                                                    sems.at[slot]), gather_one)
     out_ref[...] = rows_vmem[...].astype(out_ref.dtype)
 
 
@@ -292,8 +335,9 @@ def gather(x: jax.Array, indices: jax.Array, p: Problem, *, config: GatherConfig
             num_scalar_prefetch=0, grid=(p.batch, num_blocks), in_specs=[hbm, hbm, hbm],
             out_specs=pl.BlockSpec((None, _INDEX_BLOCK, p.columns), lambda b, j: (b, j, 0)),
             scratch_shapes=[pltpu.SMEM((_INDEX_BLOCK,), jnp.int32),
-                            pltpu.VMEM((_dma_rows(p.dtype), p.columns), bits),
-                            pltpu.VMEM((_INDEX_BLOCK, p.columns), jnp.int32)])
+                            pltpu.VMEM((_RING, _dma_rows(p.dtype), p.columns), bits),
+                            pltpu.VMEM((_INDEX_BLOCK, p.columns), jnp.int32),
+                            pltpu.SemaphoreType.DMA((_RING,))])
         kernel = functools.partial(_tile_gather_kernel, p=p)
         operands = (_tail_group(table, _dma_rows(p.dtype)),)
     call = mosaic_call(
@@ -310,30 +354,34 @@ def gather(x: jax.Array, indices: jax.Array, p: Problem, *, config: GatherConfig
 
 
 def _scatter_add_kernel(block_starts_smem, order_hbm, targets_hbm, g_hbm, g_tail_hbm, out_ref,
-                        acc_ref,
-                        group_vmem, order_smem, targets_smem, *, p: Problem,
+                        acc_ref, groups_vmem, order_smem, targets_smem, sems, *, p: Problem,
                         block_rows: int, block_columns: int):
     batch, row_block = pl.program_id(0), pl.program_id(1)
     columns = (slice(None) if block_columns == p.columns else
                pl.ds(pl.multiple_of(pl.program_id(2) * block_columns, LANES), block_columns))
     first_row = row_block * block_rows
     start, stop = block_starts_smem[row_block], block_starts_smem[row_block + 1]
+    g, g_tail = g_hbm.at[batch, :, columns], g_tail_hbm.at[batch, :, columns]
+    group_rows = groups_vmem.shape[1]
     acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    def add(j, carry):
-        source, target = order_smem[j], targets_smem[j]
-        offset = _fetch_row(g_hbm.at[batch, :, columns], g_tail_hbm.at[batch, :, columns], source,
-                            p.num_indices, group_vmem)
-        local = pl.ds(target - first_row, 1)
-        acc_ref[local, :] = acc_ref[local, :] + _pick_row(group_vmem[...], offset, jnp.float32)
-        return carry
+    def start_copy(j, slot):
+        _start_row_copy(g, g_tail, order_smem[j], p.num_indices, groups_vmem.at[slot],
+                        sems.at[slot])
+
+    def add(j, slot):
+        local = pl.ds(targets_smem[j] - first_row, 1)
+        row = _pick_row(groups_vmem[slot], order_smem[j] % group_rows, jnp.float32)
+        acc_ref[local, :] = acc_ref[local, :] + row
 
     def add_block(block, carry):
         _stage(order_hbm, block, order_smem)
         _stage(targets_hbm, block, targets_smem)
         first = block * _INDEX_BLOCK
-        lax.fori_loop(jnp.maximum(start - first, 0), jnp.minimum(stop - first, _INDEX_BLOCK),
-                      add, 0)
+        _ring_of_row_copies(groups_vmem, jnp.maximum(start - first, 0),
+                            jnp.minimum(stop - first, _INDEX_BLOCK), start_copy,
+                            lambda slot: _wait_row_copy(g_tail, groups_vmem.at[slot],
+                                                        sems.at[slot]), add)
         return carry
 
     # The aligned 128-index blocks that overlap [start, stop).
@@ -357,9 +405,10 @@ def scatter_add(g: jax.Array, plan: ScatterPlan, p: Problem, *, config: GatherCo
         out_specs=pl.BlockSpec((None, block_rows, block_columns),
                                lambda b, r, c, starts: (b, r, c)),
         scratch_shapes=[pltpu.VMEM((block_rows, block_columns), jnp.float32),
-                        pltpu.VMEM((_dma_rows(g.dtype), block_columns), g.dtype),
+                        pltpu.VMEM((_RING, _dma_rows(g.dtype), block_columns), g.dtype),
                         pltpu.SMEM((_INDEX_BLOCK,), jnp.int32),
-                        pltpu.SMEM((_INDEX_BLOCK,), jnp.int32)],
+                        pltpu.SMEM((_INDEX_BLOCK,), jnp.int32),
+                        pltpu.SemaphoreType.DMA((_RING,))],
     )
     kernel = functools.partial(_scatter_add_kernel, p=p, block_rows=block_rows,
                                block_columns=block_columns)

@@ -19,27 +19,37 @@ indices are read once per column block.
 Backward block schedule (deterministic scatter-add)
 ---------------------------------------------------
 The wrapper sorts the index vector with XLA (`common.scatter_plan`): `order` lists the index
-positions by target row, `row_starts` delimits each row's segment. grid = (batch *
-cdiv(n, block_rows), cdiv(columns, block_columns)): program (t, c) owns `block_rows` table rows
-of batch slice b, column block c. For each of its rows it walks the row's segment
-`segment_rows` positions at a time: one masked pointer gather loads those cotangent rows
-`g[b, order[s:s + segment_rows], column block]` together (independent loads in flight, not one
-dependent load per index), sums them into a float32 (float64 for float64) register
-accumulator, and finally stores the table-gradient row once, cast to its dtype. Rows no index
-lands on are written as zeros by the program that owns them (block_rows rows per program, not
-one program per row of a large vocabulary). Dropped indices sort past the last row and are
-never read. No atomics: every output element has one writer and a fixed summation order, so
-every run gives the same bits. A row hit k times costs its program cdiv(k, segment_rows)
-steps (a padding id hit 4096 times with 8-row steps: 512 steps, where one load per index took
-4096 dependent loads).
+positions by target row, `row_starts` delimits each row's segment. No program's work grows with
+how often an id repeats: a row's segment is summed by its owner only up to `length` ≈ sqrt(m)
+positions; the rest of it is cut into pieces of `length` positions (`pieces`, `piece_table`:
+at most m // length of them, laid out by XLA in O(m + n)).
+Pieces (`scatter_add_pieces_triton`, launched when m > length): grid = (batch · pieces,
+cdiv(columns, block_columns)). Program (b·pieces + q, c) loads piece q's cotangent rows
+`g[b, order[start:stop], column block]` segment_rows at a time (one masked pointer gather per
+step: independent loads in flight), sums them in float32 (float64 for float64) and stores the
+partial row `partials[b, q, column block]`. Unused pieces store zeros.
+Rows (`scatter_add_triton`): grid = (batch · cdiv(n, block_rows), cdiv(columns,
+block_columns)): program (t, c) owns `block_rows` table rows of batch slice b, column block c.
+For each of its rows it sums the first `length` positions of the row's segment the same way,
+then the row's pieces' partial rows (contiguous, segment_rows at a time), and stores the
+table-gradient row once, cast to its dtype. Rows no index lands on are written as zeros by the
+program that owns them (block_rows rows per program, not one program per row of a large
+vocabulary). Dropped indices sort past the last row and are never read. No atomics: every
+output element has one writer and a fixed summation order, so every run gives the same bits.
+Whatever the ids, a row costs its owner at most length/segment_rows + pieces/segment_rows load
+steps (`longest_loop`: 24 for 8192 ids at 512 columns, where one id hit 8192 times took 1024
+steps in a single program).
 
-Memory traffic: the cotangent is read once, the table gradient written once.
+Memory traffic: the cotangent is read once, the table gradient written once, and the pieces'
+float32 partial rows (at most m / length of them) written once and read once.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -121,37 +131,125 @@ def gather(x: jax.Array, indices: jax.Array, p: Problem, *, config: GatherConfig
 
 _BLOCK_ROWS = 8  # table rows per backward program
 _SEGMENT_TILE = 4096  # elements of the (segment_rows, block_columns) cotangent tile per step
+_MIN_PIECE_STEPS = 8  # a piece is at least this many load steps
 
 
 def _segment_rows(block_columns: int) -> int:
     return max(1, _SEGMENT_TILE // block_columns)
 
 
-def _scatter_add_kernel(order_ref, row_starts_ref, g_ref, out_ref, *, p: Problem,
-                        block_columns: int):
+class Pieces(NamedTuple):
+    """How the backward bounds each row's work: a row's first `length` positions are summed by
+    its owner; the rest are cut into pieces of `length` positions, `count` at most (a static
+    bound: m // length), each summed by its own program into a float32 partial row."""
+
+    length: int
+    count: int
+
+
+def pieces(p: Problem, block_columns: int) -> Pieces:
+    """Pieces of about sqrt(m) positions (whole load steps, at least `_MIN_PIECE_STEPS`): a row
+    owner's two loops, over its first piece and then over its other pieces' partial sums, take
+    about sqrt(m)/segment_rows steps each, whatever the ids. Up to 64 ids at 512 columns there
+    are no pieces (the owner's loop is short anyway)."""
+    rows_per_step = _segment_rows(block_columns)
+    steps = max(_MIN_PIECE_STEPS,
+                next_power_of_2(max(1, math.isqrt(p.num_indices) // rows_per_step)))
+    length = rows_per_step * steps
+    return Pieces(length, max(p.num_indices - 1, 0) // length)
+
+
+def longest_loop(p: Problem, config: GatherConfig | None = None) -> int:
+    """The most load steps any backward program runs for one table row, whatever the ids (the
+    first piece of a row hit by every index, then the partial sums of all the pieces)."""
+    block_columns = resolve_config(p, config).block_columns
+    rows_per_step, (length, count) = _segment_rows(block_columns), pieces(p, block_columns)
+    return pl.cdiv(length, rows_per_step) + pl.cdiv(count, rows_per_step)
+
+
+class PieceTable(NamedTuple):
+    """Per table row r, its pieces are rows row_pieces[r]:row_pieces[r + 1] of the partials;
+    piece q covers sorted positions bounds[q, 0]:bounds[q, 1] (empty past the last piece)."""
+
+    row_pieces: jax.Array  # (n + 1,) int32
+    bounds: jax.Array      # (count, 2) int32
+
+
+def piece_table(plan: ScatterPlan, p: Problem, layout: Pieces) -> PieceTable:
+    """The pieces of the rows hit more than `layout.length` times, with XLA (O(m + n))."""
+    hits = plan.row_starts[1:] - plan.row_starts[:-1]
+    extra = jnp.maximum(hits - 1, 0) // layout.length
+    row_pieces = jnp.concatenate([jnp.zeros((1,), jnp.int32),
+                                  jnp.cumsum(extra).astype(jnp.int32)])
+    piece = jnp.arange(layout.count, dtype=jnp.int32)
+    row = jnp.clip(jnp.searchsorted(row_pieces, piece, side="right") - 1, 0, p.n - 1)
+    start = plan.row_starts[row] + layout.length * (piece - row_pieces[row] + 1)
+    stop = jnp.minimum(start + layout.length, plan.row_starts[row + 1])
+    used = piece < row_pieces[p.n]
+    bounds = jnp.stack([jnp.where(used, start, 0), jnp.where(used, stop, 0)], axis=1)
+    return PieceTable(row_pieces, bounds.astype(jnp.int32))
+
+
+def _sum_rows(load, start, stop, rows_per_step: int, acc):
+    """acc + the rows start..stop-1 that `load(positions, valid)` returns, rows_per_step at a
+    time: independent loads in flight, not one dependent load per row."""
+    steps = jnp.arange(rows_per_step, dtype=jnp.int32)
+
+    def add(step, acc):
+        positions = start + step * rows_per_step + steps
+        rows = load(positions, positions < stop)
+        return acc + jnp.sum(rows.astype(acc.dtype), axis=0)
+
+    return lax.fori_loop(jnp.int32(0), (stop - start + rows_per_step - 1) // rows_per_step, add,
+                         acc)
+
+
+def _cotangent_rows(order_ref, g_ref, batch, columns, column_valid):
+    """load(positions, valid) of the cotangent rows at sorted positions."""
+    def load(positions, valid):
+        sources = triton_load(order_ref.at[positions], mask=valid, other=0)
+        return triton_load(g_ref.at[batch, sources[:, None], columns[None, :]],
+                           mask=valid[:, None] & column_valid[None, :], other=0)
+    return load
+
+
+def _piece_kernel(order_ref, bounds_ref, g_ref, out_ref, *, p: Problem, block_columns: int):
+    batch, piece = pl.program_id(0) // out_ref.shape[1], pl.program_id(0) % out_ref.shape[1]
+    first_column = pl.program_id(1) * block_columns
+    columns = first_column + jnp.arange(block_columns, dtype=jnp.int32)
+    column_valid = columns < p.columns
+    acc = _sum_rows(_cotangent_rows(order_ref, g_ref, batch, columns, column_valid),
+                    bounds_ref[piece, 0], bounds_ref[piece, 1], _segment_rows(block_columns),
+                    jnp.zeros((block_columns,), out_ref.dtype))
+    triton_store(out_ref.at[batch, piece, pl.ds(first_column, block_columns)], acc,
+                 mask=column_valid)
+
+
+def _scatter_add_kernel(order_ref, row_starts_ref, row_pieces_ref, g_ref, partials_ref,
+                        out_ref, *, p: Problem, block_columns: int, layout: Pieces):
     row_blocks = pl.cdiv(p.n, _BLOCK_ROWS)
     batch, row_block = pl.program_id(0) // row_blocks, pl.program_id(0) % row_blocks
     first_column = pl.program_id(1) * block_columns
     columns = first_column + jnp.arange(block_columns, dtype=jnp.int32)
     column_valid = columns < p.columns
-    segment_rows = _segment_rows(block_columns)
-    steps = jnp.arange(segment_rows, dtype=jnp.int32)
+    rows_per_step = _segment_rows(block_columns)
+    cotangents = _cotangent_rows(order_ref, g_ref, batch, columns, column_valid)
+
+    def piece_partials(positions, valid):
+        return triton_load(partials_ref.at[batch, positions[:, None], columns[None, :]],
+                           mask=valid[:, None] & column_valid[None, :], other=0)
 
     def row_gradient(i, carry):
         # Rows past the table's end have an empty segment (clamped bounds) and store nothing.
         row = jnp.minimum(row_block * _BLOCK_ROWS + i, p.n)
-        start, stop = row_starts_ref[row], row_starts_ref[jnp.minimum(row + 1, p.n)]
-
-        def add(step, acc):
-            positions = start + step * segment_rows + steps
-            valid = positions < stop
-            sources = triton_load(order_ref.at[positions], mask=valid, other=0)
-            g_rows = triton_load(g_ref.at[batch, sources[:, None], columns[None, :]],
-                                 mask=valid[:, None] & column_valid[None, :], other=0)
-            return acc + jnp.sum(g_rows.astype(acc.dtype), axis=0)
-
-        acc = lax.fori_loop(jnp.int32(0), (stop - start + segment_rows - 1) // segment_rows, add,
-                            jnp.zeros((block_columns,), accumulator_dtype(p.dtype)))
+        next_row = jnp.minimum(row + 1, p.n)
+        start, stop = row_starts_ref[row], row_starts_ref[next_row]
+        acc = jnp.zeros((block_columns,), accumulator_dtype(p.dtype))
+        acc = _sum_rows(cotangents, start, jnp.minimum(stop, start + layout.length),
+                        rows_per_step, acc)
+        if layout.count:
+            acc = _sum_rows(piece_partials, row_pieces_ref[row], row_pieces_ref[next_row],
+                            rows_per_step, acc)
         triton_store(out_ref.at[batch, row, pl.ds(first_column, block_columns)],
                      acc.astype(out_ref.dtype), mask=column_valid & (row < p.n))
         return carry
@@ -159,18 +257,44 @@ def _scatter_add_kernel(order_ref, row_starts_ref, g_ref, out_ref, *, p: Problem
     lax.fori_loop(jnp.int32(0), jnp.int32(_BLOCK_ROWS), row_gradient, 0)
 
 
+def _pieces_cost(p: Problem, partial_bytes: int) -> pl.CostEstimate:
+    """At most every cotangent row read once (those past their row's first piece), the
+    partials written once."""
+    cotangent_bytes = p.batch * p.num_indices * p.columns * p.itemsize
+    return pl.CostEstimate(flops=p.batch * p.num_indices * p.columns, transcendentals=0,
+                           bytes_accessed=cotangent_bytes + 4 * p.num_indices + partial_bytes)
+
+
 def scatter_add(g: jax.Array, plan: ScatterPlan, p: Problem, *, config: GatherConfig | None,
                 interpret: bool) -> jax.Array:
     """Cotangent `g` (batch, m, columns) summed into a zero (batch, n, columns) table."""
     config = resolve_config(p, config)
-    kernel = functools.partial(_scatter_add_kernel, p=p, block_columns=config.block_columns)
+    layout = pieces(p, config.block_columns)
+    table = piece_table(plan, p, layout)
+    column_blocks = pl.cdiv(p.columns, config.block_columns)
+    partials_shape = (p.batch, max(layout.count, 1), p.columns)
+    partials = jnp.zeros(partials_shape, accumulator_dtype(p.dtype))
+    partial_bytes = 2 * layout.count * p.batch * p.columns * partials.dtype.itemsize
+    if layout.count:
+        partials = triton_call(
+            functools.partial(_piece_kernel, p=p, block_columns=config.block_columns),
+            out_shape=jax.ShapeDtypeStruct(partials_shape, partials.dtype),
+            grid=(p.batch * layout.count, column_blocks),
+            num_warps=4,
+            num_stages=config.num_stages,
+            interpret=interpret,
+            cost_estimate=_pieces_cost(p, partial_bytes // 2),
+            name="scatter_add_pieces_triton",
+        )(plan.order, table.bounds, g)
+    kernel = functools.partial(_scatter_add_kernel, p=p, block_columns=config.block_columns,
+                               layout=layout)
     return triton_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((p.batch, p.n, p.columns), g.dtype),
-        grid=(p.batch * pl.cdiv(p.n, _BLOCK_ROWS), pl.cdiv(p.columns, config.block_columns)),
+        grid=(p.batch * pl.cdiv(p.n, _BLOCK_ROWS), column_blocks),
         num_warps=4,
         num_stages=config.num_stages,
         interpret=interpret,
-        cost_estimate=scatter_cost(p),
+        cost_estimate=scatter_cost(p, partial_bytes // 2),
         name="scatter_add_triton",
-    )(plan.order, plan.row_starts, g)
+    )(plan.order, plan.row_starts, table.row_pieces, g, partials)

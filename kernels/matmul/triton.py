@@ -93,7 +93,10 @@ def resolve_config(p: Problem, config: MatmulConfig | None) -> MatmulConfig:
     blocks_valid = all(is_power_of_2(b) for b in (block_m, block_n, block_k))
     if blocks_valid and (split_k is None or is_positive_int(split_k)):  # else check() rejects
         split_k = _split_k(p, block_m, block_n, block_k, split_k)
-    num_warps = config.num_warps or (8 if block_m * block_n >= 128 * 128 else 4)
+    # A transposed A tile is relaid out in registers before the MMA: at 4 warps a 64x64 tile
+    # with a 64-deep 16-bit K slice spills on sm_80 (128 registers), at 8 it takes 74.
+    num_warps = config.num_warps or (8 if block_m * block_n >= 128 * 128 or p.transpose_a
+                                     else 4)
     return MatmulConfig(block_m, block_n, block_k, config.group_m, num_warps,
                         config.num_stages or 3, split_k)
 

@@ -17,6 +17,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.custom_derivatives import SymbolicZero
 
 from kernels import _dispatch, partition
 from kernels.normalize import common, mosaic, sharding, triton
@@ -65,6 +66,7 @@ def _forward(x, scale, offset, s: _Static):
 def _forward_fwd(x, scale, offset, s):
     # Calls the custom_vjp function, not the kernel: under grad-of-grad this rule is itself
     # differentiated, and only a custom_vjp tells JAX how to differentiate a pallas_call.
+    x, scale, offset = (None if a is None else a.value for a in (x, scale, offset))
     y, mean, rstd = _forward(x, scale, offset, s)
     return (y, mean, rstd), (x, scale, mean, rstd)
 
@@ -72,13 +74,22 @@ def _forward_fwd(x, scale, offset, s):
 def _forward_bwd(s, residuals, cotangents):
     x, scale, mean, rstd = residuals
     gy, gmean, grstd = cotangents
+    if isinstance(gmean, SymbolicZero) and isinstance(grstd, SymbolicZero):
+        # First order: the public functions return y alone, so the statistics' cotangents are
+        # zero; the backward kernel then neither receives nor reads them.
+        gmean = grstd = None
+    gy, gmean, grstd = (_materialized(g) for g in (gy, gmean, grstd))
     dx, dscale, doffset = _backward(x, scale, mean, rstd, gy, gmean, grstd, s)
     # offset is not a residual; its gradient is typed like scale (same shape and rule)
     return (partition.like(dx, x), partition.like(dscale, scale),
             doffset if scale is None else partition.like(doffset, scale))
 
 
-_forward.defvjp(_forward_fwd, _forward_bwd)
+def _materialized(g):
+    return jnp.zeros(g.aval.shape, g.aval.dtype) if isinstance(g, SymbolicZero) else g
+
+
+_forward.defvjp(_forward_fwd, _forward_bwd, symbolic_zeros=True)
 # Eager calls hit jit's cache instead of re-tracing and re-compiling the kernel each time.
 _jitted_forward = jax.jit(_forward, static_argnums=-1)
 

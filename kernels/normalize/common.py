@@ -211,20 +211,22 @@ def row_sums(gs: jax.Array, xhat: jax.Array, valid: jax.Array, p: Problem) -> Ro
 
 
 def input_gradient(gs: jax.Array, xhat: jax.Array, rstd: jax.Array, sums: RowSums,
-                   gmean: jax.Array, grstd: jax.Array, p: Problem) -> jax.Array:
+                   gmean: jax.Array | None, grstd: jax.Array | None, p: Problem) -> jax.Array:
     """dx for one tile.
 
     With x̂ = (x - mean)·rstd and gs = dy·scale:
     dx = rstd·(gs - mean(gs) - x̂·mean(gs·x̂)) (no mean(gs) term for RMS), plus the paths
-    through the saved statistics when they have cotangents (second-order gradients):
-    d mean/dx = 1/n and d rstd/dx = -rstd²·x̂/n.
+    through the saved statistics when they have cotangents (second-order gradients; None at
+    first order): d mean/dx = 1/n and d rstd/dx = -rstd²·x̂/n.
     """
     n = p.reduced
     core = gs - xhat * (sums.gs_xhat / n)
     if p.subtract_mean:
         core = core - sums.gs / n
-    dx = rstd * core - grstd * (rstd * rstd) * xhat / n
-    return dx + gmean / n if p.subtract_mean else dx
+    dx = rstd * core
+    if grstd is not None:
+        dx = dx - grstd * (rstd * rstd) * xhat / n
+    return dx + gmean / n if p.subtract_mean and gmean is not None else dx
 
 
 def backward_jnp(p: Problem, x, scale, mean, rstd, gy, gmean, grstd, total=lambda s: s):
@@ -263,12 +265,14 @@ def forward_flops_and_bytes(p: Problem) -> tuple[int, int]:
     return 8 * p.size, 2 * p.size * item + params + stats
 
 
-def backward_flops_and_bytes(p: Problem, num_partials: int) -> tuple[int, int]:
-    """About 12 flops an element; bytes: x and dy read once, dx written once, statistics and
-    their cotangents read, and `num_partials` partial rows of dscale/doffset written."""
+def backward_flops_and_bytes(p: Problem, num_partials: int,
+                             stat_cotangents: bool) -> tuple[int, int]:
+    """About 12 flops an element; bytes: x and dy read once, dx written once, statistics (and
+    their cotangents, when given) read, and `num_partials` partial rows of dscale/doffset
+    written."""
     item, stat = jnp.dtype(p.dtype).itemsize, jnp.dtype(p.stat_dtype).itemsize
     partials = (p.has_scale + p.has_offset) * num_partials * p.reduced * stat
-    stats = 4 * p.outer * p.groups * stat
+    stats = (4 if stat_cotangents else 2) * p.outer * p.groups * stat
     return 12 * p.size, 3 * p.size * item + p.has_scale * p.reduced * stat + stats + partials
 
 
@@ -298,3 +302,12 @@ def unpack_refs(refs, has_scale: bool, has_offset: bool):
     scale_ref = rest.pop(0) if has_scale else None
     offset_ref = rest.pop(0) if has_offset else None
     return x_ref, scale_ref, offset_ref, rest
+
+
+def unpack_backward_refs(refs, stat_cotangents: bool):
+    """Splits a backward kernel's `refs` after x and scale into (mean, rstd, gy, gmean or
+    None, grstd or None, [the remaining refs]): the statistics' cotangents are passed only
+    when they are not zero (second-order gradients)."""
+    mean_ref, rstd_ref, gy_ref, *rest = refs
+    gmean_ref, grstd_ref = (rest.pop(0), rest.pop(0)) if stat_cotangents else (None, None)
+    return mean_ref, rstd_ref, gy_ref, gmean_ref, grstd_ref, rest

@@ -262,9 +262,10 @@ def forward(x: jax.Array, scale: jax.Array | None, offset: jax.Array | None, p: 
     )(*args)
 
 
-def _backward_kernel(*refs, p: Problem, s: _Schedule):
+def _backward_kernel(*refs, p: Problem, s: _Schedule, stat_cotangents: bool):
     x_ref, scale_ref, _, rest = unpack_refs(refs, p.has_scale, False)
-    mean_ref, rstd_ref, gy_ref, gmean_ref, grstd_ref, dx_ref, *rest = rest
+    mean_ref, rstd_ref, gy_ref, gmean_ref, grstd_ref, (dx_ref, *rest) = (
+        common.unpack_backward_refs(rest, stat_cotangents))
     dscale_ref = rest.pop(0) if p.has_scale else None
     doffset_ref = rest.pop(0) if p.has_offset else None
     dtype = p.stat_dtype
@@ -279,7 +280,8 @@ def _backward_kernel(*refs, p: Problem, s: _Schedule):
         return common.row_sums(gs, xhat, _all_valid(x.shape) if valid is None else valid, p)
 
     def write(total: common.RowSums):
-        dx = common.input_gradient(gs, xhat, rstd, total, gmean_ref[...], grstd_ref[...], p)
+        gmean, grstd = (None if ref is None else ref[...] for ref in (gmean_ref, grstd_ref))
+        dx = common.input_gradient(gs, xhat, rstd, total, gmean, grstd, p)
         dx_ref[...] = dx.astype(dx_ref.dtype)
         # Groups past the edge hold garbage (their dx writes are dropped); sum without them.
         in_groups = s.group_valid(x.shape)
@@ -320,9 +322,10 @@ def backward(x, scale, mean, rstd, gy, gmean, grstd, p: Problem, *,
     partial_shape = (num_partials, *p.param_shape)
     partial = jax.ShapeDtypeStruct(partial_shape, p.stat_dtype)
     stats_block = s._orient(s.block_groups, 1)
+    stat_cotangents = gmean is not None
     in_specs = ([s.tile_spec()] + [s.param_spec()] * p.has_scale
-                + [s.stats_spec(), s.stats_spec(), s.tile_spec(), s.stats_spec(),
-                   s.stats_spec()])
+                + [s.stats_spec(), s.stats_spec(), s.tile_spec()]
+                + [s.stats_spec()] * (2 * stat_cotangents))
     num_params = p.has_scale + p.has_offset
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=0, grid=s.grid, in_specs=in_specs,
@@ -330,12 +333,13 @@ def backward(x, scale, mean, rstd, gy, gmean, grstd, p: Problem, *,
         scratch_shapes=[pltpu.VMEM(stats_block, p.stat_dtype)] * 2 if s.phases == 2 else [])
     args = [a for a in (x, scale, mean, rstd, gy, gmean, grstd) if a is not None]
     outs = list(mosaic_call(
-        functools.partial(_backward_kernel, p=p, s=s),
+        functools.partial(_backward_kernel, p=p, s=s, stat_cotangents=stat_cotangents),
         out_shape=tuple([jax.ShapeDtypeStruct(p.view_shape, p.dtype)] + [partial] * num_params),
         grid_spec=grid_spec,
         dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary"),
         interpret=interpret,
-        cost_estimate=common.cost_estimate(common.backward_flops_and_bytes(p, num_partials), p),
+        cost_estimate=common.cost_estimate(common.backward_flops_and_bytes(p, num_partials,
+                                                                     stat_cotangents), p),
         name="normalize_backward_mosaic",
     )(*args))
     dx = outs.pop(0)

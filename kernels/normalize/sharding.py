@@ -118,7 +118,9 @@ def backward_rule(backward: Any, static: Any, layout: Layout) -> Plan:
     p = static.problem
     sum_shards = Reduction(shards)  # dscale/doffset: partial sums over the group shards
     has_scale = layout.shapes[1] is not None
-    in_dims = (view, params if has_scale else None, stats, stats, view, stats, stats)
+    stat_cotangents = stats if layout.shapes[5] is not None else None
+    in_dims = (view, params if has_scale else None, stats, stats, view, stat_cotangents,
+               stat_cotangents)
 
     def local(x, scale, mean, rstd, gy, gmean, grstd):
         if reduced:

@@ -349,9 +349,11 @@ def _sums_kernel(*refs, p: Problem, config: NormalizeConfig, s: Schedule):
     tiles.store_stats(gs_xhat_ref, outer, sums.gs_xhat, split)
 
 
-def _backward_kernel(*refs, p: Problem, config: NormalizeConfig, s: Schedule, partials: int):
+def _backward_kernel(*refs, p: Problem, config: NormalizeConfig, s: Schedule, partials: int,
+                     stat_cotangents: bool):
     x_ref, scale_ref, _, rest = unpack_refs(refs, p.has_scale, False)
-    mean_ref, rstd_ref, gy_ref, gmean_ref, grstd_ref, *rest = rest
+    mean_ref, rstd_ref, gy_ref, gmean_ref, grstd_ref, rest = common.unpack_backward_refs(
+        rest, stat_cotangents)
     sums_refs = (rest.pop(0), rest.pop(0)) if s.num_chunks > 1 else None
     dx_ref, *partial_refs = rest
     dscale_ref = partial_refs.pop(0) if p.has_scale else None
@@ -372,8 +374,9 @@ def _backward_kernel(*refs, p: Problem, config: NormalizeConfig, s: Schedule, pa
             sums = common.row_sums(gs, xhat, valid, p)
         else:
             sums = common.RowSums(*(tiles.load_stats(ref, outer) for ref in sums_refs))
-        dx = common.input_gradient(gs, xhat, rstd, sums, tiles.load_stats(gmean_ref, outer),
-                                   tiles.load_stats(grstd_ref, outer), p)
+        gmean, grstd = (None if ref is None else tiles.load_stats(ref, outer)
+                        for ref in (gmean_ref, grstd_ref))
+        dx = common.input_gradient(gs, xhat, rstd, sums, gmean, grstd, p)
         tiles.store(dx_ref, outer, chunk, dx)
         # Groups past the edge loaded 0 but x̂ = -mean·rstd there: keep them out of the sums.
         zero = jnp.zeros_like(g)
@@ -409,10 +412,11 @@ def backward(x, scale, mean, rstd, gy, gmean, grstd, p: Problem, *,
     out_shape = (jax.ShapeDtypeStruct(p.view_shape, p.dtype),) + (partial,) * (
         p.has_scale + p.has_offset)
     outs = list(_call(
-        functools.partial(_backward_kernel, p=p, config=config, s=s, partials=partials), p,
+        functools.partial(_backward_kernel, p=p, config=config, s=s, partials=partials,
+                          stat_cotangents=gmean is not None), p,
         config, (p.outer, partials, s.num_chunks), out_shape,
-        common.backward_flops_and_bytes(p, p.outer * partials), "normalize_backward_triton",
-        interpret)(*args))
+        common.backward_flops_and_bytes(p, p.outer * partials, gmean is not None),
+        "normalize_backward_triton", interpret)(*args))
     dx = outs.pop(0)
     dscale = jnp.sum(outs.pop(0), axis=0).reshape(p.param_shape) if p.has_scale else None
     doffset = jnp.sum(outs.pop(0), axis=0).reshape(p.param_shape) if p.has_offset else None
