@@ -40,7 +40,8 @@ def _op_flops(case) -> int | None:
         return 2 * math.prod(batch) * m * n * k
     if case.op == "conv2d":  # output pixels x channels x taps x input channels per group
         kh, kw, cg, _ = shapes[1]
-        return 2 * jax.eval_shape(case.function("xla"), *case.args).size * kh * kw * cg
+        out = jax.eval_shape(lambda *arrays: case.call("xla", *arrays), *case.args)
+        return 2 * out.size * kh * kw * cg
     return None
 
 

@@ -52,3 +52,19 @@ def test_design_figures_show_programs_against_the_device():
         assert r["bytes"] > 0 and r["min_bytes"] > 0
     text = design.table(rows)
     assert "normalize_moments_triton" in text and "waves" in text and "steps" in text
+
+
+def test_design_figures_of_a_strided_convolution():
+    """Conv launches state their flops against the forward's: the Triton input-gradient phases
+    of the stride-2 ResNet layer together execute the forward's flops, not 4x as the one
+    launch over the zero-dilated dy did."""
+    from bench import design
+
+    rows = [r for r in design.rows(["conv2d"], compile_kernels=False)
+            if "stride=2" in r["case"] and r["target"] == "sm_90"]
+    assert rows and all(r["op_flops"] for r in rows)
+    # After the forward: the four phases of dX (the 1-tap one a matmul), then dW.
+    phases = [r for r in rows[1:] if "weight_grad" not in r["kernel"]]
+    assert len(phases) == 4 and rows[0]["kernel"] == "conv2d_triton"
+    assert sum(r["flops"] for r in phases) <= 1.1 * rows[0]["op_flops"]
+    assert "flops vs op" in design.table(rows)
