@@ -317,9 +317,9 @@ def test_pointwise_convolution_launches_matmul_kernels(target):
     pixel rows: forward, dX and dW launch the matmul kernel (tiles by shape class, split-K,
     vectorized loads), not the implicit-GEMM patch gather."""
     from kernels import _targets
-    from kernels.compile import launches
+    from kernels.compile import implementation_for, launches
 
-    implementation = "triton" if target.startswith("sm") else "mosaic"
+    implementation = implementation_for(target)
     x = jax.ShapeDtypeStruct((32, 56, 56, 64), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((1, 1, 64, 256), jnp.bfloat16)
     loss = lambda x, w: jnp.sum(conv2d(x, w, implementation=implementation,  # noqa: E731
@@ -348,13 +348,13 @@ def test_strided_input_gradient_executes_the_forward_macs(target, name):
     execute at most 1.1x the forward's multiply-adds, and none reads an array of twice dy's size
     (the zero-dilated dy was stride² = 4x)."""
     from kernels import _targets
-    from kernels.compile import launches
+    from kernels.compile import implementation_for, launches
 
     x_shape, w_shape, options = STRIDED_INPUT_GRADIENTS[name]
     options = {"stride": 2, **options}
     x = jax.ShapeDtypeStruct(x_shape, jnp.bfloat16)
     w = jax.ShapeDtypeStruct(w_shape, jnp.bfloat16)
-    implementation = "triton" if target.startswith("sm") else "mosaic"
+    implementation = implementation_for(target)
 
     def forward(x, w):
         return conv2d(x, w, implementation=implementation, interpret=False, **options)

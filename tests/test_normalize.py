@@ -451,9 +451,9 @@ def test_first_order_backward_reads_no_statistics_cotangents(target):
     materialized zero pair was padded to 128 lanes on a TPU). Grad of grad, whose cotangents
     reach the statistics, passes them (7 operands)."""
     from kernels import _targets
-    from kernels.compile import launches
+    from kernels.compile import implementation_for, launches
 
-    implementation = "triton" if target.startswith("sm") else "mosaic"
+    implementation = implementation_for(target)
     x = jax.ShapeDtypeStruct((4096, 1024), jnp.bfloat16)
     scale = offset = jax.ShapeDtypeStruct((1024,), jnp.bfloat16)
     loss = _loss(layer_norm, implementation=implementation, interpret=False)

@@ -203,30 +203,27 @@ def _start_row_copy(hbm, tail_hbm, row: jax.Array, n: int, vmem, sem) -> None:
             pltpu.make_async_copy(tail_hbm, vmem, sem).start()
 
 
-def _wait_row_copy(tail_hbm, vmem, sem) -> None:
-    # Every row copy has vmem's shape, so any same-shaped descriptor (the tail group's) waits
-    # for one of them.
-    pltpu.make_async_copy(tail_hbm, vmem, sem).wait()
-
-
-def _ring_of_row_copies(rows, lo, hi, start_copy, wait_copy, use) -> None:
-    """For j in [lo, hi): `use(j, slot)` once the copy that `start_copy(j, slot)` started has
-    landed in buffer `slot` of a ring of `rows.shape[0]` (`_RING`) buffers: copies are started
-    that many positions ahead, so that many DMAs are in flight instead of one at a time."""
-    depth = rows.shape[0]
+def _ring_of_row_copies(buffers, sems, tail_hbm, lo, hi, start_copy, use) -> None:
+    """For j in [lo, hi): `use(j, buffer)` once the copy that `start_copy(j, buffer, sem)`
+    started has landed in its buffer, one of a ring of `buffers.shape[0]` (`_RING`) with a
+    semaphore each: copies are started that many positions ahead, so that many DMAs are in
+    flight instead of one at a time."""
+    depth = buffers.shape[0]
 
     def prologue(j, carry):
-        start_copy(j, j % depth)
+        start_copy(j, buffers.at[j % depth], sems.at[j % depth])
         return carry
 
     def step(j, carry):
         slot = j % depth
-        wait_copy(slot)
-        use(j, slot)
+        # Every row copy has a buffer's shape, so any same-shaped descriptor (the tail
+        # group's) waits for the one on this slot's semaphore.
+        pltpu.make_async_copy(tail_hbm, buffers.at[slot], sems.at[slot]).wait()
+        use(j, buffers.at[slot])
 
         @pl.when(j + depth < hi)
-        def _():
-            start_copy(j + depth, slot)  # the slot's row has been read: reuse its buffer
+        def _():  # the slot's row has been read: reuse its buffer
+            start_copy(j + depth, buffers.at[slot], sems.at[slot])
 
         return carry
 
@@ -294,20 +291,18 @@ def _tile_gather_kernel(indices_hbm, x_hbm, tail_hbm, out_ref, indices_smem, gro
     def row_of(j):
         return normalize_row(indices_smem[j], p.n, p.mode)
 
-    def start_copy(j, slot):
-        _start_row_copy(x_hbm.at[batch], tail_hbm.at[batch], row_of(j)[0], p.n,
-                        groups_vmem.at[slot], sems.at[slot])
+    def start_copy(j, buffer, sem):
+        _start_row_copy(x_hbm.at[batch], tail_hbm.at[batch], row_of(j)[0], p.n, buffer, sem)
 
-    def gather_one(j, slot):
+    def gather_one(j, buffer):
         row, in_range = row_of(j)
-        value = _pick_row(groups_vmem[slot], row % group_rows, jnp.int32)
+        value = _pick_row(buffer[...], row % group_rows, jnp.int32)
         if p.mode == "fill":
             value = jnp.where(in_range, value, fill)
         rows_vmem[pl.ds(j, 1), :] = value
 
-    _ring_of_row_copies(groups_vmem, jnp.int32(0), _valid_positions(block, p), start_copy,
-                        lambda slot: _wait_row_copy(tail_hbm.at[batch], groups_vmem.at[slot],
-                                                    sems.at[slot]), gather_one)
+    _ring_of_row_copies(groups_vmem, sems, tail_hbm.at[batch], jnp.int32(0),
+                        _valid_positions(block, p), start_copy, gather_one)
     out_ref[...] = rows_vmem[...].astype(out_ref.dtype)
 
 
@@ -365,23 +360,20 @@ def _scatter_add_kernel(block_starts_smem, order_hbm, targets_hbm, g_hbm, g_tail
     group_rows = groups_vmem.shape[1]
     acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    def start_copy(j, slot):
-        _start_row_copy(g, g_tail, order_smem[j], p.num_indices, groups_vmem.at[slot],
-                        sems.at[slot])
+    def start_copy(j, buffer, sem):
+        _start_row_copy(g, g_tail, order_smem[j], p.num_indices, buffer, sem)
 
-    def add(j, slot):
+    def add(j, buffer):
         local = pl.ds(targets_smem[j] - first_row, 1)
-        row = _pick_row(groups_vmem[slot], order_smem[j] % group_rows, jnp.float32)
+        row = _pick_row(buffer[...], order_smem[j] % group_rows, jnp.float32)
         acc_ref[local, :] = acc_ref[local, :] + row
 
     def add_block(block, carry):
         _stage(order_hbm, block, order_smem)
         _stage(targets_hbm, block, targets_smem)
         first = block * _INDEX_BLOCK
-        _ring_of_row_copies(groups_vmem, jnp.maximum(start - first, 0),
-                            jnp.minimum(stop - first, _INDEX_BLOCK), start_copy,
-                            lambda slot: _wait_row_copy(g_tail, groups_vmem.at[slot],
-                                                        sems.at[slot]), add)
+        _ring_of_row_copies(groups_vmem, sems, g_tail, jnp.maximum(start - first, 0),
+                            jnp.minimum(stop - first, _INDEX_BLOCK), start_copy, add)
         return carry
 
     # The aligned 128-index blocks that overlap [start, stop).

@@ -89,6 +89,12 @@ def check(p: Problem, config: GatherConfig | None) -> None:
                         min_block=1)
 
 
+def _load_rows(ref, batch, rows, columns, mask, other=0):
+    """The (rows, columns) tile of `ref[batch]` by one masked pointer gather. Array indexers
+    on every dim: the one form both the Triton lowering and interpret mode take for it."""
+    return triton_load(ref.at[batch, rows[:, None], columns[None, :]], mask=mask, other=other)
+
+
 def _gather_kernel(indices_ref, x_ref, out_ref, *, p: Problem, block_indices: int,
                    block_columns: int):
     num_index_blocks = pl.cdiv(p.num_indices, block_indices)
@@ -101,10 +107,8 @@ def _gather_kernel(indices_ref, x_ref, out_ref, *, p: Problem, block_indices: in
                           other=0)
     rows, in_range = normalize_row(indices, p.n, p.mode)
     read = column_valid[None, :] & (in_range[:, None] if p.mode == "fill" else True)
-    # Array indexers on every dim: the one form both the Triton lowering and interpret mode take
-    # for a pointer gather.
-    tile = triton_load(x_ref.at[batch, rows[:, None], columns[None, :]], mask=read,
-                       other=jnp.asarray(p.fill_value, x_ref.dtype))
+    tile = _load_rows(x_ref, batch, rows, columns, read,
+                      other=jnp.asarray(p.fill_value, x_ref.dtype))
     out = out_ref.at[batch, pl.ds(first_index, block_indices), pl.ds(first_column, block_columns)]
     triton_store(out, tile, mask=index_valid[:, None] & column_valid[None, :])
 
@@ -208,8 +212,7 @@ def _cotangent_rows(order_ref, g_ref, batch, columns, column_valid):
     """load(positions, valid) of the cotangent rows at sorted positions."""
     def load(positions, valid):
         sources = triton_load(order_ref.at[positions], mask=valid, other=0)
-        return triton_load(g_ref.at[batch, sources[:, None], columns[None, :]],
-                           mask=valid[:, None] & column_valid[None, :], other=0)
+        return _load_rows(g_ref, batch, sources, columns, valid[:, None] & column_valid[None, :])
     return load
 
 
@@ -236,8 +239,8 @@ def _scatter_add_kernel(order_ref, row_starts_ref, row_pieces_ref, g_ref, partia
     cotangents = _cotangent_rows(order_ref, g_ref, batch, columns, column_valid)
 
     def piece_partials(positions, valid):
-        return triton_load(partials_ref.at[batch, positions[:, None], columns[None, :]],
-                           mask=valid[:, None] & column_valid[None, :], other=0)
+        return _load_rows(partials_ref, batch, positions, columns,
+                          valid[:, None] & column_valid[None, :])
 
     def row_gradient(i, carry):
         # Rows past the table's end have an empty segment (clamped bounds) and store nothing.
@@ -274,7 +277,7 @@ def scatter_add(g: jax.Array, plan: ScatterPlan, p: Problem, *, config: GatherCo
     column_blocks = pl.cdiv(p.columns, config.block_columns)
     partials_shape = (p.batch, max(layout.count, 1), p.columns)
     partials = jnp.zeros(partials_shape, accumulator_dtype(p.dtype))
-    partial_bytes = 2 * layout.count * p.batch * p.columns * partials.dtype.itemsize
+    partial_bytes = layout.count * p.batch * p.columns * partials.dtype.itemsize
     if layout.count:
         partials = triton_call(
             functools.partial(_piece_kernel, p=p, block_columns=config.block_columns),
@@ -283,7 +286,7 @@ def scatter_add(g: jax.Array, plan: ScatterPlan, p: Problem, *, config: GatherCo
             num_warps=4,
             num_stages=config.num_stages,
             interpret=interpret,
-            cost_estimate=_pieces_cost(p, partial_bytes // 2),
+            cost_estimate=_pieces_cost(p, partial_bytes),
             name="scatter_add_pieces_triton",
         )(plan.order, table.bounds, g)
     kernel = functools.partial(_scatter_add_kernel, p=p, block_columns=config.block_columns,
@@ -295,6 +298,6 @@ def scatter_add(g: jax.Array, plan: ScatterPlan, p: Problem, *, config: GatherCo
         num_warps=4,
         num_stages=config.num_stages,
         interpret=interpret,
-        cost_estimate=scatter_cost(p, partial_bytes // 2),
+        cost_estimate=scatter_cost(p, partial_bytes),
         name="scatter_add_triton",
     )(plan.order, plan.row_starts, table.row_pieces, g, partials)
