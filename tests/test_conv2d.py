@@ -242,6 +242,30 @@ def test_triton_weight_gradient_pixel_splits(x_shape, w_shape, options):
     assert_close(got, want, jnp.float32, reduction_length=x_shape[0] * x_shape[1] * x_shape[2])
 
 
+@pytest.mark.parametrize("x_shape,w_shape,options,tap_major", [
+    ((1, 6, 5, 48), (3, 3, 24, 20), {"feature_group_count": 2, "stride": 2}, True),
+    ((2, 9, 11, 4), (5, 5, 1, 8), {"feature_group_count": 4, "padding": (2, 1)}, False),
+], ids=["tap-major-ragged-channels", "depthwise-5x5-two-tap-blocks"])
+def test_triton_k_blocks(x_shape, w_shape, options, tap_major):
+    """Tap-major K blocks whose last channel block is ragged (24 channels a group in blocks of
+    32), and a depthwise dW whose 25 taps take two programs (13 + 12), against float64 truth:
+    forward, dX and dW."""
+    from kernels.conv2d import triton
+
+    p = _weight_grad_problem(x_shape, w_shape, jnp.float32, **options)
+    config = (triton.resolve_config(p, None) if tap_major else
+              triton.weight_grad_config(p))
+    assert triton._tap_major(p) == tap_major
+    assert p.k % config.block_k and triton.num_k_blocks(p, config.block_k) > 1, config
+    x, w = _inputs(x_shape, w_shape, jnp.float32)
+    _check(x, w, conv2d(x, w, implementation="triton", **options), jnp.float32, **options)
+    grads = jax.grad(_loss("triton", **options), argnums=(0, 1))(x, w)
+    with x64():
+        want = jax.grad(_loss("reference", **options), argnums=(0, 1))(as_f64(x), as_f64(w))
+    for got, expected in zip(grads, want):
+        assert_close(got, expected, jnp.float32, reduction_length=int(np.prod(x_shape[:3])))
+
+
 # ResNet-50's weight gradients at batch 32 (bfloat16) and the programs the Triton kernel
 # launched for them before the pixel split: every pixel of a dW tile in one program.
 # (The stride-1 1x1s, 2 programs each before, run on the matmul kernels now: see
@@ -276,6 +300,44 @@ def test_triton_weight_gradient_fills_an_h100(name):
         assert tiles * split.splits >= h100.min_programs, (config, split)
     operand_bytes = 2 * (math.prod(x_shape) + p.m * p.o)
     assert 2 * split.splits * p.k * p.o * 4 <= operand_bytes / 2 or split.splits == 1
+
+
+# Layers whose Triton kernels must load whole 16-byte vectors: ResNet-50's 3x3 (forward, dX and
+# dW, stride 1 and the four sub-pixel phases of stride 2) and depthwise 3x3 and 7x7
+# (ConvNeXt), at batch 32 in bfloat16.
+VECTOR_LOAD_LAYERS = {
+    "ResNet-50 conv2_x 3x3 64->64": ((32, 56, 56, 64), (3, 3, 64, 64), {}),
+    "ResNet-50 conv3_1 3x3/2 128->128": ((32, 56, 56, 128), (3, 3, 128, 128), {"stride": 2}),
+    "MobileNet depthwise 3x3 x64": ((32, 56, 56, 64), (3, 3, 1, 64),
+                                    {"feature_group_count": 64}),
+    "ConvNeXt depthwise 7x7 x96": ((32, 56, 56, 96), (7, 7, 1, 96),
+                                   {"feature_group_count": 96}),
+}
+
+
+@pytest.mark.parametrize("target", ["sm_90", "sm_80"])
+@pytest.mark.parametrize("name", VECTOR_LOAD_LAYERS)
+def test_triton_loads_are_16_byte_vectors(target, name):
+    """Compiled by Triton for the target: every global load of every forward and backward
+    kernel is a 16-byte vector load or `cp.async` copy. Patch rows are channel runs of one tap,
+    so the compiler can prove them contiguous; the per-element offsets of a K block spanning
+    taps compiled to 32 scalar 2-byte loads per thread per step, outside the pipeline. Also
+    no spills (the depthwise dW keeps a tile per tap in registers)."""
+    from kernels import _targets
+    from kernels.compile import pallas_calls, report
+
+    x_shape, w_shape, options = VECTOR_LOAD_LAYERS[name]
+    x = jax.ShapeDtypeStruct(x_shape, jnp.bfloat16)
+    w = jax.ShapeDtypeStruct(w_shape, jnp.bfloat16)
+    loss = lambda x, w: jnp.sum(conv2d(x, w, implementation="triton",  # noqa: E731
+                                       interpret=False, **options).astype(jnp.float32))
+    target = _targets.TARGETS[target]
+    calls = pallas_calls(jax.value_and_grad(loss, argnums=(0, 1)), x, w, target=target)
+    assert any("weight_grad" in eqn.params["name"] for eqn in calls)
+    for eqn in calls:
+        r = report(eqn, target)
+        assert r.fits and set(r.load_bytes) == {16}, (r.name, r.operands, r.load_bytes,
+                                                       r.error)
 
 
 # The sub-pixel phases of a strided input gradient at their edge cases: a 1x1 stride-2 kernel
