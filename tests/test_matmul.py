@@ -318,9 +318,9 @@ def test_triton_programs_fill_an_h100(name):
     assert min(config.block_m, config.block_n) >= min(64, p.m, p.n), config
 
 
-@pytest.mark.parametrize("target,instruction", [("sm_90", "wgmma.mma_async"),
-                                                ("sm_80", "mma.sync")])
-@pytest.mark.parametrize("precision,tensor_float", [(None, "tf32"), ("highest", None)])
+@pytest.mark.parametrize("target,instruction,precision,tensor_float", [
+    ("sm_90", "wgmma.mma_async", None, "tf32"), ("sm_80", "mma.sync", None, "tf32"),
+    ("sm_90", None, "highest", None)])
 def test_triton_float32_on_the_tensor_cores(target, instruction, precision, tensor_float):
     """Compiled by Triton: float32 forward and backward (A and B each transposed in one of
     them) multiply on the target's tensor cores as TF32 at default precision (Hopper's wgmma
