@@ -466,7 +466,7 @@ def _cases() -> dict[str, list[Case]]:
             _conv_case((8, 64, 64, 128), (3, 3, 128, 128), bf16),
             _conv_case((8, 64, 64, 128), (3, 3, 128, 256), f32, stride=2),
             _conv_case((2, 33, 65, 65), (3, 3, 65, 129), f32),
-            _conv_case((8, 32, 32, 256), (3, 3, 1, 256), f32, feature_group_count=256),
+            _conv_case((8, 56, 56, 96), (7, 7, 1, 96), bf16, feature_group_count=96),  # ConvNeXt
             _conv_case((1, 9, 17, 8), (3, 3, 8, 16), f32, stride=2),
         ],
         "normalize": [

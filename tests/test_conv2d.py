@@ -302,44 +302,6 @@ def test_triton_weight_gradient_fills_an_h100(name):
     assert 2 * split.splits * p.k * p.o * 4 <= operand_bytes / 2 or split.splits == 1
 
 
-# Layers whose Triton kernels must load whole 16-byte vectors: ResNet-50's 3x3 (forward, dX and
-# dW, stride 1 and the four sub-pixel phases of stride 2) and depthwise 3x3 and 7x7
-# (ConvNeXt), at batch 32 in bfloat16.
-VECTOR_LOAD_LAYERS = {
-    "ResNet-50 conv2_x 3x3 64->64": ((32, 56, 56, 64), (3, 3, 64, 64), {}),
-    "ResNet-50 conv3_1 3x3/2 128->128": ((32, 56, 56, 128), (3, 3, 128, 128), {"stride": 2}),
-    "MobileNet depthwise 3x3 x64": ((32, 56, 56, 64), (3, 3, 1, 64),
-                                    {"feature_group_count": 64}),
-    "ConvNeXt depthwise 7x7 x96": ((32, 56, 56, 96), (7, 7, 1, 96),
-                                   {"feature_group_count": 96}),
-}
-
-
-@pytest.mark.parametrize("name,target", [(name, "sm_90") for name in VECTOR_LOAD_LAYERS] + [
-    ("ResNet-50 conv2_x 3x3 64->64", "sm_80")])  # the layouts do not depend on the target
-def test_triton_loads_are_16_byte_vectors(name, target):
-    """Compiled by Triton for the target: every global load of every forward and backward
-    kernel is a 16-byte vector load or `cp.async` copy. Patch rows are channel runs of one tap,
-    so the compiler can prove them contiguous; the per-element offsets of a K block spanning
-    taps compiled to 32 scalar 2-byte loads per thread per step, outside the pipeline. Also
-    no spills (the depthwise dW keeps a tile per tap in registers)."""
-    from kernels import _targets
-    from kernels.compile import pallas_calls, report
-
-    x_shape, w_shape, options = VECTOR_LOAD_LAYERS[name]
-    x = jax.ShapeDtypeStruct(x_shape, jnp.bfloat16)
-    w = jax.ShapeDtypeStruct(w_shape, jnp.bfloat16)
-    loss = lambda x, w: jnp.sum(conv2d(x, w, implementation="triton",  # noqa: E731
-                                       interpret=False, **options).astype(jnp.float32))
-    target = _targets.TARGETS[target]
-    calls = pallas_calls(jax.value_and_grad(loss, argnums=(0, 1)), x, w, target=target)
-    assert any("weight_grad" in eqn.params["name"] for eqn in calls)
-    for eqn in calls:
-        r = report(eqn, target)
-        assert r.fits and set(r.load_bytes) == {16}, (r.name, r.operands, r.load_bytes,
-                                                       r.error)
-
-
 # The sub-pixel phases of a strided input gradient at their edge cases: a 1x1 stride-2 kernel
 # (three of four phases get no tap), stride 3 with dilation 3 (every tap in one phase per axis),
 # a stride larger than the kernel with cropping padding (phases whose pixels all miss).
