@@ -34,12 +34,38 @@ def record_path(device_kind: str) -> Path:
     return RECORDS / (re.sub(r"[^A-Za-z0-9]+", "_", device_kind).strip("_").lower() + ".json")
 
 
+def summary(ops: list[str], platform: str | None) -> str:
+    """What the table stands on: the device, each op's default and why, and how far the
+    kernels are proven (interpret mode, real compilers, devices with a record)."""
+    lines = [f"jax {jax.__version__}, backend {jax.default_backend()}, devices "
+             f"{sorted({d.device_kind for d in jax.devices()})}"]
+    for op in ops:
+        entry = defaults.TABLE.get((op, platform))
+        lines.append(f"default {op}: {', '.join(defaults.default(op, jax.default_backend()))}"
+                     + (f"; {entry.evidence}" if entry else
+                        "; no GPU or TPU here: XLA runs every op (kernels run only when asked, "
+                        "interpreted)"))
+    recorded = sorted(path.stem for path in RECORDS.glob("*.json"))
+    lines += [
+        "proven: numerics of every kernel against the float64 reference in interpret mode "
+        "(the test suite, on a CPU); compiled by the real back ends for sm_90, sm_80, v5e, v6e "
+        "and v4 (python -m kernels.compile; the design table below compiles its launches now)",
+        "ran on a device: " + (", ".join(recorded) + " (bench/records/)" if recorded else
+                               "none recorded; no kernel has been timed on a GPU or TPU"),
+    ]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     parser.add_argument("--ops", default=",".join(BENCHES),
                         help="comma-separated ops (default: all)")
     parser.add_argument("--repeats", type=int, default=10, help="timed runs per row")
     parser.add_argument("--json", metavar="PATH", help="also write all rows to PATH")
+    parser.add_argument("--csv", metavar="PATH", help="also write all rows to PATH as CSV")
+    parser.add_argument("--plot", metavar="DIR",
+                        help="write DIR/<op>.png: time vs size per implementation, with the "
+                             "roofline floor (needs matplotlib: the examples extra)")
     parser.add_argument("--no-interpret", action="store_true",
                         help="skip the interpreted correctness rows on a CPU")
     parser.add_argument("--no-design", action="store_true",
@@ -61,31 +87,40 @@ def main(argv: list[str] | None = None) -> int:
     native = ([(defaults.KERNEL_OF_PLATFORM[platform], False)] if platform else []) + [("xla", False)]
     on_accelerator = platform is not None
     device_kind = jax.devices()[0].device_kind
-    print(f"jax {jax.__version__}, backend {jax.default_backend()}, devices "
-          f"{[d.device_kind for d in jax.devices()]}", flush=True)
+    print(summary(ops, platform), flush=True)
+    plan = []
     for op in ops:
-        entry = defaults.TABLE.get((op, platform))
-        print(f"default {op}: {defaults.default(op, jax.default_backend())}"
-              + (f" ({entry.evidence})" if entry else ""), flush=True)
-    rows = []
-    for op in ops:
-        for case in BENCHES[op].cases("native" if on_accelerator else "cpu"):
-            rows += harness.measure(case, native, args.repeats)
+        plan += [(case, native, args.repeats)
+                 for case in BENCHES[op].cases("native" if on_accelerator else "cpu")]
         if not on_accelerator and not args.no_interpret:
-            for case in BENCHES[op].cases("interpret"):
-                rows += harness.measure(case, [("triton", True), ("mosaic", True), ("xla", False)],
-                                        repeats=3)
-    print(harness.table(rows))
-    print("floor_*_us: roofline floor on that device from the op's flop and byte counts "
-          "(max of compute time and memory time).\nRows marked (interpret) run the GPU/TPU "
+            plan += [(case, [("triton", True), ("mosaic", True), ("xla", False)], 3)
+                     for case in BENCHES[op].cases("interpret")]
+    print("\nfloor_*_us: roofline floor on that device from the op's flop and byte counts "
+          "(max of compute time and memory time). Rows marked (interpret) run the GPU/TPU "
           "kernel code in Pallas interpret mode on this CPU: correctness rows, not speed; their "
-          "vs_xla is the cost of interpreting the kernel on a CPU.")
+          "vs_xla is the cost of interpreting the kernel on a CPU.\n" + harness.header(),
+          flush=True)
+    rows = []
+    for number, (case, implementations, repeats) in enumerate(plan, 1):
+        print(f"[{number}/{len(plan)}] {case.op} {case.shape} {case.dtype}: "
+              f"{', '.join(name for name, _ in implementations)}", file=sys.stderr, flush=True)
+        measured = harness.measure(case, implementations, repeats)
+        for row in measured:
+            print(harness.format_row(row), flush=True)
+        rows += measured
     if not args.no_design:
         print("\n" + design.LEGEND, flush=True)
         print(design.table(list(design.rows(ops))), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+    if args.csv:
+        Path(args.csv).write_text(harness.csv_text(rows))
+    if args.plot:
+        from bench import plot
+
+        for path in plot.plot(rows, args.plot, device_kind):
+            print(f"wrote {path}")
     if args.record:
         path = record_path(device_kind)
         path.parent.mkdir(exist_ok=True)

@@ -1,4 +1,5 @@
-"""The one benchmark harness: a timer, a row per (case, implementation), a table and JSON.
+"""The one benchmark harness: a timer, a row per (case, implementation), a table that prints
+as rows are measured, and the rows for JSON and CSV.
 
 Every op's bench module returns `Case`s; the harness times each case with every implementation
 available here, next to the `xla` reference measured in the same run.
@@ -91,6 +92,7 @@ def measure(case: Case, implementations: Sequence[tuple[str, bool]], repeats: in
             xla_seconds = seconds
         rows.append({
             "op": case.op, "shape": case.shape, "dtype": case.dtype,
+            "flops": case.flops, "bytes": case.bytes,
             "implementation": name + (" (interpret)" if interpret else ""),
             "kind": "correctness only" if interpret else "speed",
             "median_ms": seconds * 1e3,
@@ -110,17 +112,39 @@ def measure(case: Case, implementations: Sequence[tuple[str, bool]], repeats: in
     return rows
 
 
-_COLUMNS = [("op", "{}"), ("shape", "{}"), ("dtype", "{}"), ("implementation", "{}"),
-            ("median_ms", "{:.3f}"), ("vs_xla", "{:.2f}x"), ("GB/s", "{:.1f}"),
-            ("TFLOP/s", "{:.3f}"), ("max_rel_err", "{:.1e}"), ("floor_H100_us", "{:.3g}"),
-            ("floor_TPU v5e_us", "{:.3g}")]
+# (column, format, width): fixed widths, so each row prints as soon as it is measured.
+_COLUMNS = [("op", "{}", 16), ("shape", "{}", 46), ("dtype", "{}", 9),
+            ("implementation", "{}", 24), ("median_ms", "{:.3f}", 10), ("vs_xla", "{:.2f}x", 9),
+            ("GB/s", "{:.1f}", 7), ("TFLOP/s", "{:.3f}", 8), ("max_rel_err", "{:.1e}", 11),
+            ("floor_H100_us", "{:.3g}", 13), ("floor_TPU v5e_us", "{:.3g}", 16)]
+
+
+def header() -> str:
+    """The table's header and rule."""
+    line = "  ".join(name.ljust(width) for name, _, width in _COLUMNS).rstrip()
+    return line + "\n" + "-" * len(line)
+
+
+def format_row(row: dict) -> str:
+    """One row of the table; '-' where a figure does not apply."""
+    return "  ".join(("-" if row[name] is None else fmt.format(row[name])).ljust(width)
+                     for name, fmt, width in _COLUMNS).rstrip()
 
 
 def table(rows: list[dict]) -> str:
-    """Rows as an aligned text table; '-' where a figure does not apply."""
-    cells = [[("-" if row[name] is None else fmt.format(row[name])) for name, fmt in _COLUMNS]
-             for row in rows]
-    return aligned([name for name, _ in _COLUMNS], cells)
+    return "\n".join([header(), *map(format_row, rows)])
+
+
+def csv_text(rows: list[dict]) -> str:
+    """Rows as CSV: every field of every row, empty where a figure does not apply."""
+    import csv
+    import io
+
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
+    writer.writeheader()
+    writer.writerows(rows)
+    return out.getvalue()
 
 
 def aligned(header: list[str], cells: list[list[str]]) -> str:

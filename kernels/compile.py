@@ -6,7 +6,10 @@ module runs the real back ends, which work without the hardware:
 - Triton, for `sm_90` (H100) and `sm_80` (A100): the lowered module's Triton custom call carries
   the kernel as Triton-dialect MLIR; the PyPI `triton` package compiles it to a cubin, which
   gives the shared memory it needs (compared here with the per-block limit: Triton itself only
-  fails when a driver loads the kernel) and, through ptxas's log, its registers and spills.
+  fails when a driver loads the kernel), through ptxas's log its registers and spills, and from
+  the PTX the width of every global load (16-byte vector loads and `cp.async` copies are what
+  a pipelined kernel issues; 2-byte loads mean the compiler could not prove the addresses
+  contiguous) and the tensor-core instructions (`wgmma` on sm_90, `mma.sync` on sm_80).
 - Mosaic, for `v5e`, `v6e` and `v4`: libtpu compiles ahead of time for a TPU topology described
   without a device (`jax.experimental.topologies`). Its verdict covers VMEM exhaustion and
   Mosaic's layout rules; the report adds the compiled executable's memory analysis and the
@@ -75,6 +78,8 @@ class KernelReport:
     spill_bytes: int | None = None
     num_warps: int | None = None
     num_stages: int | None = None
+    load_bytes: dict[int, int] | None = None  # global loads in the PTX: bytes each -> count
+    mma: tuple[str, ...] | None = None  # the tensor-core instructions in the PTX
     # Mosaic
     vmem_planned: int | None = None  # double-buffered blocks + scratch, tile-padded
     vmem_limit: int | None = None  # the kernel's vmem_limit_bytes, or the target's default
@@ -223,10 +228,33 @@ def _compile_triton(text: str, launch: dict[str, int], target: Target) -> dict[s
                 path, target=GPUTarget("cuda", target.compute_capability, 32),
                 options=dict(num_warps=launch["num_warps"], num_stages=launch["num_stages"]))
     registers = re.search(r"Used (\d+) registers", log.getvalue())
+    ptx = kernel.asm["ptx"]
+    mma = tuple(sorted(set(re.findall(r"\b(?:wgmma\.mma_async|mma\.sync)\S*", ptx))))
+    load_bytes: dict[int, int] = {}
+    for width in map(_load_width, ptx.splitlines()):
+        if width:
+            load_bytes[width] = load_bytes.get(width, 0) + 1
     spills = re.search(r"(\d+) bytes spill stores", log.getvalue())
     return dict(shared_bytes=int(kernel.metadata.shared),
                 registers=int(registers.group(1)) if registers else None,
-                spill_bytes=int(spills.group(1)) if spills else None)
+                spill_bytes=int(spills.group(1)) if spills else None, load_bytes=load_bytes,
+                mma=mma)
+
+
+def _load_width(ptx_line: str) -> int | None:
+    """Bytes that one PTX instruction loads from global memory per thread (`ld.global` and
+    `cp.async`, whose third operand is the copy's size), or None for any other line."""
+    copy = re.search(r"cp\.async\.c[ag]\.shared\.global\s[^,]*,[^,]*,\s*(0x[0-9a-f]+|\d+)",
+                     ptx_line)
+    if copy:
+        return int(copy.group(1), 0)
+    load = re.search(r"\bld\.global\S*", ptx_line)
+    if not load:
+        return None
+    parts = load.group(0).split(".")
+    vector = next((int(p[1:]) for p in parts if re.fullmatch(r"v\d", p)), 1)
+    bits = next(int(p[1:]) for p in reversed(parts) if re.fullmatch(r"[bfsu]\d+", p))
+    return vector * bits // 8
 
 
 def _triton_report(eqn, target: Target, timeout_s: float | None) -> KernelReport:
@@ -438,7 +466,7 @@ def _cases() -> dict[str, list[Case]]:
             _conv_case((8, 64, 64, 128), (3, 3, 128, 128), bf16),
             _conv_case((8, 64, 64, 128), (3, 3, 128, 256), f32, stride=2),
             _conv_case((2, 33, 65, 65), (3, 3, 65, 129), f32),
-            _conv_case((8, 32, 32, 256), (3, 3, 1, 256), f32, feature_group_count=256),
+            _conv_case((8, 56, 56, 96), (7, 7, 1, 96), bf16, feature_group_count=96),  # ConvNeXt
             _conv_case((1, 9, 17, 8), (3, 3, 8, 16), f32, stride=2),
         ],
         "normalize": [
@@ -475,7 +503,8 @@ def resources(r: KernelReport) -> str:
     Mosaic's planned VMEM against its limit."""
     if r.shared_limit is not None:
         return (f"smem {r.shared_bytes}/{r.shared_limit} regs {r.registers} "
-                f"spill {r.spill_bytes} warps {r.num_warps} stages {r.num_stages}"
+                f"spill {r.spill_bytes} warps {r.num_warps} stages {r.num_stages} "
+                f"loads {'/'.join(f'{b}B' for b in sorted(r.load_bytes, reverse=True))}"
                 if r.compiled else "")
     return f"vmem {r.vmem_planned / 2**20:.1f}/{r.vmem_limit / 2**20:.0f} MiB (planned/limit)"
 

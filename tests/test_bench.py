@@ -38,6 +38,29 @@ def test_record_needs_a_device_and_names_its_file(capsys):
     assert record_path("TPU v5 lite").parent.name == "records"
 
 
+def test_bench_streams_rows_and_writes_csv_and_plots(capsys, tmp_path):
+    """The summary comes first (device, each op's default and why, what is proven); each row
+    prints as it is measured, after a progress line on stderr; --csv and --plot write every
+    row and one PNG per op."""
+    import csv
+
+    csv_path, plots = tmp_path / "rows.csv", tmp_path / "plots"
+    assert main(["--ops", "gather", "--no-interpret", "--no-design", "--repeats", "1",
+                 "--csv", str(csv_path), "--plot", str(plots)]) == 0
+    out, err = capsys.readouterr()
+    lines = out.splitlines()
+    assert lines[0].startswith("jax ") and lines[1].startswith("default gather: xla; ")
+    assert any(line.startswith("proven: ") for line in lines[:4])
+    assert any(line.startswith("ran on a device: ") for line in lines[:5])
+    assert "[1/2] gather " in err and "[2/2] gather backward " in err
+    rows = list(csv.DictReader(csv_path.open()))
+    assert [r["op"] for r in rows] == ["gather", "gather backward"]
+    assert all(any(line.startswith(r["op"].ljust(16) + "  " + r["shape"]) for line in lines)
+               for r in rows)
+    assert float(rows[0]["bytes"]) > 0 and rows[0]["implementation"] == "xla"
+    assert (plots / "gather.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_design_figures_show_programs_against_the_device():
     """The design table works out every launch for an H100 and a TPU v5e without a device: at
     the (1M, 64) axis-0 shape each Triton normalize kernel runs two waves of 132 SMs."""

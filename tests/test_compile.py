@@ -44,8 +44,25 @@ def test_every_kernel_compiles_and_fits(op, index, target):
         if r.shared_limit is not None:  # Triton: the figures the verdict rests on
             assert 0 <= r.shared_bytes <= r.shared_limit and r.spill_bytes == 0
             assert 0 < r.registers <= 255
+            _assert_triton_design(case, r)
         else:
             assert r.memory["argument"] > 0
+
+
+def _assert_triton_design(case, r) -> None:
+    """What the compiled PTX shows of the kernels' design. bfloat16 conv2d at device shapes
+    (ResNet, MobileNet, ConvNeXt): every global load is a 16-byte vector or cp.async copy (patch
+    rows are channel runs of one tap; a K block spanning taps compiled to 2-byte scalar loads).
+    float32 matmuls of device size multiply on the tensor cores as TF32 (on sm_90 Hopper's
+    wgmma, which takes both operand layouts the backward needs)."""
+    x = case.args[0]
+    if case.op == "conv2d" and x.dtype == jnp.bfloat16 and x.shape[-1] % 8 == 0:
+        assert set(r.load_bytes) == {16}, (r.name, r.operands, r.load_bytes)
+    if case.op == "matmul" and x.dtype == jnp.float32 and min(
+            d for a in case.args for d in a.shape[-2:]) >= 64:
+        instruction = "wgmma.mma_async" if r.target == "sm_90" else "mma.sync"
+        assert r.mma and all(i.startswith(instruction) and "tf32" in i for i in r.mma), (
+            r.name, r.operands, r.mma)
 
 
 def test_a_case_compiles_every_kernel_of_forward_and_backward():

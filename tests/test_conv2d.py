@@ -242,6 +242,30 @@ def test_triton_weight_gradient_pixel_splits(x_shape, w_shape, options):
     assert_close(got, want, jnp.float32, reduction_length=x_shape[0] * x_shape[1] * x_shape[2])
 
 
+@pytest.mark.parametrize("x_shape,w_shape,options,tap_major", [
+    ((1, 6, 5, 48), (3, 3, 24, 20), {"feature_group_count": 2, "stride": 2}, True),
+    ((2, 9, 11, 4), (5, 5, 1, 8), {"feature_group_count": 4, "padding": (2, 1)}, False),
+], ids=["tap-major-ragged-channels", "depthwise-5x5-two-tap-blocks"])
+def test_triton_k_blocks(x_shape, w_shape, options, tap_major):
+    """Tap-major K blocks whose last channel block is ragged (24 channels a group in blocks of
+    32), and a depthwise dW whose 25 taps take two programs (13 + 12), against float64 truth:
+    forward, dX and dW."""
+    from kernels.conv2d import triton
+
+    p = _weight_grad_problem(x_shape, w_shape, jnp.float32, **options)
+    config = (triton.resolve_config(p, None) if tap_major else
+              triton.weight_grad_config(p))
+    assert triton._tap_major(p) == tap_major
+    assert p.k % config.block_k and triton.num_k_blocks(p, config.block_k) > 1, config
+    x, w = _inputs(x_shape, w_shape, jnp.float32)
+    _check(x, w, conv2d(x, w, implementation="triton", **options), jnp.float32, **options)
+    grads = jax.grad(_loss("triton", **options), argnums=(0, 1))(x, w)
+    with x64():
+        want = jax.grad(_loss("reference", **options), argnums=(0, 1))(as_f64(x), as_f64(w))
+    for got, expected in zip(grads, want):
+        assert_close(got, expected, jnp.float32, reduction_length=int(np.prod(x_shape[:3])))
+
+
 # ResNet-50's weight gradients at batch 32 (bfloat16) and the programs the Triton kernel
 # launched for them before the pixel split: every pixel of a dW tile in one program.
 # (The stride-1 1x1s, 2 programs each before, run on the matmul kernels now: see

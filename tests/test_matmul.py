@@ -318,6 +318,25 @@ def test_triton_programs_fill_an_h100(name):
     assert min(config.block_m, config.block_n) >= min(64, p.m, p.n), config
 
 
+def test_triton_float32_highest_stays_off_the_tensor_cores():
+    """Compiled by Triton for sm_90: a float32 product at HIGHEST precision (IEEE float32, as
+    promised) issues no tensor-core instruction, forward or backward. (At default precision
+    the compile suite checks the opposite: TF32 on wgmma / mma.sync.)"""
+    from kernels import _targets
+    from kernels.compile import pallas_calls, report
+
+    a = jax.ShapeDtypeStruct((1024, 512), jnp.float32)
+    b = jax.ShapeDtypeStruct((512, 768), jnp.float32)
+    loss = lambda a, b: jnp.sum(matmul(a, b, implementation="triton", interpret=False,  # noqa: E731
+                                       precision="highest"))
+    target = _targets.TARGETS["sm_90"]
+    calls = pallas_calls(jax.value_and_grad(loss, argnums=(0, 1)), a, b, target=target)
+    assert len(calls) == 3
+    for eqn in calls:
+        r = report(eqn, target)
+        assert r.fits and r.mma == (), (r.operands, r.mma, r.error)
+
+
 def test_tolerance_rule_rejects_a_wrong_kernel():
     """The tolerance is tight enough that a kernel dropping a 16-wide K slice would fail."""
     a, b = random((16, 300), jnp.float32, 1), random((300, 8), jnp.float32, 2)

@@ -3,16 +3,24 @@
 The convolution is the GEMM out[M, O] = patches[M, K] @ w[K, O] per group, with M = N·OH·OW
 output pixels and K = KH·KW·C_in/G (taps times input channels, channel fastest). The patch
 matrix is never built in HBM: each program gathers its tile of it straight from the NHWC input
-with masked pointer loads, computing for every (pixel, k) the input position
+with masked pointer loads, computing for every (pixel, tap) the input position
 `oh·stride + kh·dilation - pad_lo`; positions in the padding or past an edge are masked off and
 read as zero. So strides, dilations and every padding form (negative: a crop) cost nothing extra
 in HBM.
+
+K is walked in blocks that stay inside one tap when a group has 16 or more input channels
+(`_tap_major`): a block is (tap, channel slice), its tap is one scalar per step, and each patch
+row is a run of consecutive channels of one input pixel. The compiler then issues 16-byte
+vector loads and pipelines them with `cp.async` like the weight tiles (the compile report's
+`load_bytes`); a block that spanned taps would need a division per element and scalar 2-byte
+loads. Groups of fewer channels (an RGB stem) keep blocks that span taps: per-tap blocks would
+be mostly padding.
 
 Block schedules
 ---------------
 Forward (`conv`), GEMM path (C_in/G > 1):
   grid = (cdiv(M, block_m), cdiv(O/G, block_n), G). Program (i, j, g) owns the output tile of
-  block_m pixels x block_n channels of group g. It loops over cdiv(K, block_k) reduction slices:
+  block_m pixels x block_n channels of group g. It loops over the K blocks (`num_k_blocks`):
   gathers a (block_m, block_k) patch tile (masked), loads the (block_k, block_n) weight tile
   (masked past K and past the group's channels), and accumulates their dot in float32 (float64
   for float64) registers; 16-bit inputs are multiplied on the tensor cores with float32
@@ -25,7 +33,7 @@ Forward, depthwise path (C_in/G == 1, each output channel reads one input channe
   (channel = out_channel // (O/G)) and FMAs them with the tap's weight row in float32. No dot:
   a dot with K = 1 would leave the tensor cores multiplying padding.
 Weight gradient (`weight_grad`), GEMM path: dW[K, O/G] = patches[M, K]ᵀ @ dY[M, O/G] per group.
-  grid = (splits · cdiv(K, block_k), cdiv(O/G, block_n), G); program (s·K blocks + i, j, g)
+  grid = (splits · num_k_blocks, cdiv(O/G, block_n), G); program (s·K blocks + i, j, g)
   sums pixel slices [s·per_split, (s+1)·per_split) of its (block_k, block_n) dW tile: per step
   it gathers the (block_m, block_k) patch tile exactly as the forward does and loads the
   (block_m, block_n) output-gradient tile; the transpose is folded into the dot. The dW tile
@@ -33,10 +41,12 @@ Weight gradient (`weight_grad`), GEMM path: dW[K, O/G] = patches[M, K]ᵀ @ dY[M
   only 2-9 tiles of 128x128), and where the tiles still leave SMs idle the pixels are split
   (`weight_grad_split`, two waves on an H100): each split writes a float32 partial dW, at
   most half the traffic of x and dY in all, and XLA adds the partials in a fixed order.
-Weight gradient, depthwise path: grid = (splits · KH·KW, cdiv(O, block_n)); a program owns one
-  tap's weight row and one pixel split, accumulates input·dY products elementwise in a
-  (block_m, block_n) float32 tile, and reduces it over pixels once at the end. (Each tap's
-  program reads dY again: up to KH·KW reads of it, mostly from L2.)
+Weight gradient, depthwise path: grid = (splits · cdiv(KH·KW, block_k), cdiv(O, block_n)); a
+  program owns block_k taps (all 9 of a 3x3) of its channel block over one pixel split: per
+  step it loads the (block_m, block_n) dY tile once and, for each of its taps (unrolled),
+  gathers the input tile and accumulates input·dY elementwise in that tap's float32 tile; it
+  reduces them over pixels once at the end. So dY is read once per tap block, not once per
+  tap (`_depthwise_weight_grad_config` sizes the tiles to stay in registers).
 The input gradient is the forward kernel run on the output gradient, one launch per sub-pixel
 phase when the forward is strided (see `kernels.conv2d`).
 
@@ -48,15 +58,16 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kernels._blocks import (MIN_PIPELINED_STEPS, Split, check_triton_config, fill_sms, int32_loop,
-                             max_splits, require_floating, require_int32_offsets,
-                             require_shared_memory, split_reduction, triton_block,
-                             triton_dot_shared_bytes)
+from kernels._blocks import (MIN_PIPELINED_STEPS, MIN_TRITON_DOT, Split, check_triton_config,
+                             fill_sms, int32_loop, max_splits, require_floating,
+                             require_int32_offsets, require_shared_memory, split_reduction,
+                             triton_block, triton_dot_shared_bytes)
 from kernels._pallas import pl, triton_call, triton_load, triton_store
 from kernels.conv2d.common import Conv2dConfig, Problem, cost_estimate
 
@@ -83,7 +94,7 @@ def resolve_config(p: Problem, config: Conv2dConfig | None) -> Conv2dConfig:
         lambda rows, cols: pl.cdiv(p.m, rows) * pl.cdiv(_output_channels(p), cols) * (
             1 if p.depthwise else p.groups))
     block_m, block_n = pick(config.block_m, block_m), pick(config.block_n, block_n)
-    block_k = pick(config.block_k, triton_block(p.k, max_k))
+    block_k = pick(config.block_k, _default_block_k(p, max_k))
     # The patch gather computes an offset per (pixel, k) element: 128-pixel tiles need 8 warps
     # to hold it without spilling (4 warps spill on sm_80 and sm_90).
     num_warps = pick(config.num_warps, 8 if block_m >= 128 or block_n >= 128 else 4)
@@ -111,6 +122,12 @@ def _source(p: Problem, out_pos, tap, axis: int):
     return pos, (pos >= 0) & (pos < (p.h, p.w)[axis])
 
 
+def _input_channel(p: Problem, out_channel):
+    """The input channel a depthwise output channel reads (a plain copy at multiplier 1, so
+    the compiler still sees consecutive channels)."""
+    return out_channel if p.og == 1 else lax.div(out_channel, jnp.int32(p.og))
+
+
 def _pixels(p: Problem, start, size: int):
     """Flat output pixels start..start+size-1 as (valid, n, oh, ow) vectors."""
     m = start + jnp.arange(size, dtype=jnp.int32)
@@ -121,23 +138,74 @@ def _pixels(p: Problem, start, size: int):
 
 def _gather_input(x_ref, p: Problem, n, oh, ow, kh, kw, channel, valid):
     """Input values at (pixel, tap, channel) (broadcastable int32 arrays) of the flat NHWC
-    input; padding, edges, dilation holes and `~valid` read 0 and touch no memory."""
+    input; padding, edges and `~valid` read 0 and touch no memory.
+
+    Out-of-image positions are clamped before the channel is added, so where the pixel and tap
+    are per row and the channel per column (a tile of one tap), every row is a run of
+    consecutive, aligned addresses: Triton's axis analysis sees it and issues 16-byte vector
+    loads, which its pipeliner turns into `cp.async` copies a few K steps ahead."""
     ih, valid_h = _source(p, oh, kh, 0)
     iw, valid_w = _source(p, ow, kw, 1)
-    valid = valid & valid_h & valid_w
-    offset = ((n * p.h + ih) * p.w + iw) * p.c + channel
-    return triton_load(x_ref.at[jnp.where(valid, offset, 0)], mask=valid, other=0)
+    position_valid = valid_h & valid_w
+    position = jnp.where(position_valid, (n * p.h + ih) * p.w + iw, 0)
+    return triton_load(x_ref.at[position * p.c + channel], mask=valid & position_valid,
+                       other=0)
 
 
-def _patch_tile(x_ref, p: Problem, group, pixels, k_start, block_k: int):
+class KBlock(NamedTuple):
+    """Rows [start, start + block_k) of a group's K = taps x channels axis as one K step sees
+    them: `tap` a scalar when the block lies in one tap, else per row like `channel`."""
+
+    start: Any
+    tap: Any
+    channel: jax.Array
+    valid: jax.Array
+
+
+def _tap_major(p: Problem) -> bool:
+    """Whether K blocks stay inside one tap: channel runs of 16 or more (32 bytes of 16-bit
+    data) make each block's patch rows contiguous loads. Fewer channels (an RGB stem, small
+    groups) would leave most of a per-tap block as padding, so their blocks span taps."""
+    return p.cg >= MIN_TRITON_DOT
+
+
+def num_k_blocks(p: Problem, block_k: int) -> int:
+    if _tap_major(p):
+        return p.kh * p.kw * pl.cdiv(p.cg, block_k)
+    return pl.cdiv(p.k, block_k)
+
+
+def _k_block(p: Problem, block_k: int, index) -> KBlock:
+    """K block `index` of `num_k_blocks`: tap-major blocks are (tap, channel block) pairs, so
+    the per-element tap arithmetic becomes one scalar division per step."""
+    lanes = jnp.arange(block_k, dtype=jnp.int32)
+    if _tap_major(p):
+        per_tap = pl.cdiv(p.cg, block_k)
+        tap, first_channel = index // per_tap, (index % per_tap) * block_k
+        channel = first_channel + lanes
+        return KBlock(tap * p.cg + first_channel, tap, channel, channel < p.cg)
+    k = index * block_k + lanes
+    return KBlock(index * block_k, lax.div(k, jnp.int32(p.cg)), lax.rem(k, jnp.int32(p.cg)),
+                  k < p.k)
+
+
+def _default_block_k(p: Problem, cap: int) -> int:
+    """The K block: tap-major, the power of 2 in [16, cap] that pads a tap's channels least
+    (ties to the larger); else the power of 2 covering K, up to `cap`."""
+    if not _tap_major(p):
+        return triton_block(p.k, cap)
+    candidates = [b for b in (16, 32, 64, 128) if b <= cap]
+    return min(reversed(candidates), key=lambda b: pl.cdiv(p.cg, b) * b)
+
+
+def _patch_tile(x_ref, p: Problem, group, pixels, k: KBlock):
     """The (block_m, block_k) tile of the implicit im2col matrix of `group`."""
     m_valid, n, oh, ow = pixels
-    k = k_start + jnp.arange(block_k, dtype=jnp.int32)
-    tap, channel = lax.div(k, jnp.int32(p.cg)), lax.rem(k, jnp.int32(p.cg))
-    kh, kw = lax.div(tap, jnp.int32(p.kw)), lax.rem(tap, jnp.int32(p.kw))
-    valid = m_valid[:, None] & (k < p.k)[None, :]
-    return _gather_input(x_ref, p, n[:, None], oh[:, None], ow[:, None], kh[None, :],
-                         kw[None, :], group * p.cg + channel[None, :], valid)
+    kh, kw = lax.div(k.tap, jnp.int32(p.kw)), lax.rem(k.tap, jnp.int32(p.kw))
+    if jnp.ndim(k.tap):
+        kh, kw = kh[None, :], kw[None, :]
+    return _gather_input(x_ref, p, n[:, None], oh[:, None], ow[:, None], kh, kw,
+                         group * p.cg + k.channel[None, :], m_valid[:, None] & k.valid[None, :])
 
 
 def _load_2d(ref, row_start, rows_valid, col_start, cols_valid):
@@ -168,13 +236,12 @@ def _conv_kernel(x_ref, w_ref, out_ref, *, p: Problem, config: Conv2dConfig, pre
     cols_valid = _arange_valid(pl.program_id(1) * block_n, block_n, p.og)
 
     def step(k_block, acc):
-        k_start = k_block * block_k
-        patches = _patch_tile(x_ref, p, group, pixels, k_start, block_k)
-        weights = _load_2d(w_ref, k_start, _arange_valid(k_start, block_k, p.k), col_start,
-                           cols_valid)
+        k = _k_block(p, block_k, k_block)
+        patches = _patch_tile(x_ref, p, group, pixels, k)
+        weights = _load_2d(w_ref, k.start, k.valid, col_start, cols_valid)
         return acc + _dot(patches, weights, p, precision)
 
-    acc = int32_loop(pl.cdiv(p.k, block_k), step,
+    acc = int32_loop(num_k_blocks(p, block_k), step,
                         jnp.zeros((block_m, block_n), p.accumulator_dtype))
     _store_2d(out_ref, acc, row_start, pixels[0], col_start, cols_valid)
 
@@ -185,7 +252,7 @@ def _depthwise_kernel(x_ref, w_ref, out_ref, *, p: Problem, config: Conv2dConfig
     m_valid, n, oh, ow = _pixels(p, row_start, block_m)
     out_channel = col_start + jnp.arange(block_n, dtype=jnp.int32)
     cols_valid = out_channel < p.o
-    in_channel = lax.div(out_channel, jnp.int32(p.og))
+    in_channel = _input_channel(p, out_channel)
     valid = m_valid[:, None] & cols_valid[None, :]
 
     def step(tap, acc):
@@ -235,45 +302,63 @@ def _pixel_split(p: Problem, config: Conv2dConfig, split: Split, grid_size: int)
 def _weight_grad_kernel(x_ref, dy_ref, dw_ref, *, p: Problem, config: Conv2dConfig,
                         split: Split, precision):
     block_m, block_n, block_k = config.block_m, config.block_n, config.block_k
-    num_k_blocks = pl.cdiv(p.k, block_k)
-    split_index, first, count = _pixel_split(p, config, split, num_k_blocks)
-    k_start, group = (pl.program_id(0) % num_k_blocks) * block_k, pl.program_id(2)
+    num_blocks = num_k_blocks(p, block_k)
+    split_index, first, count = _pixel_split(p, config, split, num_blocks)
+    k, group = _k_block(p, block_k, pl.program_id(0) % num_blocks), pl.program_id(2)
     col_start = group * p.og + pl.program_id(1) * block_n
     cols_valid = _arange_valid(pl.program_id(1) * block_n, block_n, p.og)
 
     def step(i, acc):
         m_start = (first + i) * block_m
         pixels = _pixels(p, m_start, block_m)
-        patches = _patch_tile(x_ref, p, group, pixels, k_start, block_k)
+        patches = _patch_tile(x_ref, p, group, pixels, k)
         dy = _load_2d(dy_ref, m_start, pixels[0], col_start, cols_valid)
         return acc + _dot(patches, dy, p, precision, transpose_a=True)
 
     acc = int32_loop(count, step, jnp.zeros((block_k, block_n), p.accumulator_dtype))
-    _store_2d(dw_ref, acc, split_index * p.k + k_start, _arange_valid(k_start, block_k, p.k),
-              col_start, cols_valid)
+    _store_2d(dw_ref, acc, split_index * p.k + k.start, k.valid, col_start, cols_valid)
 
 
 def _depthwise_weight_grad_kernel(x_ref, dy_ref, dw_ref, *, p: Problem, config: Conv2dConfig,
                                   split: Split):
-    block_m, block_n = config.block_m, config.block_n
-    split_index, first, count = _pixel_split(p, config, split, p.kh * p.kw)
-    tap, col_start = pl.program_id(0) % (p.kh * p.kw), pl.program_id(1) * block_n
-    kh, kw = lax.div(tap, jnp.int32(p.kw)), lax.rem(tap, jnp.int32(p.kw))
+    block_m, block_n, block_k = config.block_m, config.block_n, config.block_k
+    num_blocks = num_k_blocks(p, block_k)
+    split_index, first, count = _pixel_split(p, config, split, num_blocks)
+    first_tap, col_start = (pl.program_id(0) % num_blocks) * block_k, pl.program_id(1) * block_n
+    taps = [first_tap + t for t in range(block_k)]
     out_channel = col_start + jnp.arange(block_n, dtype=jnp.int32)
     cols_valid = out_channel < p.o
-    in_channel = lax.div(out_channel, jnp.int32(p.og))
+    in_channel = _input_channel(p, out_channel)[None, :]
 
-    def step(i, acc):
+    def step(i, accs):
         m_start = (first + i) * block_m
         m_valid, n, oh, ow = _pixels(p, m_start, block_m)
-        values = _gather_input(x_ref, p, n[:, None], oh[:, None], ow[:, None], kh, kw,
-                               in_channel[None, :], m_valid[:, None] & cols_valid[None, :])
-        dy = _load_2d(dy_ref, m_start, m_valid, col_start, cols_valid)
-        return acc + values.astype(acc.dtype) * dy.astype(acc.dtype)
+        valid = m_valid[:, None] & cols_valid[None, :]
+        dy = _load_2d(dy_ref, m_start, m_valid, col_start, cols_valid).astype(accs[0].dtype)
+        return tuple(
+            acc + _gather_input(x_ref, p, n[:, None], oh[:, None], ow[:, None],
+                                lax.div(tap, jnp.int32(p.kw)), lax.rem(tap, jnp.int32(p.kw)),
+                                in_channel, valid).astype(acc.dtype) * dy
+            for acc, tap in zip(accs, taps))
 
-    acc = int32_loop(count, step, jnp.zeros((block_m, block_n), p.accumulator_dtype))
-    triton_store(dw_ref.at[split_index * p.k + tap, pl.ds(col_start, block_n)],
-                 acc.sum(axis=0).astype(dw_ref.dtype), mask=cols_valid)
+    accs = int32_loop(count, step, tuple(
+        jnp.zeros((block_m, block_n), p.accumulator_dtype) for _ in taps))
+    for tap, acc in zip(taps, accs):
+        triton_store(dw_ref.at[split_index * p.k + tap, pl.ds(col_start, block_n)],
+                     acc.sum(axis=0).astype(dw_ref.dtype), mask=cols_valid & (tap < p.k))
+
+
+def _depthwise_weight_grad_config(p: Problem) -> Conv2dConfig:
+    """4 warps; a (block_m, 64) tile that gives each thread one 16-byte vector of input per tap;
+    block_k taps per program, as many as keep their float32 accumulators within ~96 registers
+    per thread (all 9 of a 3x3; a 7x7's 49 in 5 programs), so dY is read once per tap block
+    rather than once per tap."""
+    num_warps, block_n = 4, triton_block(p.o, 64)
+    per_thread = max(1, 16 // p.x_dtype.itemsize)
+    block_m = max(1, per_thread * 32 * num_warps // block_n)
+    max_taps = max(1, 96 // (per_thread * p.accumulator_dtype.itemsize // 4))
+    block_k = pl.cdiv(p.k, pl.cdiv(p.k, max_taps))
+    return Conv2dConfig(block_m, block_n, block_k, None, num_warps, 3)
 
 
 def weight_grad_config(p: Problem) -> Conv2dConfig:
@@ -281,23 +366,25 @@ def weight_grad_config(p: Problem) -> Conv2dConfig:
     registers (8 warps; 4 for 64x64 and smaller), shrunk until every SM has a tile
     (`fill_sms`), and a pixel slice per reduction step sized so that the pipelined patch and
     output-gradient tiles (num_stages of each) stay near 96 KiB of shared memory, inside both
-    A100's and H100's limits: 64 pixels of 16-bit data, 32 of 32-bit, 16 of 64-bit."""
+    A100's and H100's limits: 64 pixels of 16-bit data, 32 of 32-bit, 16 of 64-bit. Depthwise:
+    see `_depthwise_weight_grad_config`."""
+    if p.depthwise:
+        return _depthwise_weight_grad_config(p)
     itemsize = p.compute_dtype.itemsize
-    block_k = triton_block(p.k, 64 if itemsize >= 8 else 128)
-    block_n = triton_block(_output_channels(p), 64 if itemsize >= 8 else 128)
-    if not p.depthwise:
-        block_k, block_n = fill_sms(block_k, block_n, lambda rows, cols: math.prod(
-            _weight_grad_grid(p, Conv2dConfig(block_k=rows, block_n=cols))))
+    block_k, block_n = fill_sms(
+        _default_block_k(p, 64 if itemsize >= 8 else 128),
+        triton_block(p.og, 64 if itemsize >= 8 else 128),
+        lambda rows, cols: math.prod(_weight_grad_grid(p, Conv2dConfig(block_k=rows,
+                                                                        block_n=cols))))
     block_m = triton_block(p.m, {2: 64, 4: 32, 8: 16}.get(itemsize, 64))
     num_warps = 8 if block_k * block_n > 64 * 64 else 4
     return Conv2dConfig(block_m, block_n, block_k, None, num_warps, 3)
 
 
 def _weight_grad_grid(p: Problem, config: Conv2dConfig) -> tuple[int, int, int]:
-    """The grid of one pixel split: (taps or K blocks, output-channel blocks, groups)."""
-    if p.depthwise:
-        return p.kh * p.kw, pl.cdiv(p.o, config.block_n), 1
-    return pl.cdiv(p.k, config.block_k), pl.cdiv(p.og, config.block_n), p.groups
+    """The grid of one pixel split: (K blocks, output-channel blocks, groups)."""
+    return (num_k_blocks(p, config.block_k), pl.cdiv(_output_channels(p), config.block_n),
+            1 if p.depthwise else p.groups)
 
 
 def weight_grad_split(p: Problem, config: Conv2dConfig) -> Split:

@@ -1,0 +1,113 @@
+"""Flax NNX layers on `kernels`' ops: drop-ins for `flax.nnx.Linear`, `Conv`, `LayerNorm`,
+`RMSNorm` and `Embed` (see `kernels.flax` for what they share with Flax's and what they do not
+take). Each is Flax's own class with `implementation=` and `interpret=` added:
+
+    from kernels.flax import nnx as knnx
+    layer = knnx.Linear(784, 128, rngs=nnx.Rngs(0), implementation="triton")
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from flax import nnx
+
+from kernels import flax as common
+
+__all__ = ["Linear", "Conv", "LayerNorm", "RMSNorm", "Embed"]
+
+
+def _replaced(kwargs: dict[str, Any], name: str, layer: str) -> None:
+    if name in kwargs:
+        raise TypeError(f"kernels.flax.nnx.{layer}: {name} is what this layer replaces with "
+                        f"kernels' op; use flax.nnx.{layer} for a custom one")
+
+
+class Linear(nnx.Linear):
+    """`flax.nnx.Linear` whose product is `kernels.matmul`."""
+
+    def __init__(self, in_features: int, out_features: int, *,
+                 implementation: common.Implementation = None, interpret: bool | None = None,
+                 **kwargs: Any):
+        _replaced(kwargs, "dot_general", "Linear")
+        super().__init__(in_features, out_features, **kwargs, dot_general=common.MatmulDotGeneral(
+            common.as_implementation(implementation), interpret))
+
+
+class Conv(nnx.Conv):
+    """`flax.nnx.Conv` whose convolution is `kernels.conv2d` (1-D and 2-D kernels)."""
+
+    def __init__(self, in_features: int, out_features: int, kernel_size: int | Any,
+                 strides: Any = 1, *, implementation: common.Implementation = None,
+                 interpret: bool | None = None, **kwargs: Any):
+        _replaced(kwargs, "conv_general_dilated", "Conv")
+        super().__init__(in_features, out_features, kernel_size, strides, **kwargs,
+                         conv_general_dilated=common.Conv2dGeneralDilated(
+                             common.as_implementation(implementation), interpret))
+
+
+class LayerNorm(nnx.LayerNorm):
+    """`flax.nnx.LayerNorm` computed by `kernels.layer_norm`."""
+
+    def __init__(self, num_features: int, *, implementation: common.Implementation = None,
+                 interpret: bool | None = None, **kwargs: Any):
+        super().__init__(num_features, **kwargs)
+        self.implementation = common.as_implementation(implementation)
+        self.interpret = interpret
+
+    def __call__(self, x: jax.Array, *, mask: jax.Array | None = None) -> jax.Array:
+        scale = self.scale[...] if self.scale is not None else None
+        bias = self.bias[...] if self.bias is not None else None
+        x, scale, bias = self.promote_dtype((x, scale, bias), dtype=self.dtype)
+        return common.normalize(
+            x, scale, bias, reduction_axes=self.reduction_axes, feature_axes=self.feature_axes,
+            epsilon=self.epsilon, subtract_mean=True, out_dtype=x.dtype, layer="LayerNorm",
+            implementation=self.implementation, interpret=self.interpret,
+            axis_name=self.axis_name, mask=mask)
+
+
+class RMSNorm(nnx.RMSNorm):
+    """`flax.nnx.RMSNorm` computed by `kernels.rms_norm`."""
+
+    def __init__(self, num_features: int, *, implementation: common.Implementation = None,
+                 interpret: bool | None = None, **kwargs: Any):
+        super().__init__(num_features, **kwargs)
+        self.implementation = common.as_implementation(implementation)
+        self.interpret = interpret
+
+    def __call__(self, x: jax.Array, *, mask: jax.Array | None = None) -> jax.Array:
+        scale = self.scale[...] if self.scale is not None else None
+        x, scale = self.promote_dtype((x, scale), dtype=self.dtype)
+        return common.normalize(
+            x, scale, None, reduction_axes=self.reduction_axes, feature_axes=self.feature_axes,
+            epsilon=self.epsilon, subtract_mean=False, out_dtype=x.dtype, layer="RMSNorm",
+            implementation=self.implementation, interpret=self.interpret,
+            axis_name=self.axis_name, mask=mask)
+
+
+class Embed(nnx.Embed):
+    """`flax.nnx.Embed` whose lookup is `kernels.gather` with `mode` for out-of-range ids
+    ("fill", Flax's NaN rows, by default; "clip", "drop", "wrap", "promise_in_bounds") and
+    whose `attend` is `kernels.matmul`."""
+
+    def __init__(self, num_embeddings: int, features: int, *, mode: str | None = "fill",
+                 implementation: common.Implementation = None, interpret: bool | None = None,
+                 **kwargs: Any):
+        super().__init__(num_embeddings, features, **kwargs)
+        self.mode = mode
+        self.implementation = common.as_implementation(implementation)
+        self.interpret = interpret
+
+    def __call__(self, inputs: jax.Array, out_sharding: Any = None) -> jax.Array:
+        common.no_out_sharding(out_sharding, "Embed")
+        (embedding,) = self.promote_dtype((self.embedding[...],), dtype=self.dtype,
+                                          inexact=False)
+        return common.embed(embedding, inputs, mode=self.mode,
+                            implementation=self.implementation, interpret=self.interpret)
+
+    def attend(self, query: jax.Array, out_sharding: Any = None) -> jax.Array:
+        common.no_out_sharding(out_sharding, "Embed")
+        query, embedding = self.promote_dtype((query, self.embedding[...]), dtype=self.dtype)
+        return common.attend(query, embedding, implementation=self.implementation,
+                             interpret=self.interpret)
