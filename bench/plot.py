@@ -48,12 +48,14 @@ def plot(rows: list[dict], directory: str | Path, device: str) -> list[Path]:
                       ":" if interpreted else "-", marker="o" if not interpreted else "x",
                       label=f"{op}, {implementation}{': not speed' if interpreted else ''}, "
                             f"{dtype}")
-        for name in DEVICES:
-            floors = sorted({(r[size_key], r[f"floor_{name}_us"] / 1e3) for r in family_rows
-                             if r[f"floor_{name}_us"] is not None})
-            if floors:
-                axis.plot(*zip(*floors), "--", color="black" if name == "H100" else "grey",
-                          label=f"roofline floor, {name}")
+        for name in DEVICES:  # one floor line per dtype: peak flops differ by dtype
+            for dtype in sorted({r["dtype"] for r in family_rows}):
+                floors = sorted({(r[size_key], r[f"floor_{name}_us"] / 1e3) for r in family_rows
+                                 if r["dtype"] == dtype and r[f"floor_{name}_us"] is not None})
+                if floors:
+                    axis.plot(*zip(*floors), "--" if dtype == "float32" else "-.",
+                              color="black" if name == "H100" else "grey",
+                              label=f"roofline floor, {name}, {dtype}")
         axis.set_xscale("log")
         axis.set_yscale("log")
         axis.set_xlabel("flops" if size_key == "flops" else "HBM bytes")
