@@ -212,11 +212,14 @@ def test_triton_programs_fill_an_h100(op, shape, dtype, axis):
 @pytest.mark.parametrize("target", ["v5e", "v6e", "v4"])
 @pytest.mark.parametrize("shape,dtype,axis", [
     ((1048576, 64), jnp.float32, 0), ((32, 56, 56, 256), jnp.bfloat16, (0, 1, 2)),
-    ((4096, 8192), jnp.bfloat16, 0), ((8192, 8192), jnp.bfloat16, -1)], ids=str)
+    ((4096, 8192), jnp.bfloat16, 0), ((8192, 8192), jnp.bfloat16, -1),
+    ((64, 8, 8, 16), jnp.float32, -1), ((4096, 16), jnp.bfloat16, -1)], ids=str)
 def test_mosaic_blocks_fit_the_vmem_budget(target, shape, dtype, axis):
     """Issue 10, finding 7: Mosaic blocks over leading axes come from the target's scoped
-    VMEM (at most half of it for the heavier backward step), not a fixed 16384x128.
-    `tests/test_compile.py` compiles these shapes with libtpu."""
+    VMEM (at most half of it for the heavier backward step), not a fixed 16384x128. Short
+    rows count as VMEM holds them, 128 lanes wide: LayerNorm(16) over 4096 rows (the digits
+    CNN of examples/train_digits.py) took 4096-row blocks needing 24 MiB and was declined.
+    `tests/test_compile.py` compiles the device shapes with libtpu."""
     from kernels import _targets
     from kernels._pallas import on_target
     from kernels.normalize import common, mosaic
@@ -227,6 +230,21 @@ def test_mosaic_blocks_fit_the_vmem_budget(target, shape, dtype, axis):
     with on_target(_targets.TARGETS[target]):
         config = mosaic.resolve_config(p, None)
         assert mosaic.vmem_bytes(p, config) <= _targets.TARGETS[target].scoped_vmem // 2
+
+
+def test_mosaic_short_rows_over_many_blocks():
+    """LayerNorm(16) over 4096 rows on the Mosaic kernels (1024-row blocks, 4 grid steps),
+    forward and gradients against float64 truth."""
+    x, scale, offset = _inputs((4096, 16), -1, jnp.float32, seed=23)
+    _check(normalize(x, scale, offset, axis=-1, implementation="mosaic"), x, scale, offset,
+           axis=-1)
+    grads = jax.jit(jax.grad(_loss(normalize, implementation="mosaic", axis=-1),
+                             argnums=(0, 1, 2)))(x, scale, offset)
+    with x64():
+        want = jax.grad(_loss(reference_normalize, axis=-1), argnums=(0, 1, 2))(
+            *(jnp.asarray(as_f64(a)) for a in (x, scale, offset)))
+    for got, expected in zip(grads, want):
+        assert_close(got, expected, jnp.float32, reduction_length=x.size)
 
 
 def _large_mean(shape):

@@ -97,8 +97,12 @@ def resolve_config(p: Problem, config: NormalizeConfig | None) -> NormalizeConfi
         block_reduced = _fit(p.reduced, _MAX_BLOCK_REDUCED, tiling["block_reduced"][0])
     block_groups = config.block_groups
     if block_groups is None and isinstance(block_reduced, int) and block_reduced > 0:
-        block_groups = _fit(p.groups, max(1, budget // block_reduced), tiling["block_groups"][0])
-        padded_groups = -(-block_groups // tiling["block_groups"][0]) * tiling["block_groups"][0]
+        multiple = tiling["block_groups"][0]
+        # A group's share of a block as VMEM holds it: 16 reduced elements of a row still
+        # take a 128-lane row (the unpadded count overflowed VMEM 8x for LayerNorm(16)).
+        per_group = _block_elements(p, multiple, block_reduced) // multiple
+        block_groups = _fit(p.groups, max(1, budget // per_group), multiple)
+        padded_groups = -(-block_groups // multiple) * multiple
         if config.block_reduced is None and padded_groups * block_reduced > budget:
             block_reduced = _fit(p.reduced, max(1, budget // padded_groups),
                                  tiling["block_reduced"][0])
