@@ -8,7 +8,7 @@ take). Each is Flax's own module with the fields `implementation` and `interpret
 
 from __future__ import annotations
 
-from typing import Any
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -20,21 +20,24 @@ __all__ = ["Dense", "Conv", "LayerNorm", "RMSNorm", "Embed"]
 
 
 class _KernelOp:
-    """The two fields every layer adds, and the op a Dense/Conv hands Flax's own `__call__`
-    in place of its `dot_general`/`conv_general_dilated` field."""
+    """What every layer adds: the fields `implementation` and `interpret` (each layer declares
+    them: Linen makes fields of a module's own annotations) and, for Dense and Conv, the op
+    handed to Flax's own `__call__` in place of the field named in `_replaces`."""
 
-    implementation: common.Implementation = None
-    interpret: bool | None = None
+    _replaces: ClassVar[tuple[str, type] | None] = None
 
-    def _replace_field(self, name: str, op: type) -> None:
-        if isinstance(getattr(self, name), op):  # a clone of a layer built before
-            return
-        if getattr(self, name) is not None or getattr(self, f"{name}_cls") is not None:
-            raise TypeError(f"kernels.flax.linen.{type(self).__name__}: {name} is what this "
-                            "layer replaces with kernels' op; use Flax's layer for a custom one")
+    def __post_init__(self) -> None:
         # Still inside construction: Linen freezes the module in its own __post_init__.
         object.__setattr__(self, "implementation", common.as_implementation(self.implementation))
-        object.__setattr__(self, name, op(self.implementation, self.interpret))
+        if self._replaces is not None:
+            name, op = self._replaces
+            if not isinstance(getattr(self, name), op):  # else a clone of a built layer
+                if getattr(self, name) is not None or getattr(self, f"{name}_cls") is not None:
+                    raise TypeError(
+                        f"kernels.flax.linen.{type(self).__name__}: {name} is what this layer "
+                        "replaces with kernels' op; use Flax's layer for a custom one")
+                object.__setattr__(self, name, op(self.implementation, self.interpret))
+        super().__post_init__()
 
 
 class Dense(_KernelOp, nn.Dense):
@@ -42,10 +45,7 @@ class Dense(_KernelOp, nn.Dense):
 
     implementation: common.Implementation = None
     interpret: bool | None = None
-
-    def __post_init__(self) -> None:
-        self._replace_field("dot_general", common.MatmulDotGeneral)
-        super().__post_init__()
+    _replaces = ("dot_general", common.MatmulDotGeneral)
 
 
 class Conv(_KernelOp, nn.Conv):
@@ -53,29 +53,32 @@ class Conv(_KernelOp, nn.Conv):
 
     implementation: common.Implementation = None
     interpret: bool | None = None
-
-    def __post_init__(self) -> None:
-        self._replace_field("conv_general_dilated", common.Conv2dGeneralDilated)
-        super().__post_init__()
+    _replaces = ("conv_general_dilated", common.Conv2dGeneralDilated)
 
 
-def _normalization_params(module: nn.Module, x: jax.Array, use_bias: bool):
-    """The scale and bias Flax's LayerNorm/RMSNorm create: feature-shaped, in param_dtype."""
-    features = [x.shape[a] for a in sorted(a % x.ndim for a in (
-        (module.feature_axes,) if isinstance(module.feature_axes, int) else module.feature_axes))]
-    scale = (module.param("scale", module.scale_init, features, module.param_dtype)
-             if module.use_scale else None)
-    bias = (module.param("bias", module.bias_init, features, module.param_dtype)
-            if use_bias else None)
-    return scale, bias
+class _Normalization(_KernelOp):
+    """LayerNorm's and RMSNorm's call (inside their compact `__call__`): the scale and bias
+    Flax's layers create (feature-shaped, in param_dtype), Flax's result dtype (`dtype`, else
+    the promotion of the input and the parameters), `kernels.normalize`."""
+
+    def _normalize(self, x: jax.Array, mask: jax.Array | None, use_bias: bool,
+                   subtract_mean: bool) -> jax.Array:
+        axes = (self.feature_axes,) if isinstance(self.feature_axes, int) else self.feature_axes
+        features = [x.shape[a] for a in sorted(a % x.ndim for a in axes)]
+        scale = (self.param("scale", self.scale_init, features, self.param_dtype)
+                 if self.use_scale else None)
+        bias = (self.param("bias", self.bias_init, features, self.param_dtype)
+                if use_bias else None)
+        out_dtype = self.dtype if self.dtype is not None else jnp.result_type(
+            *(a for a in (x, scale, bias) if a is not None))
+        return common.normalize(
+            x, scale, bias, reduction_axes=self.reduction_axes, feature_axes=self.feature_axes,
+            epsilon=self.epsilon, subtract_mean=subtract_mean, out_dtype=out_dtype,
+            layer=type(self).__name__, implementation=self.implementation,
+            interpret=self.interpret, axis_name=self.axis_name, mask=mask)
 
 
-def _out_dtype(dtype: Any, *arrays: jax.Array | None) -> Any:
-    """Flax's result dtype: `dtype`, else the promotion of the input and the parameters."""
-    return dtype if dtype is not None else jnp.result_type(*(a for a in arrays if a is not None))
-
-
-class LayerNorm(_KernelOp, nn.LayerNorm):
+class LayerNorm(_Normalization, nn.LayerNorm):
     """`flax.linen.LayerNorm` computed by `kernels.layer_norm`."""
 
     implementation: common.Implementation = None
@@ -83,16 +86,10 @@ class LayerNorm(_KernelOp, nn.LayerNorm):
 
     @nn.compact
     def __call__(self, x: jax.Array, *, mask: jax.Array | None = None) -> jax.Array:
-        scale, bias = _normalization_params(self, x, self.use_bias)
-        return common.normalize(
-            x, scale, bias, reduction_axes=self.reduction_axes, feature_axes=self.feature_axes,
-            epsilon=self.epsilon, subtract_mean=True,
-            out_dtype=_out_dtype(self.dtype, x, scale, bias), layer="LayerNorm",
-            implementation=common.as_implementation(self.implementation),
-            interpret=self.interpret, axis_name=self.axis_name, mask=mask)
+        return self._normalize(x, mask, self.use_bias, subtract_mean=True)
 
 
-class RMSNorm(_KernelOp, nn.RMSNorm):
+class RMSNorm(_Normalization, nn.RMSNorm):
     """`flax.linen.RMSNorm` computed by `kernels.rms_norm`."""
 
     implementation: common.Implementation = None
@@ -100,12 +97,7 @@ class RMSNorm(_KernelOp, nn.RMSNorm):
 
     @nn.compact
     def __call__(self, x: jax.Array, *, mask: jax.Array | None = None) -> jax.Array:
-        scale, _ = _normalization_params(self, x, False)
-        return common.normalize(
-            x, scale, None, reduction_axes=self.reduction_axes, feature_axes=self.feature_axes,
-            epsilon=self.epsilon, subtract_mean=False, out_dtype=_out_dtype(self.dtype, x, scale),
-            layer="RMSNorm", implementation=common.as_implementation(self.implementation),
-            interpret=self.interpret, axis_name=self.axis_name, mask=mask)
+        return self._normalize(x, mask, False, subtract_mean=False)
 
 
 class Embed(_KernelOp, nn.Embed):
@@ -119,11 +111,9 @@ class Embed(_KernelOp, nn.Embed):
     def __call__(self, inputs: jax.Array) -> jax.Array:
         (embedding,) = self.promote_dtype(self.embedding, dtype=self.dtype, inexact=False)
         return common.embed(embedding, inputs, mode=self.mode,
-                            implementation=common.as_implementation(self.implementation),
-                            interpret=self.interpret)
+                            implementation=self.implementation, interpret=self.interpret)
 
     def attend(self, query: jax.Array) -> jax.Array:
         query, embedding = self.promote_dtype(query, self.embedding, dtype=self.dtype)
-        return common.attend(query, embedding,
-                             implementation=common.as_implementation(self.implementation),
+        return common.attend(query, embedding, implementation=self.implementation,
                              interpret=self.interpret)

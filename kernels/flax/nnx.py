@@ -47,46 +47,53 @@ class Conv(nnx.Conv):
                              common.as_implementation(implementation), interpret))
 
 
-class LayerNorm(nnx.LayerNorm):
+class _KernelOptions:
+    """`implementation` and `interpret`, kept on the layer for its op (static attributes)."""
+
+    def _set_options(self, implementation: Any, interpret: bool | None) -> None:
+        self.implementation = common.as_implementation(implementation)
+        self.interpret = interpret
+
+
+class _Normalization(_KernelOptions):
+    """LayerNorm's and RMSNorm's call: Flax's parameters and promotion, `kernels.normalize`."""
+
+    def _normalize(self, x: jax.Array, mask: jax.Array | None, subtract_mean: bool) -> jax.Array:
+        scale = self.scale[...] if self.scale is not None else None
+        bias = self.bias[...] if getattr(self, "bias", None) is not None else None
+        x, scale, bias = self.promote_dtype((x, scale, bias), dtype=self.dtype)
+        return common.normalize(
+            x, scale, bias, reduction_axes=self.reduction_axes, feature_axes=self.feature_axes,
+            epsilon=self.epsilon, subtract_mean=subtract_mean, out_dtype=x.dtype,
+            layer=type(self).__name__, implementation=self.implementation,
+            interpret=self.interpret, axis_name=self.axis_name, mask=mask)
+
+
+class LayerNorm(_Normalization, nnx.LayerNorm):
     """`flax.nnx.LayerNorm` computed by `kernels.layer_norm`."""
 
     def __init__(self, num_features: int, *, implementation: common.Implementation = None,
                  interpret: bool | None = None, **kwargs: Any):
         super().__init__(num_features, **kwargs)
-        self.implementation = common.as_implementation(implementation)
-        self.interpret = interpret
+        self._set_options(implementation, interpret)
 
     def __call__(self, x: jax.Array, *, mask: jax.Array | None = None) -> jax.Array:
-        scale = self.scale[...] if self.scale is not None else None
-        bias = self.bias[...] if self.bias is not None else None
-        x, scale, bias = self.promote_dtype((x, scale, bias), dtype=self.dtype)
-        return common.normalize(
-            x, scale, bias, reduction_axes=self.reduction_axes, feature_axes=self.feature_axes,
-            epsilon=self.epsilon, subtract_mean=True, out_dtype=x.dtype, layer="LayerNorm",
-            implementation=self.implementation, interpret=self.interpret,
-            axis_name=self.axis_name, mask=mask)
+        return self._normalize(x, mask, subtract_mean=True)
 
 
-class RMSNorm(nnx.RMSNorm):
+class RMSNorm(_Normalization, nnx.RMSNorm):
     """`flax.nnx.RMSNorm` computed by `kernels.rms_norm`."""
 
     def __init__(self, num_features: int, *, implementation: common.Implementation = None,
                  interpret: bool | None = None, **kwargs: Any):
         super().__init__(num_features, **kwargs)
-        self.implementation = common.as_implementation(implementation)
-        self.interpret = interpret
+        self._set_options(implementation, interpret)
 
     def __call__(self, x: jax.Array, *, mask: jax.Array | None = None) -> jax.Array:
-        scale = self.scale[...] if self.scale is not None else None
-        x, scale = self.promote_dtype((x, scale), dtype=self.dtype)
-        return common.normalize(
-            x, scale, None, reduction_axes=self.reduction_axes, feature_axes=self.feature_axes,
-            epsilon=self.epsilon, subtract_mean=False, out_dtype=x.dtype, layer="RMSNorm",
-            implementation=self.implementation, interpret=self.interpret,
-            axis_name=self.axis_name, mask=mask)
+        return self._normalize(x, mask, subtract_mean=False)
 
 
-class Embed(nnx.Embed):
+class Embed(_KernelOptions, nnx.Embed):
     """`flax.nnx.Embed` whose lookup is `kernels.gather` with `mode` for out-of-range ids
     ("fill", Flax's NaN rows, by default; "clip", "drop", "wrap", "promise_in_bounds") and
     whose `attend` is `kernels.matmul`."""
@@ -96,8 +103,7 @@ class Embed(nnx.Embed):
                  **kwargs: Any):
         super().__init__(num_embeddings, features, **kwargs)
         self.mode = mode
-        self.implementation = common.as_implementation(implementation)
-        self.interpret = interpret
+        self._set_options(implementation, interpret)
 
     def __call__(self, inputs: jax.Array, out_sharding: Any = None) -> jax.Array:
         common.no_out_sharding(out_sharding, "Embed")
