@@ -318,6 +318,55 @@ def test_triton_programs_fill_an_h100(name):
     assert min(config.block_m, config.block_n) >= min(64, p.m, p.n), config
 
 
+
+def _pipeline_copies(eqn) -> int:
+    """Bytes a Mosaic kernel's BlockSpec pipeline copies into VMEM: walking the grid in order,
+    each input block whose index differs from the previous step's is copied again."""
+    import itertools
+
+    grid_mapping = eqn.params["grid_mapping"]
+    total = 0
+    for mapping in grid_mapping.block_mappings[:grid_mapping.num_inputs]:
+        jaxpr = mapping.index_map_jaxpr
+        block_bytes = np.prod(mapping.block_aval.shape) * mapping.array_aval.dtype.itemsize
+        previous = None
+        for step in itertools.product(*map(range, grid_mapping.grid)):
+            index = tuple(int(i) for i in jax.core.eval_jaxpr(jaxpr.jaxpr, jaxpr.consts, *step))
+            total += block_bytes * (index != previous)
+            previous = index
+    return int(total)
+
+
+@pytest.mark.parametrize("a_shape,b_shape", [
+    ((2048, 2048), (2048, 2048)),  # 4x4 tiles, 4 K blocks: every step copies both blocks
+    ((2048, 256), (256, 2048)),    # one K block: A's block stays over a row of tiles
+    ((3, 512, 1024), (1024, 256)),  # batched, B broadcast over the batch, one column tile
+    ((512, 256), (4, 256, 512)),   # one tile per batch, one K block
+], ids=str)
+def test_cost_estimates_count_the_bytes_the_schedule_moves(a_shape, b_shape):
+    """Design figures come from the kernels' cost estimates, so those must count re-reads,
+    not each operand once: Mosaic's equals the bytes its pipeline copies (simulated from the
+    launch's own grid and index maps) plus the output once; Triton's counts each tile program
+    reading its A and B panels."""
+    from kernels import _targets
+    from kernels.compile import launches
+    from kernels.matmul import common, triton
+
+    a, b = (jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in (a_shape, b_shape))
+    out_bytes = jax.eval_shape(jnp.matmul, a, b).size * 2
+    (mosaic,) = launches(lambda a, b: matmul(a, b, implementation="mosaic", interpret=False),
+                         a, b, target=_targets.TARGETS["v5e"])
+    assert mosaic.params["cost_estimate"].bytes_accessed == _pipeline_copies(mosaic) + out_bytes
+
+    p = common.make_problem(a, b, False, False, jnp.bfloat16)
+    config = triton.resolve_config(p, None)
+    if config.split_k == 1:
+        (gpu,) = launches(lambda a, b: matmul(a, b, implementation="triton", interpret=False),
+                          a, b, target=_targets.TARGETS["sm_90"])
+        row_tiles, column_tiles = -(-p.m // config.block_m), -(-p.n // config.block_n)
+        panels = p.num_batches * 2 * p.k * (p.m * column_tiles + p.n * row_tiles)
+        assert gpu.params["cost_estimate"].bytes_accessed == panels + out_bytes
+
 def test_triton_float32_highest_stays_off_the_tensor_cores():
     """Compiled by Triton for sm_90: a float32 product at HIGHEST precision (IEEE float32, as
     promised) issues no tensor-core instruction, forward or backward. (At default precision
