@@ -24,7 +24,8 @@ stored layout and the transpose is folded into the dot's dimension numbers.
 
 Memory traffic: the output is written once; A is read cdiv(N, block_n) times and B
 cdiv(M, block_m) times, except that a block whose index does not change between consecutive
-steps is not copied again: with one K block A is read once (`_cost_estimate`).
+steps is not copied again: with one K block A is read once (`kernels._pallas.pipelined_bytes`
+counts this for the cost estimate).
 """
 
 from __future__ import annotations
@@ -40,8 +41,7 @@ from jax import lax
 from kernels import _targets
 from kernels._blocks import LANES, require_floating, sublanes
 from kernels._pallas import mosaic_call, mosaic_precision, pl, pltpu, vmem_limit
-from kernels.matmul.common import (MatmulConfig, Problem, batch_index,
-                                   cost_estimate, dot)
+from kernels.matmul.common import MatmulConfig, Problem, batch_index, dot, flops_and_bytes
 
 _MAX_BLOCK = 512
 
@@ -132,23 +132,6 @@ def _matmul_kernel(a_ref, b_ref, out_ref, acc_ref, *, p: Problem, block_k: int, 
         out_ref[...] = acc_ref[...].astype(out_ref.dtype)
 
 
-def _cost_estimate(p: Problem, config: MatmulConfig) -> pl.CostEstimate:
-    """The pipeline copies a block when its index differs from the previous step's (steps run
-    batch, row tile, column tile, K block, K fastest). With one K block, A's block changes only
-    with the row tile, and B's only with the column tile when there is one."""
-    rows, columns = pl.cdiv(p.m, config.block_m), pl.cdiv(p.n, config.block_n)
-    k_blocks = pl.cdiv(p.k, config.block_k)
-    steps = p.num_batches * rows * columns * k_blocks
-    a_copies, b_copies = steps, steps
-    if k_blocks == 1:
-        a_copies = math.prod(p.a_batch) if rows == 1 else p.num_batches * rows
-        if columns == 1:
-            b_copies = math.prod(p.b_batch)
-    a_block = config.block_m * config.block_k * jnp.dtype(p.a_dtype).itemsize
-    b_block = config.block_k * config.block_n * jnp.dtype(p.b_dtype).itemsize
-    return cost_estimate(p, a_copies * a_block + b_copies * b_block)
-
-
 def matmul(a: jax.Array, b: jax.Array, p: Problem, *, config: MatmulConfig | None, precision,
            interpret: bool) -> jax.Array:
     """`op(a) @ op(b)` for a problem that `check` accepted; returns out_batch + (M, N)."""
@@ -181,7 +164,7 @@ def matmul(a: jax.Array, b: jax.Array, p: Problem, *, config: MatmulConfig | Non
         grid_spec=grid_spec,
         dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
         interpret=interpret,
-        cost_estimate=_cost_estimate(p, config),
+        flops=flops_and_bytes(p)[0],
         vmem_limit_bytes=vmem_limit(vmem_bytes(p, config)),
         name="matmul_mosaic",
     )(a.reshape(math.prod(p.a_batch), *a.shape[-2:]),

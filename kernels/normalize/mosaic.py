@@ -295,7 +295,8 @@ def forward(x: jax.Array, scale: jax.Array | None, offset: jax.Array | None, p: 
         grid_spec=grid_spec,
         dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary"),
         interpret=interpret,
-        cost_estimate=common.cost_estimate(common.forward_flops_and_bytes(p), p),
+        flops=common.forward_flops_and_bytes(p)[0],
+        transcendentals=p.outer * p.groups,
         name="normalize_forward_mosaic",
     )(*args)
     return y, s.from_kernel_stats(mean), s.from_kernel_stats(rstd)
@@ -379,8 +380,8 @@ def backward(x, scale, mean, rstd, gy, gmean, grstd, p: Problem, *,
         grid_spec=grid_spec,
         dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary"),
         interpret=interpret,
-        cost_estimate=common.cost_estimate(common.backward_flops_and_bytes(p, num_partials,
-                                                                     stat_cotangents), p),
+        flops=common.backward_flops_and_bytes(p, num_partials, stat_cotangents)[0],
+        transcendentals=p.outer * p.groups,
         name="normalize_backward_mosaic",
     )(*args))
     dx = outs.pop(0)
