@@ -253,7 +253,7 @@ def pipelined_bytes(grid_spec: Any, args: Sequence[Any], outs: Sequence[Any]) ->
     left in HBM or SMEM (manual DMAs) are not counted: the kernel states those itself."""
     grid = tuple(grid_spec.grid)
     num_prefetch = getattr(grid_spec, "num_scalar_prefetch", 0)
-    prefetch = [jnp.zeros(a.shape, a.dtype) for a in args[:num_prefetch]]
+    prefetch = [np.zeros(a.shape, a.dtype) for a in args[:num_prefetch]]
     out_specs = grid_spec.out_specs
     if isinstance(out_specs, pl.BlockSpec):
         out_specs = [out_specs]
