@@ -3,13 +3,21 @@ out on any machine (no device needed) at the device-sized shapes of `kernels.com
 marked `design`, forward and backward.
 
 Per launch: the grid and its programs, against the H100's 132 SMs (waves; fewer than two leave
-SMs idle) or, on a TPU, the sequential grid steps of its one core; the flops and HBM bytes the
+SMs idle) or, on a TPU, the sequential grid steps of its one core; the flops and bytes the
 kernel's cost estimate states, the flops against the op's forward (`op_flops`, which each
 backward kernel of a matmul or convolution needs too; a strided convolution's input gradient
 runs as several launches that share it), the bytes beside the launch's operands and outputs
 taken once (`min_bytes`; a gather touches only the rows it gathers of its table); and, with the
 compilers installed (the `test` extra), what the real back end reports: shared memory,
 registers and spills (Triton) or planned VMEM (Mosaic).
+
+The stated bytes count re-reads. Mosaic: what the BlockSpec pipeline copies (a block each
+time its index changes; `kernels._pallas.pipelined_bytes`), plus the kernel's own DMAs.
+Triton matmul and conv2d: the loads the programs issue (each tile's A and B panels; each
+output pixel's patch per output-channel block), of which L2 and L1 serve much on a GPU, so
+for them it bounds the HBM traffic from above. Triton normalize and gather: their programs
+read disjoint tiles, so each launch states its own passes (a split normalize reads x once for
+its moments and again to normalize).
 """
 
 from __future__ import annotations
@@ -99,6 +107,8 @@ LEGEND = ("Design figures (no device needed): waves = programs / 132 SMs of an H
           "leaves SMs idle); TPU grid steps run in order on one v5e core. flops vs op: the "
           "kernel's cost estimate over the op's forward flops (each matmul or conv backward "
           "kernel needs the same; a strided conv's input-gradient phases share them). HBM MB "
-          "est.: the bytes the kernel's cost estimate states; operands MB: its inputs and "
-          "outputs, each once (a gather reads only the rows it gathers). compiled: the real "
-          "compiler's report for that target.")
+          "est.: the bytes the kernel's cost estimate states, re-reads included (Mosaic: its "
+          "pipeline's block copies; Triton matmul/conv: the loads its programs issue, much of "
+          "them served by L2/L1); operands MB: its inputs and outputs, each once (a gather "
+          "reads only the rows it gathers). compiled: the real compiler's report for that "
+          "target.")

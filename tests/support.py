@@ -75,3 +75,32 @@ def assert_lowers(fn: Callable[..., Any], *args: Any, implementation: str,
 
 def reduction_length(*dims: int) -> int:
     return math.prod(dims)
+
+
+def walked_pipeline_bytes(eqn) -> int:
+    """Bytes a Mosaic launch's BlockSpec pipeline moves, by walking its grid step by step and
+    calling each index map (only for small grids): an input block is copied in, an output
+    block written back, whenever its index differs from the previous step's, clipped to the
+    array. Operands left in HBM or SMEM (manual DMAs) are not counted."""
+    import itertools
+
+    from kernels._pallas import copied_bytes
+
+    grid_mapping = eqn.params["grid_mapping"]
+    mappings = grid_mapping.block_mappings[:grid_mapping.num_inputs + grid_mapping.num_outputs]
+    prefetch = [np.zeros(v.aval.shape, v.aval.dtype)
+                for v in eqn.invars[:grid_mapping.num_index_operands]]
+    total = 0
+    for mapping in mappings:
+        space = str(getattr(mapping.block_aval, "memory_space", "")).lower()
+        if any(name in space for name in ("any", "hbm", "smem")):
+            continue
+        jaxpr = mapping.index_map_jaxpr
+        steps = [[int(i) for i in jax.core.eval_jaxpr(jaxpr.jaxpr, jaxpr.consts, *step,
+                                                       *prefetch)]
+                 for step in itertools.product(*map(range, grid_mapping.grid))]
+        dims = [(getattr(d, "block_size", 1), type(d).__name__ == "Element")
+                for d in mapping.block_shape]
+        total += copied_bytes(np.array(steps), dims, mapping.array_aval.shape,
+                              mapping.array_aval.dtype.itemsize)
+    return total

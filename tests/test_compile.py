@@ -178,3 +178,36 @@ def test_triton_shared_memory_over_the_limit_is_reported():
     assert report.compiled and not report.fits
     assert report.shared_bytes > report.shared_limit == 232_448
     assert report.error.startswith("whole_tiles for sm_90: needs ")
+
+
+def _value_and_gradient(op, **kwargs):
+    def loss(*arrays):
+        return jnp.sum(jnp.sin(op(*arrays, implementation="mosaic", interpret=False, **kwargs)))
+    return lambda *arrays: jax.value_and_grad(loss, argnums=tuple(range(len(arrays))))(*arrays)
+
+
+@pytest.mark.parametrize("name,fn,shapes", [
+    ("layer norm, chunked rows", _value_and_gradient(
+        kernels.layer_norm, config=kernels.NormalizeConfig(block_groups=8, block_reduced=512)),
+     [((24, 1500), jnp.float32), ((1500,), jnp.float32), ((1500,), jnp.float32)]),
+    ("standardize over axis 0", _value_and_gradient(kernels.normalize, axis=0),
+     [((600, 300), jnp.bfloat16)]),
+    ("conv 3x3", _value_and_gradient(kernels.conv2d, padding="SAME"),
+     [((2, 16, 16, 32), jnp.bfloat16), ((3, 3, 32, 256), jnp.bfloat16)]),
+    ("depthwise 3x3 stride 2", _value_and_gradient(kernels.conv2d, stride=2,
+                                                    padding="SAME", feature_group_count=128),
+     [((2, 16, 16, 128), jnp.float32), ((3, 3, 1, 128), jnp.float32)]),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_mosaic_cost_estimates_state_the_pipeline_traffic(name, fn, shapes):
+    """Each Mosaic launch's cost estimate (the design table's HBM figure) states the bytes its
+    BlockSpec pipeline moves, re-reads included (x twice for chunked rows, the input once per
+    output-channel block), as walking its grid step by step counts them."""
+    from kernels.compile import launches
+    from tests.support import walked_pipeline_bytes
+
+    args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]
+    calls = launches(fn, *args, target=_targets.TARGETS["v5e"])
+    assert len(calls) >= 2
+    for eqn in calls:
+        assert eqn.params["cost_estimate"].bytes_accessed == walked_pipeline_bytes(eqn), \
+            eqn.params["name"]

@@ -562,3 +562,28 @@ def test_mosaic_many_blocks(monkeypatch, options, w_shape):
         want = jax.grad(_loss("reference", **options), argnums=(0, 1))(as_f64(x), as_f64(w))
     for got, expected in zip(grads, want):
         assert_close(got, expected, jnp.float32, reduction_length=200)
+
+
+@pytest.mark.parametrize("x_shape,w_shape,groups", [
+    ((32, 56, 56, 64), (3, 3, 64, 64), 1),      # ResNet-50 3x3
+    ((32, 112, 112, 32), (3, 3, 1, 32), 32),    # MobileNet depthwise 3x3
+], ids=["resnet 3x3", "depthwise 3x3"])
+def test_triton_cost_estimates_count_the_patch_loads(x_shape, w_shape, groups):
+    """The design table's traffic comes from the cost estimates: an implicit-GEMM launch
+    loads every output pixel's 9-tap patch (mostly from cache), so each launch, forward, input
+    and weight gradient, states at least 9x the input's bytes (each operand once was about
+    2x)."""
+    from kernels import _targets
+    from kernels.compile import launches
+
+    x = jax.ShapeDtypeStruct(x_shape, jnp.bfloat16)
+    w = jax.ShapeDtypeStruct(w_shape, jnp.bfloat16)
+
+    def loss(x, w):
+        return jnp.sum(conv2d(x, w, feature_group_count=groups, implementation="triton",
+                              interpret=False))
+
+    calls = launches(jax.grad(loss, argnums=(0, 1)), x, w, target=_targets.TARGETS["sm_90"])
+    x_bytes = np.prod(x_shape) * 2
+    for eqn in calls:
+        assert eqn.params["cost_estimate"].bytes_accessed >= 9 * x_bytes, eqn.params["name"]

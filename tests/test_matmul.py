@@ -12,7 +12,7 @@ from jax.test_util import check_grads
 import reference
 from kernels.matmul import MatmulConfig, matmul
 from tests.support import (FLOAT_DTYPES, KERNELS, SUPPORTS_FLOAT64, as_f64, assert_close,
-                           assert_lowers, random, tolerance, x64)
+                           assert_lowers, random, tolerance, walked_pipeline_bytes, x64)
 
 SHAPES = [  # (M, N, K): none a multiple of any block but 256/512/384
     (1, 1, 1), (7, 13, 5), (129, 257, 65), (256, 512, 384), (1000, 3, 1000), (16, 16, 0)]
@@ -317,6 +317,38 @@ def test_triton_programs_fill_an_h100(name):
         assert partial_bytes <= common.flops_and_bytes(p)[1] / 2, config
     assert min(config.block_m, config.block_n) >= min(64, p.m, p.n), config
 
+
+
+
+@pytest.mark.parametrize("a_shape,b_shape", [
+    ((2048, 2048), (2048, 2048)),  # 4x4 tiles, 4 K blocks: every step copies both blocks
+    ((2048, 256), (256, 2048)),    # one K block: A's block stays over a row of tiles
+    ((3, 512, 1024), (1024, 256)),  # batched, B broadcast over the batch, one column tile
+    ((512, 256), (4, 256, 512)),   # one tile per batch, one K block
+], ids=str)
+def test_cost_estimates_count_the_bytes_the_schedule_moves(a_shape, b_shape):
+    """Design figures come from the kernels' cost estimates, so those must count re-reads,
+    not each operand once: Mosaic's equals the bytes its pipeline copies (simulated from the
+    launch's own grid and index maps, output included); Triton's counts each tile program
+    reading its A and B panels."""
+    from kernels import _targets
+    from kernels.compile import launches
+    from kernels.matmul import common, triton
+
+    a, b = (jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in (a_shape, b_shape))
+    out_bytes = jax.eval_shape(jnp.matmul, a, b).size * 2
+    (mosaic,) = launches(lambda a, b: matmul(a, b, implementation="mosaic", interpret=False),
+                         a, b, target=_targets.TARGETS["v5e"])
+    assert mosaic.params["cost_estimate"].bytes_accessed == walked_pipeline_bytes(mosaic)
+
+    p = common.make_problem(a, b, False, False, jnp.bfloat16)
+    config = triton.resolve_config(p, None)
+    if config.split_k == 1:
+        (gpu,) = launches(lambda a, b: matmul(a, b, implementation="triton", interpret=False),
+                          a, b, target=_targets.TARGETS["sm_90"])
+        row_tiles, column_tiles = -(-p.m // config.block_m), -(-p.n // config.block_n)
+        panels = p.num_batches * 2 * p.k * (p.m * column_tiles + p.n * row_tiles)
+        assert gpu.params["cost_estimate"].bytes_accessed == panels + out_bytes
 
 def test_triton_float32_highest_stays_off_the_tensor_cores():
     """Compiled by Triton for sm_90: a float32 product at HIGHEST precision (IEEE float32, as

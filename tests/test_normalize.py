@@ -247,6 +247,55 @@ def test_mosaic_short_rows_over_many_blocks():
         assert_close(got, expected, jnp.float32, reduction_length=x.size)
 
 
+
+def _hbm_bytes(aval) -> int:
+    """Bytes of an array in a TPU's HBM as XLA lays out a Mosaic call's operands (read from the
+    compiled HLO for v5e): the last two dims tiled (8, 128) (16 sublanes for 16-bit types), or
+    (1, 128) when the second-minor dim is 1."""
+    *lead, sub, lane = (1, *aval.shape) if len(aval.shape) == 1 else aval.shape
+    tile = 1 if sub == 1 else 32 // aval.dtype.itemsize
+    return (int(np.prod(lead)) * -(-sub // tile) * tile * -(-lane // 128) * 128
+            * aval.dtype.itemsize)
+
+
+@pytest.mark.parametrize("shape", [(8192, 1024), (8192, 4096), (320, 16384)], ids=str)
+def test_mosaic_statistics_are_lane_dense(shape):
+    """Issue 10, finding 10: in the rows layout the saved mean and 1/std were (rows, 1) float32
+    arrays, tiled 128 lanes wide in HBM: 4 MiB each at 8192 rows, written by the forward and
+    read by the backward beside 16 MiB of bfloat16 x. Lane-dense, all padding together stays
+    under 1% of the bytes the kernels must move."""
+    from kernels import _targets
+    from kernels.compile import launches
+
+    x = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+    scale = offset = jax.ShapeDtypeStruct(shape[-1:], jnp.bfloat16)
+    loss = _loss(layer_norm, implementation="mosaic", interpret=False)
+    calls = launches(jax.grad(loss, argnums=(0, 1, 2)), x, scale, offset,
+                     target=_targets.TARGETS["v5e"])
+    assert len(calls) == 2
+    for eqn in calls:
+        avals = [v.aval for v in (*eqn.invars, *eqn.outvars)]
+        dense = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in avals)
+        assert sum(_hbm_bytes(a) for a in avals) <= 1.01 * dense, eqn.params["name"]
+
+
+def test_mosaic_statistics_of_ragged_row_blocks_second_order():
+    """Lane-dense statistics of 37 rows in blocks of 8 (the last block ragged) carry the
+    second-order cotangents back into the backward kernel: grad of grad against the
+    reference's."""
+    x, scale, offset = _inputs((37, 40), -1, jnp.float32, seed=29)
+    config = NormalizeConfig(block_groups=8, block_reduced=40)
+
+    def hessian_vector(fn, **kw):
+        inner = jax.grad(_loss(fn, axis=-1, **kw), argnums=(0, 1, 2))
+        return jax.jit(jax.grad(lambda x, s, o: sum(jnp.sum(jnp.tanh(g)) for g in inner(x, s, o)),
+                                argnums=(0, 1, 2)))
+
+    got = hessian_vector(normalize, implementation="mosaic", config=config)(x, scale, offset)
+    want = hessian_vector(reference_normalize)(x, scale, offset)
+    for a, b in zip(got, want):
+        assert_close(a, b, jnp.float32, reduction_length=x.size)
+
 def _large_mean(shape):
     return jnp.asarray((1e4 + np.random.default_rng(6).standard_normal(shape)).astype(np.float32))
 

@@ -140,11 +140,10 @@ def flops_and_bytes(p: Problem) -> tuple[int, int]:
     return flops, nbytes
 
 
-def cost_estimate(p: Problem, partial_bytes: int = 0) -> pl.CostEstimate:
-    """The op's flops and bytes, plus `partial_bytes` of float32 partials a split kernel
-    writes instead of its output."""
-    flops, nbytes = flops_and_bytes(p)
-    return pl.CostEstimate(flops=flops, transcendentals=0, bytes_accessed=nbytes + partial_bytes)
+def cost_estimate(p: Problem, moved_bytes: int) -> pl.CostEstimate:
+    """The op's flops and `moved_bytes`, the traffic the launch's schedule issues."""
+    return pl.CostEstimate(flops=flops_and_bytes(p)[0], transcendentals=0,
+                           bytes_accessed=moved_bytes)
 
 
 class Phase(NamedTuple):

@@ -52,7 +52,7 @@ from jax import lax
 
 from kernels._blocks import LANES, require_floating, sublanes
 from kernels._pallas import mosaic_call, mosaic_precision, pl, pltpu
-from kernels.conv2d.common import Conv2dConfig, Problem, cost_estimate
+from kernels.conv2d.common import Conv2dConfig, Problem, flops_and_bytes
 
 _MAX_CHANNEL_BLOCK = 512
 _TARGET_PIXELS = 512  # rows of the per-tap matmul a step aims for
@@ -271,7 +271,7 @@ def conv(x: jax.Array, w: jax.Array, p: Problem, *, config: Conv2dConfig | None,
                                                in_specs=in_specs, out_specs=out_spec),
         dimension_semantics=("parallel",) * 4,
         interpret=interpret,
-        cost_estimate=cost_estimate(p),
+        flops=flops_and_bytes(p)[0],
         vmem_limit_bytes=_vmem_limit(p, layout, block_n),
         name="conv2d_depthwise_mosaic" if p.depthwise else "conv2d_mosaic",
     )(xs, ws)
@@ -388,7 +388,7 @@ def weight_grad(x: jax.Array, dy: jax.Array, p: Problem, *, precision, interpret
                                                scratch_shapes=[pltpu.VMEM(scratch, jnp.float32)]),
         dimension_semantics=semantics,
         interpret=interpret,
-        cost_estimate=cost_estimate(p._replace(out_dtype=jnp.dtype(dtype))),
+        flops=flops_and_bytes(p)[0],
         vmem_limit_bytes=_vmem_limit(p, layout, block_n),
         name="conv2d_depthwise_weight_grad_mosaic" if p.depthwise
         else "conv2d_weight_grad_mosaic",

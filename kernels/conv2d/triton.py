@@ -268,6 +268,27 @@ def _depthwise_kernel(x_ref, w_ref, out_ref, *, p: Problem, config: Conv2dConfig
     _store_2d(out_ref, acc, row_start, m_valid, col_start, cols_valid)
 
 
+def _patch_bytes(p: Problem) -> int:
+    """Bytes of every output pixel's patch (its taps' input channels): what a pass over the
+    implicit-GEMM operand loads, mostly from L1/L2 where neighbouring patches overlap."""
+    return p.m * p.kh * p.kw * p.c * p.x_dtype.itemsize
+
+
+def _patch_passes(p: Problem, config: Conv2dConfig) -> int:
+    """How often the patches are loaded: once per output-channel block of a group; depthwise,
+    once per output channel of an input channel (the depth multiplier)."""
+    return p.og if p.depthwise else pl.cdiv(p.og, config.block_n)
+
+
+def _forward_traffic(p: Problem, config: Conv2dConfig) -> int:
+    """Loads the forward's programs issue: the patches (`_patch_passes`), the weights once per
+    pixel block, the output written once."""
+    weight_bytes = p.kh * p.kw * p.cg * p.o * p.w_dtype.itemsize
+    return (_patch_bytes(p) * _patch_passes(p, config)
+            + weight_bytes * pl.cdiv(p.m, config.block_m)
+            + p.m * p.o * p.out_dtype.itemsize)
+
+
 def conv(x: jax.Array, w: jax.Array, p: Problem, *, config: Conv2dConfig | None, precision,
          interpret: bool) -> jax.Array:
     """The convolution of a problem that `check` accepted: (N, OH, OW, O) in p.out_dtype."""
@@ -285,7 +306,7 @@ def conv(x: jax.Array, w: jax.Array, p: Problem, *, config: Conv2dConfig | None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         interpret=interpret,
-        cost_estimate=cost_estimate(p),
+        cost_estimate=cost_estimate(p, _forward_traffic(p, config)),
         name="conv2d_depthwise_triton" if p.depthwise else "conv2d_triton",
     )(x.reshape(-1), w.reshape(p.k, p.o))
     return out.reshape(p.n, p.oh, p.ow, p.o)
@@ -396,6 +417,19 @@ def weight_grad_split(p: Problem, config: Conv2dConfig) -> Split:
                            max_splits=max_splits(operand_bytes, p.k * p.o * 4))
 
 
+def _weight_grad_traffic(p: Problem, config: Conv2dConfig, dy_dtype, dw_dtype,
+                         splits: int) -> int:
+    """Loads the weight gradient's programs issue: the patches (`_patch_passes`), dY once per K
+    block (a depthwise program's block of taps), and dW written once (float32
+    partials per pixel split, which XLA then reads back, when split)."""
+    dw_bytes = p.kh * p.kw * p.cg * p.o
+    written = (dw_bytes * jnp.dtype(dw_dtype).itemsize if splits == 1
+               else 2 * splits * dw_bytes * 4)
+    return (_patch_bytes(p) * _patch_passes(p, config)
+            + p.m * p.o * jnp.dtype(dy_dtype).itemsize * num_k_blocks(p, config.block_k)
+            + written)
+
+
 def weight_grad(x: jax.Array, dy: jax.Array, p: Problem, *, precision, interpret: bool,
                 dtype: jnp.dtype) -> jax.Array:
     """dW (KH, KW, C/G, O) in `dtype` of problem `p` from its input and output gradient."""
@@ -409,7 +443,6 @@ def weight_grad(x: jax.Array, dy: jax.Array, p: Problem, *, precision, interpret
                                    precision=precision)
     rows, cols, groups = _weight_grad_grid(p, config)
     out_dtype = dtype if split.splits == 1 else jnp.float32
-    partial_bytes = 0 if split.splits == 1 else 2 * split.splits * p.k * p.o * 4
     dw = triton_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((split.splits * p.k, p.o), out_dtype),
@@ -417,7 +450,8 @@ def weight_grad(x: jax.Array, dy: jax.Array, p: Problem, *, precision, interpret
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         interpret=interpret,
-        cost_estimate=cost_estimate(p._replace(out_dtype=jnp.dtype(dtype)), partial_bytes),
+        cost_estimate=cost_estimate(p, _weight_grad_traffic(p, config, dy.dtype, dtype,
+                                                            split.splits)),
         name="conv2d_depthwise_weight_grad_triton" if p.depthwise else "conv2d_weight_grad_triton",
     )(x.reshape(-1), dy.reshape(p.m, p.o))
     if split.splits > 1:  # XLA's reduction: a fixed order, the same sum on every run

@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -73,8 +74,8 @@ from jax import lax
 
 from kernels._blocks import LANES, int32_loop, sublanes
 from kernels._pallas import mosaic_call, pl, pltpu
-from kernels.gather.common import (GatherConfig, Problem, ScatterPlan, check_int, gather_cost,
-                                   normalize_row, scatter_cost)
+from kernels.gather.common import (GatherConfig, Problem, ScatterPlan, check_int, gather_bytes,
+                                   normalize_row, scatter_bytes)
 
 _SLAB_BYTES = 1 << 20        # target bytes of one forward DMA when the batch is split
 _MAX_BLOCK_COLUMNS = 1024
@@ -325,6 +326,7 @@ def gather(x: jax.Array, indices: jax.Array, p: Problem, *, config: GatherConfig
                             pltpu.SemaphoreType.DMA(())])
         kernel = functools.partial(_slab_gather_kernel, p=p, block_batch=block_batch)
         operands = (lax.bitcast_convert_type(fill, bits),)
+        dma_bytes = gather_bytes(p)  # the kernel copies rows into the output itself
     else:
         grid_spec = pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=0, grid=(p.batch, num_blocks), in_specs=[hbm, hbm, hbm],
@@ -335,13 +337,14 @@ def gather(x: jax.Array, indices: jax.Array, p: Problem, *, config: GatherConfig
                             pltpu.SemaphoreType.DMA((_RING,))])
         kernel = functools.partial(_tile_gather_kernel, p=p)
         operands = (_tail_group(table, _dma_rows(p.dtype)),)
+        dma_bytes = gather_bytes(p) - math.prod(out_shape.shape) * p.itemsize  # rows, indices
     call = mosaic_call(
         kernel,
         out_shape=out_shape,
         grid_spec=grid_spec,
         dimension_semantics=("parallel", "parallel"),
         interpret=interpret,
-        cost_estimate=gather_cost(p),
+        unpipelined_bytes=dma_bytes,
         name="gather_mosaic",
     )
     out = _mapped_under_vmap(call)(_padded_to_blocks(indices), table, *operands)
@@ -410,7 +413,10 @@ def scatter_add(g: jax.Array, plan: ScatterPlan, p: Problem, *, config: GatherCo
         grid_spec=grid_spec,
         dimension_semantics=("parallel", "parallel", "parallel"),
         interpret=interpret,
-        cost_estimate=scatter_cost(p),
+        flops=p.batch * p.num_indices * p.columns,
+        # The cotangent rows, order and targets by the kernel's DMAs; the table gradient by
+        # the pipeline.
+        unpipelined_bytes=scatter_bytes(p) - p.batch * p.n * p.columns * p.itemsize,
         name="scatter_add_mosaic",
     )
     return _mapped_under_vmap(call)(block_starts, _padded_to_blocks(plan.order),

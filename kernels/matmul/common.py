@@ -106,19 +106,22 @@ def batch_index(out_index: jax.Array, out_batch: tuple[int, ...],
 
 
 def flops_and_bytes(p: Problem) -> tuple[int, int]:
-    """2·M·N·K flops per batch; bytes if each operand is read once and the output written once."""
-    flops = 2 * p.num_batches * p.m * p.n * p.k
+    """2·M·N·K flops per batch; bytes if each operand is read once and the output written once
+    (the op's minimum traffic)."""
     nbytes = (math.prod(p.a_batch) * p.m * p.k * jnp.dtype(p.a_dtype).itemsize
               + math.prod(p.b_batch) * p.k * p.n * jnp.dtype(p.b_dtype).itemsize
               + p.num_batches * p.m * p.n * jnp.dtype(p.out_dtype).itemsize)
-    return flops, nbytes
+    return 2 * p.num_batches * p.m * p.n * p.k, nbytes
 
 
-def cost_estimate(p: Problem, partial_bytes: int = 0) -> pl.CostEstimate:
-    """The op's flops and bytes, plus `partial_bytes` of float32 partials a split kernel
-    writes instead of its output."""
-    flops, nbytes = flops_and_bytes(p)
-    return pl.CostEstimate(flops=flops, transcendentals=0, bytes_accessed=nbytes + partial_bytes)
+def cost_estimate(p: Problem, operand_reads: int, partial_bytes: int = 0) -> pl.CostEstimate:
+    """The op's flops, and the bytes the kernel moves: `operand_reads` bytes of A and B as its
+    schedule reads them (a tiled kernel re-reads each operand once per tile of the other dim),
+    the output written once, and `partial_bytes` of float32 partials a split kernel writes
+    (and XLA reads back) instead."""
+    out_bytes = 0 if partial_bytes else p.num_batches * p.m * p.n * jnp.dtype(p.out_dtype).itemsize
+    return pl.CostEstimate(flops=flops_and_bytes(p)[0], transcendentals=0,
+                           bytes_accessed=operand_reads + out_bytes + partial_bytes)
 
 
 def dot(a: jax.Array, b: jax.Array, p: Problem, precision) -> jax.Array:

@@ -195,6 +195,15 @@ def _matmul_kernel(a_ref, b_ref, out_ref, *, p: Problem, config: MatmulConfig, p
                  mask=_tile_mask(rows, cols))
 
 
+def _cost_estimate(p: Problem, config: MatmulConfig, partial_bytes: int) -> pl.CostEstimate:
+    """Each tile program of each output batch streams its (block_m, K) panel of A and (K,
+    block_n) panel of B (the grouped order serves most re-reads from L2), and a split kernel
+    writes float32 partials that XLA reads back."""
+    panels = (p.m * p.k * jnp.dtype(p.a_dtype).itemsize * pl.cdiv(p.n, config.block_n)
+              + p.k * p.n * jnp.dtype(p.b_dtype).itemsize * pl.cdiv(p.m, config.block_m))
+    return cost_estimate(p, p.num_batches * panels, partial_bytes)
+
+
 def matmul(a: jax.Array, b: jax.Array, p: Problem, *, config: MatmulConfig | None, precision,
            interpret: bool) -> jax.Array:
     """`op(a) @ op(b)` for a problem that `check` accepted; returns out_batch + (M, N)."""
@@ -211,7 +220,7 @@ def matmul(a: jax.Array, b: jax.Array, p: Problem, *, config: MatmulConfig | Non
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         interpret=interpret,
-        cost_estimate=cost_estimate(p, partial_bytes),
+        cost_estimate=_cost_estimate(p, config, partial_bytes),
         name="matmul_triton" if splits == 1 else "matmul_split_k_triton",
     )(a.reshape(math.prod(p.a_batch), *a.shape[-2:]),
       b.reshape(math.prod(p.b_batch), *b.shape[-2:]))

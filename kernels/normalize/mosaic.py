@@ -19,8 +19,8 @@ grid = (outer, cdiv(groups, block_groups), phases, num_chunks), semantics ("para
   merged moments (forward; Chan et al.'s parallel variance) or the sums (backward); phase 1
   walks them again and writes y (dx). The output's index map sends every phase-0 step to chunk
   0, which phase 1 writes first, so each output block is written back once, after it is final.
-Statistics, their cotangents and the scale/offset chunks are small blocks: (block_groups, 1) or
-(1, block_groups), and (1, block_reduced) or (block_reduced, 1).
+Statistics and their cotangents are (1, block_groups) blocks, lane-dense in both layouts (see
+`_Schedule.stats_spec`); the scale/offset chunks are (1, block_reduced) or (block_reduced, 1).
 
 Ragged edges: padding past `reduced` may hold anything (NaN in TPU interpret mode), so it is
 masked out of every sum; padding past `groups` computes garbage whose writes are dropped, and
@@ -151,8 +151,42 @@ class _Schedule:
         return pl.BlockSpec((None, *self._orient(self.block_groups, self.block_reduced)), index)
 
     def stats_spec(self) -> pl.BlockSpec:
-        return pl.BlockSpec((None, *self._orient(self.block_groups, 1)),
-                            lambda o, b, phase, c: (o, *self._orient(b, 0)))
+        """Statistics as lane-dense rows. In the columns layout they are (outer, 1, groups)
+        already. In the rows layout a (groups, 1) array would be tiled (8, 128) with one lane
+        in use, 128x its bytes in HBM (4 MiB instead of 32 KiB per statistic at 8192 rows), so
+        the kernels see (outer * num_blocks, 1, block_groups) (`to_kernel_stats`) and
+        transpose each block's column in VMEM (`load_stats`, `store_stats`). Outside the
+        kernels XLA keeps (groups, 1) dense (lanes along groups), so the reshapes between the
+        two are small copies of the statistics alone."""
+        def index(o, b, phase, c):
+            return (o * self.num_blocks + b, 0, 0) if self.p.rows else (o, 0, b)
+        return pl.BlockSpec((None, 1, self.block_groups), index)
+
+    def kernel_stats_shape(self) -> tuple[int, int, int]:
+        if not self.p.rows:
+            return self.p.stats_shape
+        return (self.p.outer * self.num_blocks, 1, self.block_groups)
+
+    def to_kernel_stats(self, stats: jax.Array | None) -> jax.Array | None:
+        """`p.stats_shape` statistics as the kernels read them (groups padded to whole blocks)."""
+        if stats is None or not self.p.rows:
+            return stats
+        padded = self.num_blocks * self.block_groups - self.p.groups
+        stats = jnp.pad(stats, ((0, 0), (0, padded), (0, 0))) if padded else stats
+        return stats.reshape(self.kernel_stats_shape())
+
+    def from_kernel_stats(self, stats: jax.Array) -> jax.Array:
+        if not self.p.rows:
+            return stats
+        flat = stats.reshape(self.p.outer, self.num_blocks * self.block_groups)
+        return flat[:, :self.p.groups].reshape(self.p.stats_shape)
+
+    def load_stats(self, ref) -> jax.Array:
+        """A statistics block, shaped to broadcast against a tile."""
+        return ref[...].T if self.p.rows else ref[...]
+
+    def store_stats(self, ref, value: jax.Array) -> None:
+        ref[...] = (value.T if self.p.rows else value).astype(ref.dtype)
 
     def param_spec(self) -> pl.BlockSpec:
         return pl.BlockSpec(self._orient(1, self.block_reduced),
@@ -218,8 +252,8 @@ def _forward_kernel(*refs, p: Problem, s: _Schedule):
         offset = None if offset_ref is None else offset_ref[...].astype(dtype)
         y_ref[...] = common.affine(common.normalized(x, mean, rstd, p), scale,
                                    offset).astype(y_ref.dtype)
-        mean_ref[...] = mean.astype(mean_ref.dtype)
-        rstd_ref[...] = rstd.astype(rstd_ref.dtype)
+        s.store_stats(mean_ref, mean)
+        s.store_stats(rstd_ref, rstd)
 
     if s.phases == 1:
         write(*common.mean_and_rstd(moments(), p))
@@ -246,7 +280,7 @@ def forward(x: jax.Array, scale: jax.Array | None, offset: jax.Array | None, p: 
             config: NormalizeConfig | None, interpret: bool):
     """(y, mean, rstd) for the view-shaped `x` of a problem that `check` accepted."""
     s = _Schedule(p, resolve_config(p, config))
-    stats = jax.ShapeDtypeStruct(p.stats_shape, p.stat_dtype)
+    stats = jax.ShapeDtypeStruct(s.kernel_stats_shape(), p.stat_dtype)
     stats_block = s._orient(s.block_groups, 1)
     in_specs = [s.tile_spec()] + [s.param_spec()] * (p.has_scale + p.has_offset)
     scratch = [pltpu.VMEM(stats_block, p.stat_dtype)] * 3 if s.phases == 2 else []
@@ -255,15 +289,17 @@ def forward(x: jax.Array, scale: jax.Array | None, offset: jax.Array | None, p: 
         out_specs=[s.tile_spec(written=True), s.stats_spec(), s.stats_spec()],
         scratch_shapes=scratch)
     args = [a for a in (x, scale, offset) if a is not None]
-    return mosaic_call(
+    y, mean, rstd = mosaic_call(
         functools.partial(_forward_kernel, p=p, s=s),
         out_shape=(jax.ShapeDtypeStruct(p.view_shape, p.dtype), stats, stats),
         grid_spec=grid_spec,
         dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary"),
         interpret=interpret,
-        cost_estimate=common.cost_estimate(common.forward_flops_and_bytes(p), p),
+        flops=common.forward_flops_and_bytes(p)[0],
+        transcendentals=p.outer * p.groups,
         name="normalize_forward_mosaic",
     )(*args)
+    return y, s.from_kernel_stats(mean), s.from_kernel_stats(rstd)
 
 
 def _backward_kernel(*refs, p: Problem, s: _Schedule, stat_cotangents: bool):
@@ -273,7 +309,7 @@ def _backward_kernel(*refs, p: Problem, s: _Schedule, stat_cotangents: bool):
     dscale_ref = rest.pop(0) if p.has_scale else None
     doffset_ref = rest.pop(0) if p.has_offset else None
     dtype = p.stat_dtype
-    mean, rstd = mean_ref[...], rstd_ref[...]
+    mean, rstd = s.load_stats(mean_ref), s.load_stats(rstd_ref)
     valid = s.reduced_valid(x_ref.shape)
     x = _zero_invalid(x_ref[...].astype(dtype), valid)
     g = _zero_invalid(gy_ref[...].astype(dtype), valid)
@@ -284,7 +320,8 @@ def _backward_kernel(*refs, p: Problem, s: _Schedule, stat_cotangents: bool):
         return common.row_sums(gs, xhat, _all_valid(x.shape) if valid is None else valid, p)
 
     def write(total: common.RowSums):
-        gmean, grstd = (None if ref is None else ref[...] for ref in (gmean_ref, grstd_ref))
+        gmean, grstd = (None if ref is None else s.load_stats(ref)
+                        for ref in (gmean_ref, grstd_ref))
         dx = common.input_gradient(gs, xhat, rstd, total, gmean, grstd, p)
         dx_ref[...] = dx.astype(dx_ref.dtype)
         # Groups past the edge hold garbage (their dx writes are dropped); sum without them.
@@ -335,6 +372,7 @@ def backward(x, scale, mean, rstd, gy, gmean, grstd, p: Problem, *,
         num_scalar_prefetch=0, grid=s.grid, in_specs=in_specs,
         out_specs=[s.tile_spec(written=True)] + [s.partial_spec()] * num_params,
         scratch_shapes=[pltpu.VMEM(stats_block, p.stat_dtype)] * 2 if s.phases == 2 else [])
+    mean, rstd, gmean, grstd = map(s.to_kernel_stats, (mean, rstd, gmean, grstd))
     args = [a for a in (x, scale, mean, rstd, gy, gmean, grstd) if a is not None]
     outs = list(mosaic_call(
         functools.partial(_backward_kernel, p=p, s=s, stat_cotangents=stat_cotangents),
@@ -342,8 +380,8 @@ def backward(x, scale, mean, rstd, gy, gmean, grstd, p: Problem, *,
         grid_spec=grid_spec,
         dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary"),
         interpret=interpret,
-        cost_estimate=common.cost_estimate(common.backward_flops_and_bytes(p, num_partials,
-                                                                     stat_cotangents), p),
+        flops=common.backward_flops_and_bytes(p, num_partials, stat_cotangents)[0],
+        transcendentals=p.outer * p.groups,
         name="normalize_backward_mosaic",
     )(*args))
     dx = outs.pop(0)
