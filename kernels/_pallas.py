@@ -234,13 +234,19 @@ def _spec_bytes(spec: pl.BlockSpec, aval: Any, grid: tuple[int, ...],
     steps = math.prod(grid)
     if spec.index_map is None or not steps:
         return copied_bytes(np.zeros((1, len(dims))), dims, aval.shape, aval.dtype.itemsize)
+    axes = [a.astype(np.int32) for a in np.unravel_index(np.arange(steps), grid)]
     try:
         with jax.ensure_compile_time_eval():
-            axes = [jnp.asarray(a, jnp.int32) for a in np.unravel_index(np.arange(steps), grid)]
-            mapped = jax.vmap(spec.index_map,
-                              in_axes=(0,) * len(grid) + (None,) * len(prefetch))
+            # Called on numpy vectors: the usual index map is Python arithmetic, which numpy
+            # evaluates for every step at once (vmap is the general, slower route).
+            try:
+                blocks = spec.index_map(*axes, *prefetch)
+            except Exception:  # noqa: BLE001 - e.g. Python control flow on an index
+                blocks = jax.vmap(spec.index_map,
+                                  in_axes=(0,) * len(grid) + (None,) * len(prefetch))(
+                                      *axes, *prefetch)
             index = np.stack([np.broadcast_to(np.asarray(i), (steps,))
-                              for i in jax.tree.leaves(mapped(*axes, *prefetch))], axis=1)
+                              for i in jax.tree.leaves(blocks)], axis=1)
     except Exception:  # noqa: BLE001 - an estimate must not fail a call: a copy every step
         block = math.prod(min(size, dim) for (size, _), dim in zip(dims, aval.shape))
         return steps * block * aval.dtype.itemsize
