@@ -31,10 +31,8 @@ partial row `partials[b, q, column block]`. Unused pieces store zeros.
 Rows (`scatter_add_triton`): grid = (batch · cdiv(n, block_rows), cdiv(columns,
 block_columns)): program (t, c) owns `block_rows` table rows of batch slice b, column block c.
 For each of its rows it sums the first `length` positions of the row's segment the same way,
-then the row's pieces' partial rows (contiguous, segment_rows at a time), into its row of a
-(block_rows, block_columns) float32 tile, and stores the tile once, cast to the table's dtype
-(one store per program: in interpret mode every store of a 16-bit output costs a pass over
-the whole array on jax 0.10's CPU backend). Rows no index lands on are written as zeros by the
+then the row's pieces' partial rows (contiguous, segment_rows at a time), and stores the
+table-gradient row once, cast to its dtype. Rows no index lands on are written as zeros by the
 program that owns them (block_rows rows per program, not one program per row of a large
 vocabulary). Dropped indices sort past the last row and are never read. No atomics: every
 output element has one writer and a fixed summation order, so every run gives the same bits.
@@ -244,27 +242,22 @@ def _scatter_add_kernel(order_ref, row_starts_ref, row_pieces_ref, g_ref, partia
         return _load_rows(partials_ref, batch, positions, columns,
                           valid[:, None] & column_valid[None, :])
 
-    block_rows = jnp.arange(_BLOCK_ROWS, dtype=jnp.int32)
-
-    def row_gradient(i, tile):
-        # Rows past the table's end have an empty segment (clamped bounds).
+    def row_gradient(i, carry):
+        # Rows past the table's end have an empty segment (clamped bounds) and store nothing.
         row = jnp.minimum(row_block * _BLOCK_ROWS + i, p.n)
         next_row = jnp.minimum(row + 1, p.n)
         start, stop = row_starts_ref[row], row_starts_ref[next_row]
-        acc = jnp.zeros((block_columns,), tile.dtype)
+        acc = jnp.zeros((block_columns,), accumulator_dtype(p.dtype))
         acc = _sum_rows(cotangents, start, jnp.minimum(stop, start + layout.length),
                         rows_per_step, acc)
         if layout.count:
             acc = _sum_rows(piece_partials, row_pieces_ref[row], row_pieces_ref[next_row],
                             rows_per_step, acc)
-        return jnp.where(block_rows[:, None] == i, acc[None, :], tile)
+        triton_store(out_ref.at[batch, row, pl.ds(first_column, block_columns)],
+                     acc.astype(out_ref.dtype), mask=column_valid & (row < p.n))
+        return carry
 
-    tile = lax.fori_loop(jnp.int32(0), jnp.int32(_BLOCK_ROWS), row_gradient,
-                         jnp.zeros((_BLOCK_ROWS, block_columns), accumulator_dtype(p.dtype)))
-    rows = row_block * _BLOCK_ROWS + block_rows
-    triton_store(out_ref.at[batch, pl.ds(row_block * _BLOCK_ROWS, _BLOCK_ROWS),
-                            pl.ds(first_column, block_columns)],
-                 tile.astype(out_ref.dtype), mask=(rows < p.n)[:, None] & column_valid[None, :])
+    lax.fori_loop(jnp.int32(0), jnp.int32(_BLOCK_ROWS), row_gradient, 0)
 
 
 def _pieces_cost(p: Problem, partial_bytes: int) -> pl.CostEstimate:
@@ -302,7 +295,7 @@ def scatter_add(g: jax.Array, plan: ScatterPlan, p: Problem, *, config: GatherCo
         kernel,
         out_shape=jax.ShapeDtypeStruct((p.batch, p.n, p.columns), g.dtype),
         grid=(p.batch * pl.cdiv(p.n, _BLOCK_ROWS), column_blocks),
-        num_warps=8,  # the (block_rows, block_columns) float32 tile spilled at 4
+        num_warps=4,
         num_stages=config.num_stages,
         interpret=interpret,
         cost_estimate=scatter_cost(p, partial_bytes),

@@ -15,8 +15,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels._pallas import pl
-
 
 @dataclasses.dataclass(frozen=True)
 class MatmulConfig:
@@ -112,16 +110,6 @@ def flops_and_bytes(p: Problem) -> tuple[int, int]:
               + math.prod(p.b_batch) * p.k * p.n * jnp.dtype(p.b_dtype).itemsize
               + p.num_batches * p.m * p.n * jnp.dtype(p.out_dtype).itemsize)
     return 2 * p.num_batches * p.m * p.n * p.k, nbytes
-
-
-def cost_estimate(p: Problem, operand_reads: int, partial_bytes: int = 0) -> pl.CostEstimate:
-    """The op's flops, and the bytes the kernel moves: `operand_reads` bytes of A and B as its
-    schedule reads them (a tiled kernel re-reads each operand once per tile of the other dim),
-    the output written once, and `partial_bytes` of float32 partials a split kernel writes
-    (and XLA reads back) instead."""
-    out_bytes = 0 if partial_bytes else p.num_batches * p.m * p.n * jnp.dtype(p.out_dtype).itemsize
-    return pl.CostEstimate(flops=flops_and_bytes(p)[0], transcendentals=0,
-                           bytes_accessed=operand_reads + out_bytes + partial_bytes)
 
 
 def dot(a: jax.Array, b: jax.Array, p: Problem, precision) -> jax.Array:

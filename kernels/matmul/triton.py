@@ -51,8 +51,7 @@ from kernels._blocks import (MIN_PIPELINED_STEPS, Split, check_triton_config, fi
                              require_shared_memory, split_reduction, triton_block,
                              triton_dot_shared_bytes)
 from kernels._pallas import pl, triton_call, triton_load, triton_store
-from kernels.matmul.common import (MatmulConfig, Problem, batch_index, cost_estimate, dot,
-                                   flops_and_bytes)
+from kernels.matmul.common import MatmulConfig, Problem, batch_index, dot, flops_and_bytes
 
 
 def _largest_blocks(p: Problem) -> tuple[int, int]:
@@ -197,11 +196,13 @@ def _matmul_kernel(a_ref, b_ref, out_ref, *, p: Problem, config: MatmulConfig, p
 
 def _cost_estimate(p: Problem, config: MatmulConfig, partial_bytes: int) -> pl.CostEstimate:
     """Each tile program of each output batch streams its (block_m, K) panel of A and (K,
-    block_n) panel of B (the grouped order serves most re-reads from L2), and a split kernel
-    writes float32 partials that XLA reads back."""
+    block_n) panel of B (the grouped order serves most re-reads from L2) and writes its
+    output tile, or, split, `partial_bytes` of float32 partials that XLA reads back."""
     panels = (p.m * p.k * jnp.dtype(p.a_dtype).itemsize * pl.cdiv(p.n, config.block_n)
               + p.k * p.n * jnp.dtype(p.b_dtype).itemsize * pl.cdiv(p.m, config.block_m))
-    return cost_estimate(p, p.num_batches * panels, partial_bytes)
+    written = partial_bytes or p.num_batches * p.m * p.n * jnp.dtype(p.out_dtype).itemsize
+    return pl.CostEstimate(flops=flops_and_bytes(p)[0], transcendentals=0,
+                           bytes_accessed=p.num_batches * panels + written)
 
 
 def matmul(a: jax.Array, b: jax.Array, p: Problem, *, config: MatmulConfig | None, precision,
