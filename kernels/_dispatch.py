@@ -1,25 +1,37 @@
 """Which implementation runs an op, and whether its kernel is interpreted: decided here only.
 
-Each op passes `choose` the checks of its Pallas implementations. A check raises
-`NotImplementedError` with a reason when its kernel cannot take the inputs (a dtype, a shape, an
-option); `choose` then tries the next implementation in the sequence. A single explicit choice
-that declines raises that reason, prefixed with the implementation's name.
+Both are decided for the platform the program is lowered for, not for the devices of the
+process that traces it: a program compiled on a CPU host for GPUs or TPUs (ahead of time, or
+through `jax.export`) gets the kernels, not interpreted ones. `run` makes the choice for each
+platform ("cuda", "rocm", "tpu", and every other platform as "cpu"); where the choices differ it
+stages them with `jax.lax.platform_dependent`, whose lowering keeps only the branch of the
+platform being lowered for. Where they agree (an explicit implementation with an explicit
+`interpret`, say) the op is traced once, with no conditional.
+
+Each op passes the checks of its Pallas implementations. A check raises `NotImplementedError`
+with a reason when its kernel cannot take the inputs (a dtype, a shape, an option); the next
+implementation in the sequence is tried. A single explicit choice that declines raises that
+reason, prefixed with the implementation's name.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import jax
+from jax.extend import core as jax_core
+from jax.interpreters import ad, batching, mlir
 
-from kernels import defaults
+from kernels import _targets, defaults, partition
 
 IMPLEMENTATIONS = ("xla", "triton", "mosaic")
 ENV_VAR = "KERNELS_IMPLEMENTATION"
+# Lowering platforms with a kernel of their own; any other platform is decided as "cpu".
+LOWERING_PLATFORMS = ("cuda", "rocm", "tpu", "cpu")
 
 Implementation = str | Sequence[str] | None
-
 
 
 def _validated(names: Sequence[str], source: str) -> tuple[str, ...]:
@@ -33,14 +45,16 @@ def _validated(names: Sequence[str], source: str) -> tuple[str, ...]:
     return names
 
 
-def implementations(implementation: Implementation, op: str = "") -> tuple[str, ...]:
-    """The sequence of implementations to try for `implementation=` of `op` (see DESIGN.md):
-    `None` is `$KERNELS_IMPLEMENTATION` if set, else the op's entry in `kernels.defaults`."""
+def implementations(implementation: Implementation, op: str = "",
+                    platform: str = "cpu") -> tuple[str, ...]:
+    """The sequence of implementations to try for `implementation=` of `op` in a program
+    lowered for `platform` (see DESIGN.md): `None` is `$KERNELS_IMPLEMENTATION` if set, else
+    the op's entry in `kernels.defaults` for that platform."""
     if implementation is None:
         env = os.environ.get(ENV_VAR, "").strip()
         if env:
             return _validated([n.strip() for n in env.split(",")], f"${ENV_VAR}")
-        return defaults.default(op, jax.default_backend())
+        return defaults.default(op, platform)
     if isinstance(implementation, str):
         return _validated([implementation], "implementation")
     if not isinstance(implementation, Sequence):
@@ -49,18 +63,13 @@ def implementations(implementation: Implementation, op: str = "") -> tuple[str, 
     return _validated(implementation, "implementation")
 
 
-def _platform_present(name: str) -> bool:
-    """Whether a device kernel `name` runs on natively is here (else it is interpreted)."""
-    return any(defaults.KERNEL_OF_PLATFORM.get(defaults.PLATFORMS.get(device.platform)) == name
-               for device in jax.devices())
-
-
-def resolve_interpret(name: str, interpret: bool | None) -> bool:
-    """Whether implementation `name` runs interpreted: by default, exactly off its platform."""
+def resolve_interpret(name: str, interpret: bool | None, platform: str = "cpu") -> bool:
+    """Whether implementation `name` runs interpreted in a program lowered for `platform`: by
+    default, exactly when that is not the kernel's own platform."""
     if name == "xla":
         return False
     if interpret is None:
-        return not _platform_present(name)
+        return defaults.KERNEL_OF_PLATFORM.get(defaults.PLATFORMS.get(platform)) != name
     return interpret
 
 
@@ -69,22 +78,96 @@ def choose(
     implementation: Implementation,
     interpret: bool | None,
     checks: Mapping[str, Callable[[], None]],
+    platform: str = "cpu",
+    operands: Sequence[Any] = (),
 ) -> tuple[str, bool]:
-    """Returns (implementation name, interpret) for one call of `op`.
+    """Returns (implementation name, interpret) for one call of `op` lowered for `platform`.
 
     `checks[name]()` raises `NotImplementedError(reason)` when kernel `name` declines these
-    inputs; "xla" never declines. Raises `NotImplementedError` when nothing accepts the inputs.
+    inputs, as does a kernel that cannot be partitioned over the mesh `operands` live on
+    (`partition.check_partitionable`); "xla" never declines. Raises `NotImplementedError` when
+    nothing accepts the inputs.
     """
     if interpret is not None and not isinstance(interpret, bool):
         raise TypeError(f"{op}: interpret must be None, True or False, got {interpret!r}")
-    names = implementations(implementation, op)
+    names = implementations(implementation, op, platform)
     reasons = []
     for name in names:
+        interpreted = resolve_interpret(name, interpret, platform)
         try:
             if name != "xla":
-                checks[name]()
+                partition.check_partitionable(name, interpreted, operands)
+                with _targets.for_operands(operands):
+                    checks[name]()
         except NotImplementedError as declined:
             reasons.append(f"{name}: {declined}")
             continue
-        return name, resolve_interpret(name, interpret)
+        return name, interpreted
     raise NotImplementedError(f"{op}: " + "; ".join(reasons))
+
+
+def run(
+    op: str,
+    implementation: Implementation,
+    interpret: bool | None,
+    checks: Mapping[str, Callable[[], None]],
+    call: Callable[..., Any],
+    *operands: Any,
+) -> Any:
+    """`call(name, interpret, *operands)` with the implementation `choose` picks for each
+    platform the program may be lowered for (see the module docstring). `operands` is a
+    pytree of arrays (None for an absent one); `call` traces the chosen implementation.
+
+    Where nothing accepts the inputs on some platforms only (an explicit Mosaic kernel on Auto
+    mesh axes: fine interpreted on CPU devices, impossible on TPUs), lowering for those
+    platforms raises the reason (`_declined`), before anything is compiled."""
+    arrays = [x for x in jax.tree.leaves(operands)]
+    choices: dict[str, Any] = {}
+    for platform in LOWERING_PLATFORMS:
+        try:
+            choices[platform] = choose(op, implementation, interpret, checks, platform, arrays)
+        except NotImplementedError as declined:
+            choices[platform] = str(declined)
+    accepted = [c for c in choices.values() if not isinstance(c, str)]
+    if not accepted:
+        raise NotImplementedError(choices["cpu"])
+
+    def branch(choice: tuple[str, bool] | str) -> Callable[..., Any]:
+        def traced(*operands):
+            if isinstance(choice, str):  # declined here: the program must not lower
+                return _declined(choice, call(*accepted[0], *operands))
+            with _targets.for_operands(arrays):
+                return call(*choice, *operands)
+        return traced
+
+    distinct = {choice: branch(choice) for choice in choices.values()}
+    if len(distinct) == 1:
+        return next(iter(distinct.values()))(*operands)
+    *kernel_platforms, other = LOWERING_PLATFORMS
+    return jax.lax.platform_dependent(
+        *operands, default=distinct[choices[other]],
+        **{platform: distinct[choices[platform]] for platform in kernel_platforms})
+
+
+# The identity, except that lowering it raises `NotImplementedError(reason)`: it marks the
+# branch of a platform where the op's inputs were declined.
+_declined_p = jax_core.Primitive("kernels_declined")
+_declined_p.multiple_results = True
+_declined_p.def_impl(lambda *xs, reason: xs)
+_declined_p.def_abstract_eval(lambda *avals, reason: avals)
+ad.primitive_jvps[_declined_p] = lambda primals, tangents, reason: (
+    _declined_p.bind(*primals, reason=reason), list(tangents))
+batching.primitive_batchers[_declined_p] = lambda args, dims, reason: (
+    _declined_p.bind(*args, reason=reason), dims)
+
+
+def _raise_declined(ctx, *args, reason):
+    raise NotImplementedError(reason)
+
+
+mlir.register_lowering(_declined_p, _raise_declined)
+
+
+def _declined(reason: str, out: Any) -> Any:
+    leaves, tree = jax.tree.flatten(out)
+    return jax.tree.unflatten(tree, _declined_p.bind(*leaves, reason=reason))

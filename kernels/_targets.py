@@ -10,7 +10,11 @@ The figures are the vendors' and were checked against the real compilers (`kerne
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import jax
 
@@ -75,11 +79,36 @@ def _by_device_kind(platform: str, device_kind: str) -> Target:
     return DEFAULT[platform]
 
 
+# The abstract device of the mesh an op's operands live on, while the op traces (`for_operands`).
+_OPERAND_DEVICE: contextvars.ContextVar[Any] = contextvars.ContextVar("operand_device",
+                                                                     default=None)
+
+
+@contextlib.contextmanager
+def for_operands(operands: Sequence[Any]) -> Iterator[None]:
+    """Within this scope `current` also sees the device kind of the mesh `operands` are
+    sharded over (a program compiled for a TPU v4 slice from a CPU host sizes its blocks for
+    v4): set by the dispatch from the op's own arguments, for the call it makes."""
+    device = None
+    for x in operands:
+        mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+        device = getattr(mesh, "abstract_device", None)
+        if device is not None:
+            break
+    token = _OPERAND_DEVICE.set(device)
+    try:
+        yield
+    finally:
+        _OPERAND_DEVICE.reset(token)
+
+
 def current(platform: str) -> Target:
-    """The target of `platform` ("gpu" or "tpu") that a call made now would run on."""
-    device = jax.sharding.get_abstract_mesh().abstract_device
-    if device is not None and device.platform in _PLATFORMS[platform]:
-        return _by_device_kind(platform, device.device_kind)
+    """The target of `platform` ("gpu" or "tpu") that a call made now would run on: the
+    abstract device in scope, else the device of the mesh the op's operands live on, else a
+    device of this process, else the platform's default target."""
+    for device in (jax.sharding.get_abstract_mesh().abstract_device, _OPERAND_DEVICE.get()):
+        if device is not None and device.platform in _PLATFORMS[platform]:
+            return _by_device_kind(platform, device.device_kind)
     for device in jax.devices():
         if device.platform in _PLATFORMS[platform]:
             return _by_device_kind(platform, device.device_kind)

@@ -31,8 +31,13 @@ Which of three paths runs depends on what is known while tracing:
   (`match_varying`), so that the gradient of a replicated operand is summed over devices by
   JAX's own transpose rule, as for any jnp op.
 
-On one device, and under `vmap` (custom_partitioning has no batching rule), the kernel runs
-unpartitioned. Interpreted Mosaic kernels on a mesh run in the HLO interpreter
+Which path runs is decided from the program's mesh as tracing sees it (the mesh in scope, or
+the one jit records in its operands' types), never from the devices this process has: a CPU
+host compiling for 8 GPUs has one. On one device, and under `vmap` (custom_partitioning has no
+batching rule), the kernel runs unpartitioned. XLA's TPU compiler cannot partition a
+custom_partitioning call (jax-ml/jax#38196): a compiled Mosaic kernel on Auto axes is declined
+before tracing (`check_partitionable`), so the default falls back to `xla` there, and Explicit
+axes or shard_map run the kernels per shard. Interpreted Mosaic kernels on a mesh run in the HLO interpreter
 (`_pallas.hlo_interpret`): TPU interpret mode's ordered callbacks cannot be partitioned.
 """
 
@@ -51,7 +56,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from kernels import _pallas
 
 __all__ = ["Layout", "Plan", "partitioned", "match_varying", "Reduction", "reduction", "spec",
-           "dims_of", "reshape", "like"]
+           "dims_of", "reshape", "like", "strategy", "check_partitionable"]
 
 Axes = tuple[str, ...]  # the mesh axes one dim is sharded over, major first
 Dims = tuple[Axes, ...]  # per dim of one array
@@ -169,12 +174,16 @@ def _map_outputs(plan: Plan, make: Callable[[Dims], Any]) -> Any:
     return make(plan.out_dims)
 
 
+def _mesh_of(x: Any) -> Any:
+    return getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+
+
 def _explicit_mesh(operands: Sequence[Any]) -> Any:
-    for x in operands:
-        sharding = jax.typeof(x).sharding
-        mesh = getattr(sharding, "mesh", None)
+    """The mesh with Explicit axes some operand lives on, if any (sharded or replicated: its
+    type says how, so shard_map can run the plan)."""
+    for mesh in map(_mesh_of, operands):
         if mesh is not None and not mesh.empty and any(
-                t == AxisType.Explicit for t in mesh.axis_types) and any(sharding.spec):
+                t == AxisType.Explicit for t in mesh.axis_types):
             return mesh
     return None
 
@@ -184,6 +193,43 @@ def _in_manual_context(operands: Sequence[Any]) -> bool:
     if not mesh.empty and any(t == AxisType.Manual for t in mesh.axis_types):
         return True
     return bool(_pallas.varying_axes(*operands))
+
+
+def _program_mesh(operands: Sequence[Any]) -> Any:
+    """The mesh of more than one device that the program runs on, as the mesh in scope or the
+    operands' types show it (jit records its arguments' mesh, devices compile-only or not, in
+    every value it traces), or None for a one-device program. Never the devices this process
+    has: a CPU host compiling for 8 GPUs sees one device."""
+    for mesh in (jax.sharding.get_abstract_mesh(), *map(_mesh_of, operands)):
+        if mesh is not None and not mesh.empty and mesh.size > 1:
+            return mesh
+    return None
+
+
+def strategy(operands: Sequence[Any]) -> tuple[str, Any]:
+    """How a kernel call on `operands` runs: ("manual", None) inside shard_map, ("explicit",
+    mesh) on Explicit axes, ("auto", mesh) on a mesh of Auto axes, ("whole", None) on one
+    device (see the module docstring)."""
+    if _in_manual_context(operands):
+        return "manual", None
+    mesh = _explicit_mesh(operands)
+    if mesh is not None:
+        return "explicit", mesh
+    mesh = _program_mesh(operands)
+    return ("whole", None) if mesh is None else ("auto", mesh)
+
+
+def check_partitionable(implementation: str, interpret: bool, operands: Sequence[Any]) -> None:
+    """Raises `NotImplementedError` where a compiled Mosaic kernel would meet Auto mesh axes:
+    XLA's TPU compiler has no emitter for custom_partitioning (jax-ml/jax#38196), and Mosaic
+    refuses to be lowered unpartitioned into a sharded program. The dispatch then falls back
+    to the next implementation (`xla` by default), or names the way that works."""
+    if implementation != "mosaic" or interpret or strategy(operands)[0] != "auto":
+        return
+    raise NotImplementedError(
+        "Mosaic kernels cannot run on a TPU mesh with Auto axes (XLA's TPU compiler cannot "
+        "partition them: jax-ml/jax#38196); shard the operands over Explicit axes "
+        "(jax.sharding.AxisType.Explicit) or call the op inside jax.shard_map")
 
 
 def partitioned(fn: Callable[..., Any], rule: Rule, factors: Factors) -> Callable[..., Any]:
@@ -256,16 +302,13 @@ def partitioned(fn: Callable[..., Any], rule: Rule, factors: Factors) -> Callabl
         *operands, static = args
         present = tuple(x is not None for x in operands)
         arrays = [x for x in operands if x is not None]
-        # An Explicit mesh may be abstract (lowering for devices this process lacks), so only
-        # the Auto path asks how many devices there are.
-        mesh = _explicit_mesh(arrays)
-        manual = _in_manual_context(arrays)
-        if not manual and mesh is None and jax.device_count() == 1:
+        how, mesh = strategy(arrays)
+        if how == "whole":
             return fn(*operands, static)
         with _pallas.hlo_interpret():
-            if manual:
+            if how == "manual":
                 return fn(*_with_present(present, match_varying(*arrays)), static)
-            if mesh is not None:
+            if how == "explicit":
                 return run_explicit(mesh, present, static, operands)
             return run_auto(present, static, arrays)
 

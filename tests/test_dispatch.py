@@ -21,10 +21,12 @@ def test_default_on_this_cpu_is_xla(monkeypatch):
 
 
 def test_kernels_are_interpreted_off_their_platform():
-    assert _dispatch.resolve_interpret("triton", None) is True
-    assert _dispatch.resolve_interpret("mosaic", None) is True
-    assert _dispatch.resolve_interpret("triton", False) is False
-    assert _dispatch.resolve_interpret("xla", None) is False
+    assert _dispatch.resolve_interpret("triton", None, "cpu") is True
+    assert _dispatch.resolve_interpret("mosaic", None, "cuda") is True
+    assert _dispatch.resolve_interpret("triton", None, "cuda") is False
+    assert _dispatch.resolve_interpret("mosaic", None, "tpu") is False
+    assert _dispatch.resolve_interpret("triton", False, "cpu") is False
+    assert _dispatch.resolve_interpret("xla", None, "cpu") is False
 
 
 
@@ -113,11 +115,10 @@ def test_defaults_come_from_the_table(monkeypatch, backend, expected):
     """Without a bench record showing the kernel ahead, GPUs keep cuBLAS/cuDNN for matmul and
     conv2d; memory-bound ops default to the kernel, then xla."""
     monkeypatch.delenv(_dispatch.ENV_VAR, raising=False)
-    monkeypatch.setattr(jax, "default_backend", lambda: backend)
     for op, names in expected.items():
-        assert _dispatch.implementations(None, op) == names, op
+        assert _dispatch.implementations(None, op, backend) == names, op
     monkeypatch.setenv(_dispatch.ENV_VAR, "triton")  # the environment still forces a kernel
-    assert _dispatch.implementations(None, "matmul") == ("triton",)
+    assert _dispatch.implementations(None, "matmul", backend) == ("triton",)
 
 
 def test_every_default_cites_its_evidence():
@@ -133,6 +134,40 @@ def test_every_default_cites_its_evidence():
 def test_default_call_on_a_gpu_backend_runs_xla_for_matmul(monkeypatch):
     """The public op asks the table with its own name (a kernel declining is not needed)."""
     monkeypatch.delenv(_dispatch.ENV_VAR, raising=False)
-    monkeypatch.setattr(jax, "default_backend", lambda: "cuda")
-    assert _dispatch.choose("matmul", None, None, {"triton": lambda: None}) == ("xla", False)
-    assert _dispatch.choose("layer_norm", None, None, {"triton": lambda: None})[0] == "triton"
+    checks = {"triton": lambda: None}
+    assert _dispatch.choose("matmul", None, None, checks, "cuda") == ("xla", False)
+    assert _dispatch.choose("layer_norm", None, None, checks, "cuda") == ("triton", False)
+    assert _dispatch.choose("layer_norm", None, None, checks, "cpu") == ("xla", False)
+
+
+@pytest.mark.parametrize("platform,marker", [("cuda", "__gpu$xla.gpu.triton"),
+                                             ("tpu", "tpu_custom_call")])
+def test_defaults_are_decided_for_the_lowering_platform(monkeypatch, platform, marker):
+    """A program traced on this CPU and lowered for a GPU or TPU gets that platform's compiled
+    kernel (implementation=None, interpret=None): not XLA, not an interpreted kernel. Lowered
+    for the CPU, the same traced program runs XLA."""
+    from kernels import _pallas, _targets, layer_norm
+
+    monkeypatch.delenv(_dispatch.ENV_VAR, raising=False)
+    x = jnp.ones((64, 256), jnp.bfloat16)
+    target = _targets.DEFAULT["gpu" if platform == "cuda" else "tpu"]
+    text = _pallas.lower(lambda x: jax.grad(lambda x: layer_norm(x).astype(jnp.float32).sum())(x),
+                         x, target=target).as_text()
+    assert text.count(marker) == 2, text.count(marker)  # forward and backward kernels
+    assert "stablehlo.while" not in text  # no interpreted kernel
+    on_cpu = jax.jit(layer_norm).lower(x).as_text()
+    assert "__gpu$xla.gpu.triton" not in on_cpu and "tpu_custom_call" not in on_cpu
+    assert "stablehlo.while" not in on_cpu
+
+
+def test_explicit_kernel_is_compiled_for_its_platform_and_interpreted_elsewhere():
+    """interpret=None: the Triton kernel is a kernel call when lowered for cuda and the
+    interpreter's loop when lowered for this CPU, from one traced function."""
+    from kernels import _pallas, _targets, layer_norm
+
+    x = jnp.ones((64, 256), jnp.float32)
+    fn = lambda x: layer_norm(x, implementation="triton")  # noqa: E731
+    cuda = _pallas.lower(fn, x, target=_targets.DEFAULT["gpu"]).as_text()
+    assert "__gpu$xla.gpu.triton" in cuda and "stablehlo.while" not in cuda
+    cpu = jax.jit(fn).lower(x).as_text()
+    assert "__gpu$xla.gpu.triton" not in cpu and "stablehlo.while" in cpu

@@ -270,19 +270,22 @@ def conv2d(
     if isinstance(precision, list):
         precision = tuple(precision)
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(x, w))
-    if data_format == "NCHW":
-        x_nhwc, w_hwio = x.transpose(0, 2, 3, 1), w.transpose(2, 3, 1, 0)
-    else:
-        x_nhwc, w_hwio = x, w
-    problem = make_problem(x_nhwc.shape, w_hwio.shape, x.dtype, w.dtype, geometry, out_dtype)
-    name, interpret = _dispatch.choose(
-        "conv2d", implementation, interpret,
-        {kernel: functools.partial(_check, kernel, problem, config) for kernel in _KERNELS})
-    if name == "xla":
-        return reference_conv2d(
-            x, w, stride=stride, padding=padding, dilation=dilation,
-            feature_group_count=feature_group_count, data_format=data_format,
-            precision=precision, preferred_element_type=preferred_element_type)
-    static = _Static(name, interpret, config, precision, geometry, out_dtype)
-    out = _jitted_conv(*partition.match_varying(x_nhwc, w_hwio), static)
-    return out.transpose(0, 3, 1, 2) if data_format == "NCHW" else out
+    nhwc = (0, 2, 3, 1) if data_format == "NCHW" else (0, 1, 2, 3)
+    hwio = (2, 3, 1, 0) if data_format == "NCHW" else (0, 1, 2, 3)
+    problem = make_problem(tuple(x.shape[d] for d in nhwc), tuple(w.shape[d] for d in hwio),
+                           x.dtype, w.dtype, geometry, out_dtype)
+    checks = {kernel: functools.partial(_check, kernel, problem, config) for kernel in _KERNELS}
+
+    def call(name, interpret, x, w):
+        if name == "xla":
+            return reference_conv2d(
+                x, w, stride=stride, padding=padding, dilation=dilation,
+                feature_group_count=feature_group_count, data_format=data_format,
+                precision=precision, preferred_element_type=preferred_element_type)
+        if data_format == "NCHW":
+            x, w = x.transpose(0, 2, 3, 1), w.transpose(2, 3, 1, 0)
+        static = _Static(name, interpret, config, precision, geometry, out_dtype)
+        out = _jitted_conv(*partition.match_varying(x, w), static)
+        return out.transpose(0, 3, 1, 2) if data_format == "NCHW" else out
+
+    return _dispatch.run("conv2d", implementation, interpret, checks, call, x, w)

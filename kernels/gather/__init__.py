@@ -149,22 +149,28 @@ def gather(
         # Converted to the table's dtype first, as JAX does (2 -> True for a bool table).
         fill = fill_bits(fill_scalar(fill_bits(value, x.dtype), x.dtype), kernel_dtype)
     problem = Problem(batch, n, columns, indices.size, kernel_dtype, FORWARD_MODE[mode], fill)
-    name, interpret = _dispatch.choose(
-        "gather", implementation, interpret,
-        {kernel: functools.partial(_check, module, problem, config, x.dtype)
-         for kernel, module in _KERNELS.items()})
-    if name == "xla":
-        return reference_gather(x, indices, axis=axis, mode=mode, fill_value=fill_value)
-    if math.prod(out_shape) == 0:
-        return jnp.zeros(out_shape, x.dtype)
-    flat_indices = jnp.asarray(bounded_indices(indices, n, mode)).reshape(-1)
-    table_dims = partition.dims_of(x)
-    static = _Static(name, interpret, config, problem, SCATTER_MODE[mode], table_dims[axis])
-    table = x.astype(kernel_dtype).reshape(batch, n, columns)
-    out = _jitted_gather(*partition.match_varying(table, flat_indices), static)
-    # The output keeps the indices' sharding and the table's on its other dims.
-    out_dims = (*table_dims[:axis], *partition.dims_of(indices), *table_dims[axis + 1:])
-    return partition.reshape(out.astype(x.dtype), out_shape, out_dims)
+    checks = {kernel: functools.partial(_check, module, problem, config, x.dtype)
+              for kernel, module in _KERNELS.items()}
+
+    def call(name, interpret, x, *traced_indices):
+        indices = traced_indices[0] if traced_indices else host
+        if name == "xla":
+            return reference_gather(x, indices, axis=axis, mode=mode, fill_value=fill_value)
+        if math.prod(out_shape) == 0:
+            return jnp.zeros(out_shape, x.dtype)
+        flat_indices = jnp.asarray(bounded_indices(indices, n, mode)).reshape(-1)
+        table_dims = partition.dims_of(x)
+        static = _Static(name, interpret, config, problem, SCATTER_MODE[mode], table_dims[axis])
+        table = x.astype(kernel_dtype).reshape(batch, n, columns)
+        out = _jitted_gather(*partition.match_varying(table, flat_indices), static)
+        # The output keeps the indices' sharding and the table's on its other dims.
+        out_dims = (*table_dims[:axis], *partition.dims_of(indices), *table_dims[axis + 1:])
+        return partition.reshape(out.astype(x.dtype), out_shape, out_dims)
+
+    # Host indices stay NumPy constants: as operands they would be narrowed to 32 bits.
+    host = None if isinstance(indices, jax.Array) else indices
+    operands = (x,) if host is not None else (x, indices)
+    return _dispatch.run("gather", implementation, interpret, checks, call, *operands)
 
 
 def _check(module, problem: Problem, config: GatherConfig | None, dtype: Any) -> None:

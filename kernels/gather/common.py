@@ -83,11 +83,19 @@ class Problem(NamedTuple):
 
 
 def fill_bits(fill_value: Any, dtype: Any) -> bytes:
-    """`fill_value` converted to `dtype` exactly as JAX's gather converts it, as raw bytes, so
-    that a NaN fill still compares equal and the static arguments hash consistently."""
-    with jax.ensure_compile_time_eval():
-        value = np.asarray(jax.lax.full((), fill_value, dtype))
-    return value.tobytes()
+    """`fill_value` converted to `dtype` as JAX's gather converts it (XLA's conversion: integers
+    wrap, floats truncate toward zero and saturate into an integer dtype, NaN becomes 0), as
+    raw bytes, so that a NaN fill still compares equal and the static arguments hash
+    consistently. Computed with NumPy: tracing an op executes nothing."""
+    dtype = np.dtype(dtype)
+    value = np.asarray(fill_value)
+    if value.dtype.kind in "fc" and dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        value = np.clip(np.nan_to_num(np.trunc(value.real), nan=0.0, posinf=info.max,
+                                      neginf=info.min), info.min, info.max)
+    elif value.dtype.kind == "c" and dtype.kind != "c":
+        value = value.real
+    return value.astype(dtype).tobytes()
 
 
 def fill_scalar(fill: bytes, dtype: Any) -> np.generic:

@@ -160,14 +160,17 @@ def matmul(
     if isinstance(precision, list):
         precision = tuple(precision)
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(a, b))
-    a2, b2, out_shape = _as_batched_matrices(a, b)
+    a2, b2, _ = _as_batched_matrices(a, b)
     problem = make_problem(a2, b2, False, False, out_dtype)
-    name, interpret = _dispatch.choose(
-        "matmul", implementation, interpret,
-        {kernel: functools.partial(module.check, problem, config)
-         for kernel, module in _KERNELS.items()})
-    if name == "xla":
-        return reference.matmul(a, b, precision=precision,
-                                preferred_element_type=preferred_element_type)
-    static = _Static(name, interpret, config, precision, False, False, out_dtype)
-    return _jitted_product(*partition.match_varying(a2, b2), static).reshape(out_shape)
+    checks = {kernel: functools.partial(module.check, problem, config)
+              for kernel, module in _KERNELS.items()}
+
+    def call(name, interpret, a, b):
+        if name == "xla":
+            return reference.matmul(a, b, precision=precision,
+                                    preferred_element_type=preferred_element_type)
+        a2, b2, out_shape = _as_batched_matrices(a, b)
+        static = _Static(name, interpret, config, precision, False, False, out_dtype)
+        return _jitted_product(*partition.match_varying(a2, b2), static).reshape(out_shape)
+
+    return _dispatch.run("matmul", implementation, interpret, checks, call, a, b)

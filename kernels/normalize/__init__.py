@@ -132,24 +132,25 @@ def _normalize(x, scale, offset, axis, epsilon, subtract_mean, implementation, i
     perm, (outer, groups, reduced, rows) = common.plan(x.shape, axes)
     problem = Problem(outer, groups, reduced, rows, jnp.dtype(x.dtype), bool(subtract_mean),
                       epsilon, scale is not None, offset is not None)
-    name, interpret = _dispatch.choose(
-        op, implementation, interpret,
-        {kernel: functools.partial(module.check, problem, config)
-         for kernel, module in _KERNELS.items()})
-    if name == "xla" or x.size == 0:
-        # Size zero: an empty result of the right shape, nothing for a kernel to do.
-        return reference_normalize(x, scale, offset, axis=axis, epsilon=epsilon,
-                                   subtract_mean=bool(subtract_mean))
-    # The only copy: normalized axes that are not contiguous are moved last (see common.plan).
-    moved = x if perm is None else jnp.transpose(x, perm)
-    stat_dtype = problem.stat_dtype
-    params = [None if v is None else v.astype(stat_dtype).reshape(problem.param_shape)
-              for v in (scale, offset)]
-    static = _Static(name, interpret, config, problem)
-    view, *params = partition.match_varying(moved.reshape(problem.view_shape), *params)
-    y, _, _ = _jitted_forward(view, *params, static)
-    y = y.reshape(moved.shape)
-    return y if perm is None else jnp.transpose(y, np.argsort(perm))
+    checks = {kernel: functools.partial(module.check, problem, config)
+              for kernel, module in _KERNELS.items()}
+
+    def call(name, interpret, x, scale, offset):
+        if name == "xla" or x.size == 0:
+            # Size zero: an empty result of the right shape, nothing for a kernel to do.
+            return reference_normalize(x, scale, offset, axis=axis, epsilon=epsilon,
+                                       subtract_mean=bool(subtract_mean))
+        # The only copy: normalized axes that are not contiguous are moved last (common.plan).
+        moved = x if perm is None else jnp.transpose(x, perm)
+        params = [None if v is None else v.astype(problem.stat_dtype).reshape(problem.param_shape)
+                  for v in (scale, offset)]
+        static = _Static(name, interpret, config, problem)
+        view, *params = partition.match_varying(moved.reshape(problem.view_shape), *params)
+        y, _, _ = _jitted_forward(view, *params, static)
+        y = y.reshape(moved.shape)
+        return y if perm is None else jnp.transpose(y, np.argsort(perm))
+
+    return _dispatch.run(op, implementation, interpret, checks, call, x, scale, offset)
 
 
 def normalize(
