@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+from jax._src.core import ShardingTypeError as _ShardingTypeError  # not public in jax 0.10-0.12
 from jax.extend import core as jax_core
 from jax.interpreters import ad, batching, mlir
 
@@ -63,13 +64,21 @@ def implementations(implementation: Implementation, op: str = "",
     return _validated(implementation, "implementation")
 
 
-def resolve_interpret(name: str, interpret: bool | None, platform: str = "cpu") -> bool:
+def resolve_interpret(name: str, interpret: bool | None, platform: str = "cpu",
+                      operands: Sequence[Any] = ()) -> bool:
     """Whether implementation `name` runs interpreted in a program lowered for `platform`: by
-    default, exactly when that is not the kernel's own platform."""
+    default, exactly when that is not the kernel's own platform.
+
+    An interpreted Mosaic kernel runs in TPU interpret mode, whose ordered host callbacks
+    cannot sit in a `platform_dependent` branch that lowering for a TPU prunes (jax's cond
+    lowering then expects their tokens). So where the program shows it is built for TPUs
+    (`_targets.program_platform`: the abstract device in scope or the operands' mesh), the
+    Mosaic kernel is compiled in every branch."""
     if name == "xla":
         return False
     if interpret is None:
-        return defaults.KERNEL_OF_PLATFORM.get(defaults.PLATFORMS.get(platform)) != name
+        native = defaults.KERNEL_OF_PLATFORM.get(defaults.PLATFORMS.get(platform)) == name
+        return not (native or name == "mosaic" and _targets.program_platform(operands) == "tpu")
     return interpret
 
 
@@ -93,7 +102,7 @@ def choose(
     names = implementations(implementation, op, platform)
     reasons = []
     for name in names:
-        interpreted = resolve_interpret(name, interpret, platform)
+        interpreted = resolve_interpret(name, interpret, platform, operands)
         try:
             if name != "xla":
                 partition.check_partitionable(name, interpreted, operands)
@@ -119,8 +128,9 @@ def run(
     pytree of arrays (None for an absent one); `call` traces the chosen implementation.
 
     Where nothing accepts the inputs on some platforms only (an explicit Mosaic kernel on Auto
-    mesh axes: fine interpreted on CPU devices, impossible on TPUs), lowering for those
-    platforms raises the reason (`_declined`), before anything is compiled."""
+    mesh axes: fine interpreted on CPU devices, impossible on TPUs), or where a platform's
+    choice cannot be traced with these shardings, lowering for those platforms raises the
+    reason (`_declined`), before anything is compiled."""
     arrays = [x for x in jax.tree.leaves(operands)]
     choices: dict[str, Any] = {}
     for platform in LOWERING_PLATFORMS:
@@ -128,17 +138,31 @@ def run(
             choices[platform] = choose(op, implementation, interpret, checks, platform, arrays)
         except NotImplementedError as declined:
             choices[platform] = str(declined)
-    accepted = [c for c in choices.values() if not isinstance(c, str)]
+    accepted = list(dict.fromkeys(c for c in choices.values() if not isinstance(c, str)))
     if not accepted:
         raise NotImplementedError(choices["cpu"])
 
+    def traced(choice: tuple[str, bool], operands: tuple[Any, ...]) -> Any:
+        with _targets.for_operands(arrays):
+            return call(*choice, *operands)
+
     def branch(choice: tuple[str, bool] | str) -> Callable[..., Any]:
-        def traced(*operands):
-            if isinstance(choice, str):  # declined here: the program must not lower
-                return _declined(choice, call(*accepted[0], *operands))
-            with _targets.for_operands(arrays):
-                return call(*choice, *operands)
-        return traced
+        def run_branch(*operands):
+            if not isinstance(choice, str):
+                try:
+                    return traced(choice, operands)
+                except _ShardingTypeError as error:
+                    # Every branch is traced, whatever the program is lowered for: JAX's own op
+                    # (the `xla` branch) may not type a sharding that the kernel's rule takes
+                    # (Explicit axes). Lowering for this branch's platforms raises it instead.
+                    if len(accepted) == 1:
+                        raise
+                    reason = f"{op}: {choice[0]}: {error}"
+            else:
+                reason = choice
+            other = next(c for c in accepted if c != choice)
+            return _declined(reason, traced(other, operands))
+        return run_branch
 
     distinct = {choice: branch(choice) for choice in choices.values()}
     if len(distinct) == 1:

@@ -41,6 +41,12 @@ class Target:
     topology: tuple[tuple[str, str], ...] = ()  # keyword arguments of get_topology_desc
     num_cores: int | None = None
     num_sms: int | None = None  # GPU streaming multiprocessors: programs run one wave at a time
+    # GPU only, for XLA's compile-only devices (`gpu_target_config`): the vendor's figures.
+    fpus_per_sm: int | None = None
+    memory_bandwidth: int | None = None  # bytes/s
+    l2_cache: int | None = None
+    clock_ghz: float | None = None
+    device_memory: int | None = None
 
     @property
     def min_programs(self) -> int:
@@ -57,9 +63,13 @@ class Target:
 
 TARGETS = {
     "sm_90": Target("sm_90", "gpu", "NVIDIA H100 80GB HBM3", compute_capability=90,
-                    shared_memory=232_448, num_sms=132),
+                    shared_memory=232_448, num_sms=132, fpus_per_sm=128,
+                    memory_bandwidth=3_352_320_000_000, l2_cache=50 * MIB, clock_ghz=1.98,
+                    device_memory=80 * 1024 * MIB),
     "sm_80": Target("sm_80", "gpu", "NVIDIA A100-SXM4-80GB", compute_capability=80,
-                    shared_memory=166_912, num_sms=108),
+                    shared_memory=166_912, num_sms=108, fpus_per_sm=64,
+                    memory_bandwidth=2_039_040_000_000, l2_cache=40 * MIB, clock_ghz=1.41,
+                    device_memory=80 * 1024 * MIB),
     "v5e": Target("v5e", "tpu", "TPU v5 lite", vmem=128 * MIB, scoped_vmem=16 * MIB,
                   topology=(("topology_name", "v5e:1x1"),), num_cores=1),
     "v6e": Target("v6e", "tpu", "TPU v6 lite", vmem=128 * MIB, scoped_vmem=32 * MIB,
@@ -84,18 +94,31 @@ _OPERAND_DEVICE: contextvars.ContextVar[Any] = contextvars.ContextVar("operand_d
                                                                      default=None)
 
 
+def _operand_device(operands: Sequence[Any]) -> Any:
+    for x in operands:
+        mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+        device = getattr(mesh, "abstract_device", None)
+        if device is not None:
+            return device
+    return None
+
+
+def program_platform(operands: Sequence[Any]) -> str:
+    """The platform a program is being built for, as far as tracing can tell: the abstract
+    device in scope, else the device of the mesh `operands` live on, else this process's
+    default backend (a hint: the dispatch decides per lowering platform where it can)."""
+    for device in (jax.sharding.get_abstract_mesh().abstract_device, _operand_device(operands)):
+        if device is not None:
+            return device.platform
+    return jax.default_backend()
+
+
 @contextlib.contextmanager
 def for_operands(operands: Sequence[Any]) -> Iterator[None]:
     """Within this scope `current` also sees the device kind of the mesh `operands` are
     sharded over (a program compiled for a TPU v4 slice from a CPU host sizes its blocks for
     v4): set by the dispatch from the op's own arguments, for the call it makes."""
-    device = None
-    for x in operands:
-        mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
-        device = getattr(mesh, "abstract_device", None)
-        if device is not None:
-            break
-    token = _OPERAND_DEVICE.set(device)
+    token = _OPERAND_DEVICE.set(_operand_device(operands))
     try:
         yield
     finally:
@@ -118,3 +141,25 @@ def current(platform: str) -> Target:
 def abstract_device(target: Target) -> jax.sharding.AbstractDevice:
     return jax.sharding.AbstractDevice(device_kind=target.device_kind,
                                        num_cores=target.num_cores, platform=target.platform)
+
+
+def gpu_target_config(target: Target) -> str:
+    """`target` as XLA's `GpuTargetConfigProto` text: what its compile-only GPU topologies
+    (`jax.experimental.topologies.get_topology_desc(platform="cuda", target_config=...)`) need to
+    compile for a GPU this machine does not have. Only fields both supported jax versions know."""
+    major, minor = divmod(target.compute_capability, 10)
+    info = {
+        "threads_per_block_limit": 1024, "threads_per_warp": 32,
+        "shared_memory_per_block": 49152, "shared_memory_per_core": target.shared_memory + 1024,
+        "threads_per_core_limit": 2048, "core_count": target.num_sms,
+        "fpus_per_core": target.fpus_per_sm, "block_dim_limit_x": 2**31 - 1,
+        "block_dim_limit_y": 65535, "block_dim_limit_z": 65535,
+        "memory_bandwidth": target.memory_bandwidth, "l2_cache_size": target.l2_cache,
+        "clock_rate_ghz": target.clock_ghz, "device_memory_size": target.device_memory,
+        "shared_memory_per_block_optin": target.shared_memory,
+        "registers_per_core_limit": 65536, "registers_per_block_limit": 65536,
+    }
+    fields = "\n".join(f"  {key}: {value}" for key, value in info.items())
+    return (f"gpu_device_info {{\n{fields}\n  cuda_compute_capability {{ major: {major} "
+            f"minor: {minor} }}\n}}\nplatform_name: \"CUDA\"\n"
+            f"device_description_str: \"{target.device_kind}\"\n")

@@ -20,6 +20,12 @@ Both need the `test` extra (`triton`, and `jax[tpu]` for libtpu).
 
     python -m kernels.compile                       # every op, forward and backward, 5 targets
     python -m kernels.compile --ops gather --targets v5e,v4 --json report.json
+    python -m kernels.compile --programs --devices 4 --mesh auto   # whole programs (kernels.programs)
+
+With `--programs` it compiles whole jitted programs instead (`kernels.programs`: each op's
+forward and gradient on one device or sharded over a mesh of compile-only devices, as XLA's GPU
+compiler and libtpu build them) and reports per program: compiled or the compiler's first error
+line, kernel calls, collectives. That also needs `jax[cuda12-local]` (XLA's GPU compiler).
 """
 
 from __future__ import annotations
@@ -515,6 +521,30 @@ def _row(case: Case, r: KernelReport) -> dict[str, Any]:
             "resources": resources(r), "seconds": round(r.seconds, 2), "error": r.error}
 
 
+def _programs_main(args: argparse.Namespace, targets: list[str]) -> int:
+    from kernels import programs
+
+    implementations = [None if i == "default" else i for i in args.implementations.split(",")]
+    rows, failures = [], 0
+    for target in targets:
+        for r in programs.compile_ops(target, args.devices, args.mesh.split(","),
+                                      implementations):
+            row = dataclasses.asdict(r)
+            failures += not r.compiled
+            rows.append(row)
+            collectives = ", ".join(f"{n} {c}" for n, c in r.collectives if c) or "none"
+            print(f"{'ok' if r.compiled else 'FAIL':4}  {target:5}  {r.devices} device(s) "
+                  f"{r.mesh:8}  {r.implementation:6}  {r.program:18}  kernel calls "
+                  f"{r.kernel_calls:2}  collectives: {collectives}  {r.seconds:.1f}s"
+                  + (f"\n      {r.error}" if r.error else ""), flush=True)
+    print(f"{len(rows)} programs, {failures} did not compile (compiled on this machine for "
+          "compile-only devices; nothing here ran on a device)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 1 if failures else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kernels.compile", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -523,12 +553,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="also write every report to PATH")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
                         help="seconds per kernel compile")
+    parser.add_argument("--programs", action="store_true",
+                        help="compile whole programs (kernels.programs) instead of kernels")
+    parser.add_argument("--devices", type=int, default=4, choices=(1, 4, 8),
+                        help="--programs: devices of the mesh")
+    parser.add_argument("--mesh", default="one,auto,explicit",
+                        help="--programs: comma-separated mesh kinds (one, auto, explicit)")
+    parser.add_argument("--implementations", default="default,kernel",
+                        help="--programs: comma-separated: default, kernel, xla, triton, mosaic")
     args = parser.parse_args(argv)
     ops, targets = args.ops.split(","), args.targets.split(",")
     for name, chosen, known in (("ops", ops, CASES), ("targets", targets, TARGETS)):
         unknown = [x for x in chosen if x not in known]
         if unknown:
             parser.error(f"unknown {name} {unknown}; choose from {list(known)}")
+    if args.programs:
+        return _programs_main(args, targets)
     rows, failures = [], 0
     for op in ops:
         for case in CASES[op]:

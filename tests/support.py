@@ -44,6 +44,16 @@ def assert_close(actual: jax.Array, expected: Any, dtype: Any, reduction_length:
                                 **tolerance(dtype, reduction_length))
 
 
+def weighted_sum(y: jax.Array) -> jax.Array:
+    """A scalar loss that weighs every element of `y` differently and is linear in `y`: its
+    gradient with respect to `y` is the weights exactly, in any dtype (multiples of 1/8 in
+    [-1, 1]), so a gradient compared with float64 truth carries only the backward's own
+    rounding. A nonlinear loss such as sum(sin(y)) would also carry the forward's rounding of y
+    into every cotangent, which the tolerance rule does not count."""
+    weights = np.random.default_rng(1234).integers(-8, 9, size=y.shape) / 8
+    return jnp.sum(y * jnp.asarray(weights, y.dtype))
+
+
 @contextlib.contextmanager
 def x64() -> Iterator[None]:
     """64-bit types enabled for the block (float64 inputs, int64 indices)."""

@@ -176,9 +176,13 @@ def _interleave(outputs: list[jax.Array], lhs_dilation, out_hw) -> jax.Array:
     padded = [jnp.pad(o, ((0, 0), (0, rows - o.shape[1]), (0, cols - o.shape[2]), (0, 0)))
               for o in outputs]
     n, c = padded[0].shape[0], padded[0].shape[3]
-    grid = jnp.stack(padded).reshape(*lhs_dilation, n, rows, cols, c)
-    dx = grid.transpose(2, 3, 0, 4, 1, 5).reshape(n, rows * lhs_dilation[0],
-                                                  cols * lhs_dilation[1], c)
+    # On Explicit mesh axes JAX cannot infer these reshapes' shardings: the batch keeps its own.
+    batch = partition.dims_of(padded[0])[0]
+    grid = partition.reshape(jnp.stack(padded), (*lhs_dilation, n, rows, cols, c),
+                             ((), (), batch, (), (), ()))
+    dx = partition.reshape(grid.transpose(2, 3, 0, 4, 1, 5),
+                           (n, rows * lhs_dilation[0], cols * lhs_dilation[1], c),
+                           (batch, (), (), ()))
     return dx[:, :out_hw[0], :out_hw[1]]
 
 

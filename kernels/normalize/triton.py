@@ -52,7 +52,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from kernels import _targets
@@ -275,11 +274,14 @@ def _split_shape(p: Problem, s: Schedule) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, p.stat_dtype)
 
 
-def _split_counts(p: Problem, config: NormalizeConfig, s: Schedule) -> np.ndarray:
-    """Elements in each split, shaped to broadcast against `_split_shape`."""
+def _split_counts(p: Problem, config: NormalizeConfig, s: Schedule) -> jax.Array:
+    """Elements in each split, shaped to broadcast against `_split_shape`. Computed by XLA
+    (an iota), not a NumPy constant: custom_partitioning cannot trace a function that
+    captures array constants."""
     split_size = s.per_split * config.block_reduced
-    counts = np.clip(p.reduced - np.arange(s.splits) * split_size, 0, split_size)
-    return counts.reshape((1, 1, -1) if p.rows else (1, -1, 1))
+    counts = jnp.clip(p.reduced - jnp.arange(s.splits, dtype=jnp.int32) * split_size, 0,
+                      split_size)
+    return counts.reshape((1, 1, -1) if p.rows else (1, -1, 1)).astype(p.stat_dtype)
 
 
 def _call(kernel, p: Problem, config: NormalizeConfig, grid, out_shape, flops_and_bytes, name,
@@ -313,7 +315,7 @@ def forward(x: jax.Array, scale: jax.Array | None, offset: jax.Array | None, p: 
     means, m2s = _call(functools.partial(_moments_kernel, p=p, config=config, s=s), p, config,
                        (p.outer, s.num_blocks, s.splits), (_split_shape(p, s),) * 2,
                        _reads(p, 1, 4, s), "normalize_moments_triton", interpret)(x)
-    counts = jnp.asarray(_split_counts(p, config, s), p.stat_dtype)
+    counts = _split_counts(p, config, s)
     mean, rstd = common.mean_and_rstd(common.merge_split_moments(means, m2s, counts, p), p)
     y = _call(functools.partial(_normalize_kernel, p=p, config=config), p, config,
               (p.outer, s.num_blocks, s.num_chunks), y, cost, "normalize_forward_triton",

@@ -1,0 +1,268 @@
+"""Whole programs compiled as users run them, for GPUs and multi-chip TPUs, on any machine.
+
+`kernels.compile` compiles each kernel alone. Users run jitted programs, often sharded over many
+devices and compiled on one machine for another; those fail where single kernels do not (a
+partitioner that cannot take a kernel, a reshape of a sharded array, a decision made for the
+host). This module compiles whole programs with the real compilers and compile-only devices:
+
+- GPU: XLA's own GPU compiler (the `jax-cuda12-plugin`, no CUDA driver or GPU needed) for a
+  topology of H100s or A100s described by `_targets.gpu_target_config`; the Triton kernels are
+  compiled by XLA's bundled Triton and ptxas.
+- TPU: libtpu, ahead of time, for a multi-chip topology (v5e 2x2, v6e 2x2, v4 2x2x1).
+
+A program is traced the way a user traces it: `jax.jit` of the function over arguments sharded
+on a `Mesh` of the compile-only devices, with Auto axes (the pjit style) or Explicit axes
+(`jax.set_mesh`), or on one device. The report counts, in the compiled program, the kernel calls
+(Triton or Mosaic custom calls: compiled kernels, not interpreted ones, which would be loops of
+XLA fusions) and the collectives.
+
+    python -m kernels.compile --programs --devices 4 --mesh auto   # every op, 5 targets
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+# Compile-only GPUs on a machine without a driver; libtpu without a TPU (see kernels.compile).
+os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import AxisType, Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import kernels  # noqa: E402
+from kernels import _dispatch, _targets, defaults  # noqa: E402
+from kernels._pallas import MOSAIC_CALL_MARKER, TRITON_CALL_MARKER  # noqa: E402
+
+__all__ = ["ProgramReport", "Program", "PROGRAMS", "MESHES", "devices", "compile_program",
+           "expects_kernels"]
+
+MESHES = ("one", "auto", "explicit")
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+# Multi-chip TPU topologies by chip count (libtpu's names and per-host bounds).
+_TPU_TOPOLOGIES = {
+    ("v5e", 1): ("v5e:1x1", (1, 1, 1)), ("v5e", 4): ("v5e:2x2", (2, 2, 1)),
+    ("v5e", 8): ("v5e:2x4", (2, 4, 1)),
+    ("v6e", 1): ("v6e:1x1", (1, 1, 1)), ("v6e", 4): ("v6e:2x2", (2, 2, 1)),
+    ("v6e", 8): ("v6e:2x4", (2, 4, 1)),
+    ("v4", 1): ("v4:1x1x1", (1, 1, 1)), ("v4", 4): ("v4:2x2x1", (2, 2, 1)),
+    ("v4", 8): ("v4:2x2x2", (2, 2, 2)),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramReport:
+    """One whole program compiled for one target: compiled or the compiler's first error line,
+    and what the compiled program holds."""
+
+    program: str
+    target: str
+    devices: int
+    mesh: str
+    implementation: str
+    compiled: bool
+    error: str = ""
+    kernel_calls: int = 0
+    collectives: tuple[tuple[str, int], ...] = ()
+    seconds: float = 0.0
+
+    def collective(self, name: str) -> int:
+        return dict(self.collectives).get(name, 0)
+
+
+@functools.cache
+def devices(target_name: str, count: int) -> tuple[Any, ...]:
+    """`count` compile-only devices of `target_name` (a key of `_targets.TARGETS`)."""
+    from jax.experimental import topologies
+
+    target = _targets.TARGETS[target_name]
+    if target.platform == "gpu":
+        _ptxas_on_path()
+        topology = topologies.get_topology_desc(
+            platform="cuda", topology=f"1x1x{count}",
+            target_config=_targets.gpu_target_config(target))
+    else:
+        name, per_host = _TPU_TOPOLOGIES[(target_name, count)]
+        extra = {k: v for k, v in target.topology if k != "topology_name"}
+        topology = topologies.get_topology_desc(platform="tpu", topology_name=name,
+                                                chips_per_host_bounds=per_host, **extra)
+    return tuple(topology.devices)
+
+
+def _ptxas_on_path() -> None:
+    """XLA turns PTX into cubins with ptxas; without a CUDA toolkit, PyPI's triton ships one."""
+    if shutil.which("ptxas"):
+        return
+    with contextlib.suppress(ImportError):
+        import triton
+
+        bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"[:300]
+
+
+def mesh_for(target_name: str, count: int, kind: str, shape: Sequence[int] | None = None,
+             names: Sequence[str] = ("data", "model")) -> Mesh:
+    """A mesh of `count` compile-only devices: ("data", "model") of shape `shape` (default
+    (2, count // 2)), Auto or Explicit axes; one device for kind "one"."""
+    devs = devices(target_name, count)
+    if kind == "one":
+        return Mesh(np.array(devs[:1]).reshape(1, 1), tuple(names))
+    shape = tuple(shape or (2, count // 2))
+    axis_type = AxisType.Explicit if kind == "explicit" else AxisType.Auto
+    return Mesh(np.array(devs).reshape(shape), tuple(names), axis_types=(axis_type,) * len(shape))
+
+
+def compile_program(name: str, fn: Callable[..., Any], args: Sequence[Any], mesh: Mesh,
+                    *, target: str, mesh_kind: str, implementation: str) -> ProgramReport:
+    """`jax.jit(fn)` compiled for the devices of `mesh` over `args` (ShapeDtypeStructs sharded
+    on it), traced as a user traces it (Explicit meshes are set in scope)."""
+    platform = _targets.TARGETS[target].platform
+    start = time.perf_counter()
+    report = functools.partial(ProgramReport, name, target, mesh.size if mesh_kind != "one"
+                               else 1, mesh_kind, implementation)
+    try:
+        with contextlib.ExitStack() as scope:
+            if mesh_kind == "explicit":
+                scope.enter_context(jax.set_mesh(mesh))
+            device = mesh.devices.flat[0]
+            if platform == "gpu":  # Triton lowering and the partitioner ask for a GPU in scope
+                scope.enter_context(jax.default_device(device))
+            elif mesh_kind == "one":  # Mosaic asks a one-device program's TPU generation here
+                scope.enter_context(jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh(
+                    (), (), abstract_device=_targets.abstract_device(_targets.TARGETS[target]))))
+            compiled = jax.jit(fn).trace(*args).lower().compile()
+        text = compiled.as_text()
+    except Exception as error:  # noqa: BLE001 - the verdict is the report
+        return report(False, _first_line(error), seconds=time.perf_counter() - start)
+    marker = TRITON_CALL_MARKER if platform == "gpu" else MOSAIC_CALL_MARKER
+    calls = len(re.findall(rf'custom_call_target="{re.escape(marker)}"', text))
+    counts = tuple((c, len(re.findall(rf"\b{c}(-start)?\(", text))) for c in COLLECTIVES)
+    return report(True, "", calls, counts, time.perf_counter() - start)
+
+
+# ----------------------------------------------------------------------------- the programs
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """One op's forward and gradient as a program: `operands` are (shape, dtype, spec over the
+    ("data", "model") mesh); the program returns the loss sum(op(...)) and its gradient with
+    respect to every floating operand. `local`: the sharding rule runs the op on each device's
+    blocks, so no operand is all-gathered."""
+
+    op: str
+    description: str
+    call: Callable[..., Callable[..., jax.Array]]  # implementation -> op function
+    operands: tuple[tuple[tuple[int, ...], Any, P], ...]
+    local: bool = True
+
+    def function(self, implementation: str | None) -> Callable[..., Any]:
+        op = self.call(implementation)
+        floating = tuple(i for i, (_, dtype, _) in enumerate(self.operands)
+                         if jnp.issubdtype(dtype, jnp.floating))
+
+        def loss(*arrays):
+            return jnp.sum(op(*arrays).astype(jnp.float32))
+
+        return jax.value_and_grad(loss, argnums=floating)
+
+    def args(self, mesh: Mesh, one_device: bool) -> list[jax.ShapeDtypeStruct]:
+        return [jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(
+                    mesh, P() if one_device else spec))
+                for shape, dtype, spec in self.operands]
+
+
+def _options(implementation: str | None) -> dict[str, Any]:
+    return {"implementation": implementation}
+
+
+_BF16, _F32, _I32 = jnp.bfloat16, jnp.float32, jnp.int32
+PROGRAMS = {
+    "layer_norm": Program(
+        "layer_norm", "(256, 1024) bf16 rows sharded, scale and offset",
+        lambda impl: lambda x, s, o: kernels.layer_norm(x, s, o, **_options(impl)),
+        (((256, 1024), _BF16, P("data", None)), ((1024,), _F32, P()), ((1024,), _F32, P()))),
+    "rms_norm": Program(
+        "rms_norm", "(256, 1024) bf16 rows sharded over both mesh axes, scale",
+        lambda impl: lambda x, s: kernels.rms_norm(x, s, **_options(impl)),
+        (((256, 1024), _BF16, P(("data", "model"), None)), ((1024,), _F32, P()))),
+    "normalize_axis0": Program(
+        "normalize", "(4096, 256) f32 over axis 0 (split moments), columns sharded",
+        lambda impl: lambda x: kernels.normalize(x, axis=0, **_options(impl)),
+        (((4096, 256), _F32, P(None, "model")),)),
+    "matmul": Program(
+        "matmul", "(256, 512) @ (512, 1024) bf16, M and N sharded",
+        lambda impl: lambda a, b: kernels.matmul(a, b, **_options(impl)),
+        (((256, 512), _BF16, P("data", None)), ((512, 1024), _BF16, P(None, "model")))),
+    "conv2d": Program(
+        "conv2d", "(8, 32, 32, 64) bf16 3x3 -> 128, batch sharded",
+        lambda impl: lambda x, w: kernels.conv2d(x, w, **_options(impl)),
+        (((8, 32, 32, 64), _BF16, P("data")), ((3, 3, 64, 128), _BF16, P()))),
+    "depthwise_stride2": Program(
+        "conv2d", "(16, 56, 56, 32) bf16 depthwise 3x3 stride 2, batch sharded",
+        lambda impl: lambda x, w: kernels.conv2d(x, w, stride=2, feature_group_count=32,
+                                                 **_options(impl)),
+        (((16, 56, 56, 32), _BF16, P("data")), ((3, 3, 1, 32), _BF16, P()))),
+    "gather": Program(
+        "gather", "(4096, 256) bf16 table sharded by columns, 1024 ids sharded",
+        lambda impl: lambda t, i: kernels.gather(t, i, mode="fill", fill_value=0,
+                                                 **_options(impl)),
+        (((4096, 256), _BF16, P(None, "model")), ((1024,), _I32, P("data")))),
+}
+# Shardings that JAX's own ops (the `xla` implementation, so the default where it is `xla`)
+# accept on Explicit axes: a contraction over a sharded dim, say, needs an `out_sharding` there.
+# The fake-device and lowering suites cover the kernels' rules on the others (K-sharded
+# matmul, vocab-parallel gather, normalized axis sharded).
+
+
+def expects_kernels(program: Program, target: str, mesh_kind: str,
+                    implementation: str | None) -> bool:
+    """Whether the compiled program should hold this library's kernels: an explicit kernel
+    always; the default where the defaults table puts a kernel first for the target's
+    platform, except compiled Mosaic kernels on Auto axes, where the default is `xla`."""
+    platform = _targets.TARGETS[target].platform
+    if implementation is None:
+        lowering = "cuda" if platform == "gpu" else "tpu"
+        implementation = _dispatch.implementations(None, program.op, lowering)[0]
+    if implementation == "xla":
+        return False
+    return not (implementation == "mosaic" and mesh_kind == "auto")
+
+
+def kernel_for(target: str) -> str:
+    return defaults.KERNEL_OF_PLATFORM[_targets.TARGETS[target].platform]
+
+
+def compile_ops(target: str, count: int = 4, meshes: Sequence[str] = MESHES,
+                implementations: Sequence[str | None] = (None,),
+                programs: Sequence[str] | None = None) -> list[ProgramReport]:
+    """Every program of `PROGRAMS` (or those named) compiled for `target` on each mesh kind,
+    with each implementation (None: the default; "kernel": the target's own kernel)."""
+    reports = []
+    for kind in meshes:
+        mesh = mesh_for(target, count, kind)
+        for name in programs or PROGRAMS:
+            program = PROGRAMS[name]
+            for implementation in implementations:
+                chosen = kernel_for(target) if implementation == "kernel" else implementation
+                reports.append(compile_program(
+                    name, program.function(chosen), program.args(mesh, kind == "one"), mesh,
+                    target=target, mesh_kind=kind, implementation=str(chosen)))
+    return reports

@@ -1,0 +1,112 @@
+"""Compiles whole programs for one target and prints one JSON line per program (a report of
+`kernels.programs`). Run by `tests/test_programs.py` in its own process (libtpu and the CUDA
+plugin's compile-only devices are set up per process):
+
+    python tests/programs_run.py ops TARGET       # every op, one device / Auto / Explicit
+    python tests/programs_run.py models TARGET    # the examples' training steps
+
+`models` compiles one training step (loss, gradients, update) of `examples/train_digits.py`'s
+CNN (data-parallel: the batch sharded over every device, Auto axes) and of
+`examples/sharded_training.py`'s model (data- and tensor-parallel on a ("data", "model") mesh,
+Auto axes as the example runs it), with the default implementation and with the target's
+kernel; and the latter with the kernel on Explicit axes (there the default's `xla` conv is
+JAX's own, which asks for an `out_sharding` of a convolution by out-channel-sharded weights).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from kernels import programs  # noqa: E402
+
+
+def _digits_step(implementation, mesh):
+    from flax import nnx
+
+    from examples import train_digits
+    from kernels.flax import nnx as kernels_nnx
+
+    model = train_digits.DigitsCNN(kernels_nnx, nnx.Rngs(0), implementation=implementation)
+    graphdef, params = nnx.split(model, nnx.Param)
+
+    def step(params, images, labels):
+        def loss(params):
+            return train_digits._loss(nnx.merge(graphdef, params), images, labels)
+
+        value, grads = jax.value_and_grad(loss)(params)
+        return value, jax.tree.map(lambda p, g: p - 0.01 * g, params, grads)
+
+    replicated = NamedSharding(mesh, P())
+    batch = NamedSharding(mesh, P(mesh.axis_names))
+    specs = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=replicated),
+                         params)
+    return step, (specs, jax.ShapeDtypeStruct((64, 8, 8, 1), jnp.float32, sharding=batch),
+                  jax.ShapeDtypeStruct((64,), jnp.int32, sharding=batch))
+
+
+def _sharded_training_step(implementation, mesh):
+    from examples import sharded_training as example
+
+    params = jax.eval_shape(lambda: example.init(jax.random.key(0)))
+
+    def step(params, tokens, labels):
+        loss, grads = jax.value_and_grad(example.loss_fn)(params, tokens, labels, implementation)
+        return loss, jax.tree.map(lambda p, g: p - 0.05 * g, params, grads)
+
+    specs = {k: jax.ShapeDtypeStruct(v.shape, v.dtype,
+                                     sharding=NamedSharding(mesh, example.SPECS[k]))
+             for k, v in params.items()}
+    batch = NamedSharding(mesh, P("data"))
+    return step, (specs, jax.ShapeDtypeStruct((example.BATCH, example.LENGTH), jnp.int32,
+                                              sharding=batch),
+                  jax.ShapeDtypeStruct((example.BATCH,), jnp.int32, sharding=batch))
+
+
+def models(target: str) -> list[programs.ProgramReport]:
+    count = 8 if target.startswith("sm_") else 4
+    reports = []
+    for implementation in (None, programs.kernel_for(target)):
+        for name, make, kinds in (("train_digits", _digits_step, ("auto",)),
+                                  ("sharded_training", _sharded_training_step,
+                                   ("auto", "explicit"))):
+            for kind in kinds if implementation else ("auto",):
+                mesh = programs.mesh_for(target, count, kind, shape=(count // 4, 4))
+                with jax.set_mesh(mesh) if kind == "explicit" else _nothing():
+                    step, args = make(implementation, mesh)
+                reports.append(programs.compile_program(
+                    name, step, args, mesh, target=target, mesh_kind=kind,
+                    implementation=str(implementation)))
+    return reports
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *_):
+        return False
+
+
+def main(mode: str, target: str) -> None:
+    if mode == "ops":
+        reports = programs.compile_ops(target, 4, implementations=(None, "kernel"))
+    else:
+        reports = models(target)
+    for report in reports:
+        print(json.dumps(dataclasses.asdict(report)), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,85 @@
+"""Whole programs compiled as users run them (DESIGN.md, "Proof without hardware"): every op's
+forward and gradient, and the examples' training steps, compiled by XLA's GPU compiler for
+H100/A100 and by libtpu for multi-chip v5e/v6e/v4, on one device and on 4-device meshes with
+Auto and Explicit axes, with the default implementation and with the target's kernel.
+
+Each target compiles in its own process (`programs_run.py`): libtpu and the CUDA plugin's
+compile-only devices are per process, and several targets then compile at once under xdist.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kernels import programs
+
+HERE = Path(__file__).parent
+TARGETS = ("sm_90", "sm_80", "v5e", "v6e", "v4")
+AUTO_MOSAIC = "Mosaic kernels cannot run on a TPU mesh with Auto axes"
+
+
+def _reports(mode: str, target: str) -> list[dict]:
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, str(HERE / "programs_run.py"), mode, target],
+                          capture_output=True, text=True, timeout=600, env=env, cwd=HERE.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_op_compiles_as_a_whole_program(target):
+    """Each program compiles, holds the compiled kernels exactly where the implementation (or
+    the defaults table for the target's platform) puts them, and all-gathers no operand (each
+    program's sharding is one its rule runs locally). Compiled Mosaic kernels on Auto axes are
+    refused before compiling, naming Explicit axes and shard_map; the default runs `xla`
+    there."""
+    reports = _reports("ops", target)
+    assert len(reports) == len(programs.PROGRAMS) * len(programs.MESHES) * 2
+    for r in reports:
+        where = f"{r['program']} on {r['devices']} {target} ({r['mesh']}, {r['implementation']})"
+        implementation = None if r["implementation"] == "None" else r["implementation"]
+        if implementation == "mosaic" and r["mesh"] == "auto":
+            assert not r["compiled"] and AUTO_MOSAIC in r["error"], (where, r["error"])
+            assert "Explicit" in r["error"] and "shard_map" in r["error"], r["error"]
+            continue
+        assert r["compiled"], (where, r["error"])
+        program = programs.PROGRAMS[r["program"]]
+        if programs.expects_kernels(program, target, r["mesh"], implementation):
+            assert r["kernel_calls"] >= 2, (where, r["kernel_calls"])  # forward and backward
+        else:
+            assert r["kernel_calls"] == 0, (where, r["kernel_calls"])
+        collectives = dict(r["collectives"])
+        assert collectives["all-gather"] == 0, (where, collectives)
+        if r["mesh"] == "one":
+            assert not any(collectives.values()), (where, collectives)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("target", ["sm_90", "v5e"])
+def test_example_training_steps_compile(target):
+    """One training step of examples/train_digits.py's CNN (Flax layers of this library) and of
+    examples/sharded_training.py's model, for 8 H100s and a v5e 2x2: the default and the
+    kernel compile (Mosaic on Auto axes is refused, naming what works; on Explicit axes it
+    compiles)."""
+    reports = _reports("models", target)
+    assert {(r["program"], r["mesh"], r["implementation"]) for r in reports} == {
+        ("train_digits", "auto", "None"), ("sharded_training", "auto", "None"),
+        ("train_digits", "auto", programs.kernel_for(target)),
+        ("sharded_training", "auto", programs.kernel_for(target)),
+        ("sharded_training", "explicit", programs.kernel_for(target))}
+    for r in reports:
+        where = f"{r['program']} on {r['devices']} {target} ({r['mesh']}, {r['implementation']})"
+        if r["implementation"] == "mosaic" and r["mesh"] == "auto":
+            assert not r["compiled"] and AUTO_MOSAIC in r["error"], (where, r["error"])
+            continue
+        assert r["compiled"], (where, r["error"])
+        if r["implementation"] != "None":
+            assert r["kernel_calls"] >= 10, (where, r["kernel_calls"])
