@@ -173,11 +173,11 @@ def run(
         **{platform: distinct[choices[platform]] for platform in kernel_platforms})
 
 
-# The identity, except that lowering it raises `NotImplementedError(reason)`: it marks the
-# branch of a platform where the op's inputs were declined.
+# The identity to tracing and differentiation, but lowering or running it raises
+# `NotImplementedError(reason)`: it marks the branch of a platform where the op's inputs were
+# declined, so that only a program for that platform fails.
 _declined_p = jax_core.Primitive("kernels_declined")
 _declined_p.multiple_results = True
-_declined_p.def_impl(lambda *xs, reason: xs)
 _declined_p.def_abstract_eval(lambda *avals, reason: avals)
 ad.primitive_jvps[_declined_p] = lambda primals, tangents, reason: (
     _declined_p.bind(*primals, reason=reason), list(tangents))
@@ -185,10 +185,11 @@ batching.primitive_batchers[_declined_p] = lambda args, dims, reason: (
     _declined_p.bind(*args, reason=reason), dims)
 
 
-def _raise_declined(ctx, *args, reason):
+def _raise_declined(*args, reason):
     raise NotImplementedError(reason)
 
 
+_declined_p.def_impl(_raise_declined)
 mlir.register_lowering(_declined_p, _raise_declined)
 
 

@@ -537,10 +537,16 @@ def _programs_main(args: argparse.Namespace, targets: list[str]) -> int:
                   f"{r.mesh:8}  {r.implementation:6}  {r.program:18}  kernel calls "
                   f"{r.kernel_calls:2}  collectives: {collectives}  {r.seconds:.1f}s"
                   + (f"\n      {r.error}" if r.error else ""), flush=True)
-    print(f"{len(rows)} programs, {failures} did not compile (compiled on this machine for "
-          "compile-only devices; nothing here ran on a device)")
-    if args.json:
-        with open(args.json, "w") as f:
+    return _finish(rows, failures, args.json,
+                   f"{len(rows)} programs, {failures} did not compile (compiled on this machine "
+                   "for compile-only devices; nothing here ran on a device)")
+
+
+def _finish(rows: list[dict[str, Any]], failures: int, json_path: str | None,
+            summary: str) -> int:
+    print(summary)
+    if json_path:
+        with open(json_path, "w") as f:
             json.dump(rows, f, indent=1)
     return 1 if failures else 0
 
@@ -582,12 +588,9 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{row['verdict']:4}  {target:5}  {report.name:40}  {case.description:52}"
                           f"  grid {row['grid']:14}  {row['resources']}  {row['seconds']:.1f}s"
                           + (f"\n      {report.error}" if report.error else ""), flush=True)
-    print(f"{len(rows)} kernel compiles, {failures} failed or over budget "
-          "(compiled on this machine for the named targets; nothing here ran on a device)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
-    return 1 if failures else 0
+    return _finish(rows, failures, args.json,
+                   f"{len(rows)} kernel compiles, {failures} failed or over budget (compiled on "
+                   "this machine for the named targets; nothing here ran on a device)")
 
 
 if __name__ == "__main__":

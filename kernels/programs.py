@@ -164,14 +164,16 @@ def compile_program(name: str, fn: Callable[..., Any], args: Sequence[Any], mesh
 class Program:
     """One op's forward and gradient as a program: `operands` are (shape, dtype, spec over the
     ("data", "model") mesh); the program returns the loss sum(op(...)) and its gradient with
-    respect to every floating operand. `local`: the sharding rule runs the op on each device's
-    blocks, so no operand is all-gathered."""
+    respect to every floating operand. Every program's sharding is one its rule runs without
+    all-gathering an operand."""
 
     op: str
     description: str
     call: Callable[..., Callable[..., jax.Array]]  # implementation -> op function
     operands: tuple[tuple[tuple[int, ...], Any, P], ...]
-    local: bool = True
+    # Whether the rule runs the kernels on these shards: a sharded normalized axis is merged
+    # by XLA ops instead (Chan's merge; the fused kernel needs whole groups).
+    sharded_kernels: bool = True
 
     def function(self, implementation: str | None) -> Callable[..., Any]:
         op = self.call(implementation)
@@ -207,6 +209,10 @@ PROGRAMS = {
         "normalize", "(4096, 256) f32 over axis 0 (split moments), columns sharded",
         lambda impl: lambda x: kernels.normalize(x, axis=0, **_options(impl)),
         (((4096, 256), _F32, P(None, "model")),)),
+    "normalize_axis0_rows": Program(
+        "normalize", "(4096, 256) f32 over axis 0, rows (the normalized axis) sharded",
+        lambda impl: lambda x: kernels.normalize(x, axis=0, **_options(impl)),
+        (((4096, 256), _F32, P("data", None)),), sharded_kernels=False),
     "matmul": Program(
         "matmul", "(256, 512) @ (512, 1024) bf16, M and N sharded",
         lambda impl: lambda a, b: kernels.matmul(a, b, **_options(impl)),
@@ -241,7 +247,7 @@ def expects_kernels(program: Program, target: str, mesh_kind: str,
     if implementation is None:
         lowering = "cuda" if platform == "gpu" else "tpu"
         implementation = _dispatch.implementations(None, program.op, lowering)[0]
-    if implementation == "xla":
+    if implementation == "xla" or mesh_kind != "one" and not program.sharded_kernels:
         return False
     return not (implementation == "mosaic" and mesh_kind == "auto")
 

@@ -171,3 +171,76 @@ def test_explicit_kernel_is_compiled_for_its_platform_and_interpreted_elsewhere(
     assert "__gpu$xla.gpu.triton" in cuda and "stablehlo.while" not in cuda
     cpu = jax.jit(fn).lower(x).as_text()
     assert "__gpu$xla.gpu.triton" not in cpu and "stablehlo.while" in cpu
+
+
+def _every_op(implementation):
+    """(function, operand specs) per op: forward and gradient, out-of-range gather ids filled."""
+    import kernels
+
+    f32 = jnp.float32
+    ops = {
+        "matmul": (lambda a, b: kernels.matmul(a, b, implementation=implementation),
+                   [(64, 32), (32, 48)]),
+        "conv2d": (lambda x, w: kernels.conv2d(x, w, stride=2, feature_group_count=8,
+                                               implementation=implementation),
+                   [(2, 16, 16, 8), (3, 3, 1, 8)]),
+        "layer_norm": (lambda x, s, o: kernels.layer_norm(x, s, o, implementation=implementation),
+                       [(64, 256), (256,), (256,)]),
+        "normalize": (lambda x: kernels.normalize(x, axis=0, implementation=implementation),
+                      [(512, 64)]),
+        "gather": (lambda t, i: kernels.gather(t, i.astype(jnp.int32) - 4, mode="fill",
+                                               implementation=implementation),
+                   [(128, 64), (16,)]),
+    }
+    for name, (op, shapes) in ops.items():
+        def loss(*arrays, op=op):
+            return jnp.sum(op(*arrays).astype(f32))
+        yield name, jax.value_and_grad(loss), [jax.ShapeDtypeStruct(s, f32) for s in shapes]
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_tracing_and_lowering_execute_nothing(monkeypatch, platform):
+    """Tracing an op and lowering it for another platform execute no XLA computation (gather's
+    fill value is converted in NumPy), so they work where nothing can execute: compile-only
+    devices, abstract meshes, jax.export for a platform the host lacks."""
+    from jax._src import dispatch
+
+    from kernels import _pallas, _targets
+
+    def executed(*args, **kwargs):
+        raise AssertionError(f"executed while tracing: {args[0]}")
+
+    target = _targets.DEFAULT["gpu" if platform == "cuda" else "tpu"]
+    kernel = "triton" if platform == "cuda" else "mosaic"
+    for implementation in (None, kernel):
+        for name, fn, specs in _every_op(implementation):
+            monkeypatch.setattr(dispatch, "apply_primitive", executed)
+            text = _pallas.lower(fn, *specs, target=target).as_text()
+            monkeypatch.undo()
+            if implementation == kernel:
+                assert _pallas.TRITON_CALL_MARKER in text or _pallas.MOSAIC_CALL_MARKER in text, \
+                    name
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_export_for_a_platform_this_host_lacks(platform):
+    """jax.export from this CPU host, operands sharded on an abstract 4-device mesh of the
+    target (no device anywhere): the default implementation exports, with the kernels the
+    defaults table gives that platform (normalize and gather)."""
+    from jax.sharding import AbstractMesh, AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from kernels import _pallas, _targets, layer_norm
+
+    target = _targets.DEFAULT["gpu" if platform == "cuda" else "tpu"]
+    mesh = AbstractMesh((4,), ("data",), axis_types=(AxisType.Explicit,),
+                        abstract_device=_targets.abstract_device(target))
+    x = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16, sharding=NamedSharding(mesh, P("data")))
+    fn = jax.jit(jax.grad(lambda x: jnp.sum(layer_norm(x).astype(jnp.float32))))
+    marker = _pallas.TRITON_CALL_MARKER if platform == "cuda" else _pallas.MOSAIC_CALL_MARKER
+    # jax.export refuses custom calls without compatibility guarantees unless told (Triton's).
+    checks = [jax.export.DisabledSafetyCheck.custom_call(marker)] if platform == "cuda" else []
+    with _pallas.on_target(target):
+        exported = jax.export.export(fn, platforms=(platform,), disabled_checks=checks)(x)
+    text = exported.mlir_module()
+    assert text.count(marker) == 2, text.count(marker)
