@@ -160,8 +160,10 @@ def run(
                     reason = f"{op}: {choice[0]}: {error}"
             else:
                 reason = choice
+            # Traced through another platform's choice, to type the branch: the marker on its
+            # inputs raises the reason before any of that is lowered or run.
             other = next(c for c in accepted if c != choice)
-            return _declined(reason, traced(other, operands))
+            return traced(other, _declined(reason, operands))
         return run_branch
 
     distinct = {choice: branch(choice) for choice in choices.values()}
@@ -170,12 +172,13 @@ def run(
     *kernel_platforms, other = LOWERING_PLATFORMS
     return jax.lax.platform_dependent(
         *operands, default=distinct[choices[other]],
-        **{platform: distinct[choices[platform]] for platform in kernel_platforms})
+        **{platform: distinct[choices[platform]] for platform in kernel_platforms
+           if choices[platform] != choices[other]})
 
 
 # The identity to tracing and differentiation, but lowering or running it raises
-# `NotImplementedError(reason)`: it marks the branch of a platform where the op's inputs were
-# declined, so that only a program for that platform fails.
+# `NotImplementedError(reason)`: it marks the inputs of the branch of a platform where the op
+# was declined, so that only a program for that platform fails.
 _declined_p = jax_core.Primitive("kernels_declined")
 _declined_p.multiple_results = True
 _declined_p.def_abstract_eval(lambda *avals, reason: avals)

@@ -360,7 +360,8 @@ def on_target(target: _targets.Target) -> Iterator[None]:
 def lower(fn: Callable[..., Any], *args: Any, target: _targets.Target) -> Any:
     """`jax.jit(fn)` lowered for `target` on any machine (`jax.stages.Lowered`).
 
-    Kernels must be called with `interpret=False` inside `fn`. For a TPU target, `args` must
+    Kernels called with `interpret=None` or `False` inside `fn` lower compiled (the dispatch
+    decides `None` for the platform lowered for). For a TPU target, `args` must
     carry a sharding on a device of that target's topology if the result is to be compiled.
     """
     with on_target(target):
@@ -372,7 +373,8 @@ def lower(fn: Callable[..., Any], *args: Any, target: _targets.Target) -> Any:
 def lowered_text(fn: Callable[..., Any], *args: Any, platform: str) -> str:
     """Lowers `jax.jit(fn)(*args)` for `platform` ("cuda" or "tpu") on any machine.
 
-    Kernels must be called with `interpret=False` inside `fn`. Returns the StableHLO text, in
+    Kernels called with `interpret=None` or `False` inside `fn` lower compiled. Returns the
+    StableHLO text, in
     which a Triton kernel appears as `TRITON_CALL_MARKER` and a Mosaic one as
     `MOSAIC_CALL_MARKER`.
     """

@@ -103,14 +103,19 @@ def _operand_device(operands: Sequence[Any]) -> Any:
     return None
 
 
+def _program_devices(operand_device: Any) -> Iterator[Any]:
+    """The devices that say what a program is built for, most telling first: the abstract
+    device in scope (lowering for a target this machine lacks), the operands' mesh device."""
+    yield from (d for d in (jax.sharding.get_abstract_mesh().abstract_device, operand_device)
+                if d is not None)
+
+
 def program_platform(operands: Sequence[Any]) -> str:
-    """The platform a program is being built for, as far as tracing can tell: the abstract
-    device in scope, else the device of the mesh `operands` live on, else this process's
-    default backend (a hint: the dispatch decides per lowering platform where it can)."""
-    for device in (jax.sharding.get_abstract_mesh().abstract_device, _operand_device(operands)):
-        if device is not None:
-            return device.platform
-    return jax.default_backend()
+    """The platform a program is being built for, as far as tracing can tell (`_program_devices`
+    of `operands`), else this process's default backend (a hint: the dispatch decides per
+    lowering platform where it can)."""
+    device = next(_program_devices(_operand_device(operands)), None)
+    return jax.default_backend() if device is None else device.platform
 
 
 @contextlib.contextmanager
@@ -127,12 +132,9 @@ def for_operands(operands: Sequence[Any]) -> Iterator[None]:
 
 def current(platform: str) -> Target:
     """The target of `platform` ("gpu" or "tpu") that a call made now would run on: the
-    abstract device in scope, else the device of the mesh the op's operands live on, else a
-    device of this process, else the platform's default target."""
-    for device in (jax.sharding.get_abstract_mesh().abstract_device, _OPERAND_DEVICE.get()):
-        if device is not None and device.platform in _PLATFORMS[platform]:
-            return _by_device_kind(platform, device.device_kind)
-    for device in jax.devices():
+    program's device (`_program_devices`), else a device of this process, else the platform's
+    default target."""
+    for device in (*_program_devices(_OPERAND_DEVICE.get()), *jax.devices()):
         if device.platform in _PLATFORMS[platform]:
             return _by_device_kind(platform, device.device_kind)
     return DEFAULT[platform]

@@ -527,8 +527,9 @@ def _programs_main(args: argparse.Namespace, targets: list[str]) -> int:
     implementations = [None if i == "default" else i for i in args.implementations.split(",")]
     rows, failures = [], 0
     for target in targets:
+        chosen = [name for name, p in programs.PROGRAMS.items() if p.op in args.ops.split(",")]
         for r in programs.compile_ops(target, args.devices, args.mesh.split(","),
-                                      implementations):
+                                      implementations, chosen):
             row = dataclasses.asdict(r)
             failures += not r.compiled
             rows.append(row)
@@ -561,8 +562,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds per kernel compile")
     parser.add_argument("--programs", action="store_true",
                         help="compile whole programs (kernels.programs) instead of kernels")
-    parser.add_argument("--devices", type=int, default=4, choices=(1, 4, 8),
-                        help="--programs: devices of the mesh")
+    parser.add_argument("--devices", type=int, default=4, choices=(4, 8),
+                        help="--programs: devices of the Auto and Explicit meshes")
     parser.add_argument("--mesh", default="one,auto,explicit",
                         help="--programs: comma-separated mesh kinds (one, auto, explicit)")
     parser.add_argument("--implementations", default="default,kernel",

@@ -63,8 +63,8 @@ TABLE: dict[tuple[str, str], Default] = {
 
 
 def default(op: str, backend: str) -> tuple[str, ...]:
-    """The implementations `implementation=None` tries for `op` on `backend`
-    (`jax.default_backend()`)."""
+    """The implementations `implementation=None` tries for `op` in a program lowered for
+    `backend` (a lowering platform: "cpu", "cuda", "rocm", "tpu")."""
     platform = PLATFORMS.get(backend)
     entry = TABLE.get((_FAMILY.get(op, op), platform)) if platform else None
     return entry.implementations if entry else ("xla",)

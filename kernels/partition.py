@@ -213,7 +213,7 @@ def strategy(operands: Sequence[Any]) -> tuple[str, Any]:
     if _in_manual_context(operands):
         return "manual", None
     mesh = _explicit_mesh(operands)
-    if mesh is not None:
+    if mesh is not None and mesh.size > 1:
         return "explicit", mesh
     mesh = _program_mesh(operands)
     return ("whole", None) if mesh is None else ("auto", mesh)

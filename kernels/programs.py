@@ -167,7 +167,7 @@ class Program:
     respect to every floating operand. Every program's sharding is one its rule runs without
     all-gathering an operand."""
 
-    op: str
+    op: str  # the op family (kernels.compile.CASES' keys)
     description: str
     call: Callable[..., Callable[..., jax.Array]]  # implementation -> op function
     operands: tuple[tuple[tuple[int, ...], Any, P], ...]
@@ -198,11 +198,11 @@ def _options(implementation: str | None) -> dict[str, Any]:
 _BF16, _F32, _I32 = jnp.bfloat16, jnp.float32, jnp.int32
 PROGRAMS = {
     "layer_norm": Program(
-        "layer_norm", "(256, 1024) bf16 rows sharded, scale and offset",
+        "normalize", "(256, 1024) bf16 rows sharded, scale and offset",
         lambda impl: lambda x, s, o: kernels.layer_norm(x, s, o, **_options(impl)),
         (((256, 1024), _BF16, P("data", None)), ((1024,), _F32, P()), ((1024,), _F32, P()))),
     "rms_norm": Program(
-        "rms_norm", "(256, 1024) bf16 rows sharded over both mesh axes, scale",
+        "normalize", "(256, 1024) bf16 rows sharded over both mesh axes, scale",
         lambda impl: lambda x, s: kernels.rms_norm(x, s, **_options(impl)),
         (((256, 1024), _BF16, P(("data", "model"), None)), ((1024,), _F32, P()))),
     "normalize_axis0": Program(

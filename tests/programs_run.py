@@ -15,6 +15,7 @@ JAX's own, which asks for an `out_sharding` of a convolution by out-channel-shar
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -83,20 +84,12 @@ def models(target: str) -> list[programs.ProgramReport]:
                                    ("auto", "explicit"))):
             for kind in kinds if implementation else ("auto",):
                 mesh = programs.mesh_for(target, count, kind, shape=(count // 4, 4))
-                with jax.set_mesh(mesh) if kind == "explicit" else _nothing():
+                with jax.set_mesh(mesh) if kind == "explicit" else contextlib.nullcontext():
                     step, args = make(implementation, mesh)
                 reports.append(programs.compile_program(
                     name, step, args, mesh, target=target, mesh_kind=kind,
                     implementation=str(implementation)))
     return reports
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *_):
-        return False
 
 
 def main(mode: str, target: str) -> None:

@@ -244,3 +244,25 @@ def test_export_for_a_platform_this_host_lacks(platform):
         exported = jax.export.export(fn, platforms=(platform,), disabled_checks=checks)(x)
     text = exported.mlir_module()
     assert text.count(marker) == 2, text.count(marker)
+
+
+def test_a_platform_that_declines_fails_only_where_lowered_for(monkeypatch):
+    """A choice declined on one platform only (an explicit Mosaic kernel on Auto TPU axes, say)
+    leaves the op working, eagerly, jitted and differentiated, for the others; a program
+    lowered for the declining platform raises the reason, gradient programs included."""
+    real_choose = _dispatch.choose
+
+    def choose(op, implementation, interpret, checks, platform="cpu", operands=()):
+        if platform == "tpu":
+            raise NotImplementedError("op: mosaic: not on this mesh")
+        return real_choose(op, implementation, interpret, checks, platform, operands)
+
+    monkeypatch.setattr(_dispatch, "choose", choose)
+    fn = lambda x: _dispatch.run("op", "xla", None, {}, lambda name, i, x: jnp.sin(x), x)  # noqa: E731
+    loss = lambda x: jnp.sum(fn(x))  # noqa: E731
+    x = jnp.linspace(0.0, 1.0, 8)
+    np.testing.assert_allclose(fn(x), np.sin(np.linspace(0.0, 1.0, 8)), rtol=1e-6)
+    np.testing.assert_allclose(jax.jit(jax.grad(loss))(x), np.cos(np.asarray(x)), rtol=1e-6)
+    for program in (fn, jax.grad(loss)):
+        with pytest.raises(NotImplementedError, match="not on this mesh"):
+            jax.jit(program).trace(x).lower(lowering_platforms=("tpu",))

@@ -151,6 +151,8 @@ def gather(
     problem = Problem(batch, n, columns, indices.size, kernel_dtype, FORWARD_MODE[mode], fill)
     checks = {kernel: functools.partial(_check, module, problem, config, x.dtype)
               for kernel, module in _KERNELS.items()}
+    # Host indices stay NumPy constants: as operands they would be narrowed to 32 bits.
+    host = None if isinstance(indices, jax.Array) else indices
 
     def call(name, interpret, x, *traced_indices):
         indices = traced_indices[0] if traced_indices else host
@@ -167,8 +169,6 @@ def gather(
         out_dims = (*table_dims[:axis], *partition.dims_of(indices), *table_dims[axis + 1:])
         return partition.reshape(out.astype(x.dtype), out_shape, out_dims)
 
-    # Host indices stay NumPy constants: as operands they would be narrowed to 32 bits.
-    host = None if isinstance(indices, jax.Array) else indices
     operands = (x,) if host is not None else (x, indices)
     return _dispatch.run("gather", implementation, interpret, checks, call, *operands)
 

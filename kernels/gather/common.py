@@ -90,9 +90,10 @@ def fill_bits(fill_value: Any, dtype: Any) -> bytes:
     dtype = np.dtype(dtype)
     value = np.asarray(fill_value)
     if value.dtype.kind in "fc" and dtype.kind in "iu":
-        info = np.iinfo(dtype)
-        value = np.clip(np.nan_to_num(np.trunc(value.real), nan=0.0, posinf=info.max,
-                                      neginf=info.min), info.min, info.max)
+        # Compared as Python numbers: float(info.max) of a 64-bit type rounds up past it.
+        info, number = np.iinfo(dtype), float(np.nan_to_num(np.trunc(value.real), nan=0.0))
+        value = np.asarray(info.max if number >= info.max else
+                           info.min if number <= info.min else int(number))
     elif value.dtype.kind == "c" and dtype.kind != "c":
         value = value.real
     return value.astype(dtype).tobytes()

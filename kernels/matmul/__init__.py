@@ -160,7 +160,7 @@ def matmul(
     if isinstance(precision, list):
         precision = tuple(precision)
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(a, b))
-    a2, b2, _ = _as_batched_matrices(a, b)
+    a2, b2 = jax.eval_shape(lambda a, b: _as_batched_matrices(a, b)[:2], a, b)
     problem = make_problem(a2, b2, False, False, out_dtype)
     checks = {kernel: functools.partial(module.check, problem, config)
               for kernel, module in _KERNELS.items()}
