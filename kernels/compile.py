@@ -20,7 +20,7 @@ Both need the `test` extra (`triton`, and `jax[tpu]` for libtpu).
 
     python -m kernels.compile                       # every op, forward and backward, 5 targets
     python -m kernels.compile --ops gather --targets v5e,v4 --json report.json
-    python -m kernels.compile --programs --devices 4 --mesh auto   # whole programs (kernels.programs)
+    python -m kernels.compile --programs --devices 4 --mesh auto   # whole programs
 
 With `--programs` it compiles whole jitted programs instead (`kernels.programs`: each op's
 forward and gradient on one device or sharded over a mesh of compile-only devices, as XLA's GPU

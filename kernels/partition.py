@@ -35,10 +35,11 @@ Which path runs is decided from the program's mesh as tracing sees it (the mesh 
 the one jit records in its operands' types), never from the devices this process has: a CPU
 host compiling for 8 GPUs has one. On one device, and under `vmap` (custom_partitioning has no
 batching rule), the kernel runs unpartitioned. XLA's TPU compiler cannot partition a
-custom_partitioning call (jax-ml/jax#38196): a compiled Mosaic kernel on Auto axes is declined
-before tracing (`check_partitionable`), so the default falls back to `xla` there, and Explicit
-axes or shard_map run the kernels per shard. Interpreted Mosaic kernels on a mesh run in the HLO interpreter
-(`_pallas.hlo_interpret`): TPU interpret mode's ordered callbacks cannot be partitioned.
+custom_partitioning call (jax-ml/jax#38196): the dispatch declines a compiled Mosaic kernel on
+Auto axes (`check_partitionable`), so the default falls back to `xla` there, and Explicit axes
+or shard_map run the kernels per shard. Interpreted Mosaic kernels on a mesh run in the HLO
+interpreter (`_pallas.hlo_interpret`): TPU interpret mode's ordered callbacks cannot be
+partitioned.
 """
 
 from __future__ import annotations

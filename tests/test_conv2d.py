@@ -15,8 +15,8 @@ from jax.test_util import check_grads
 
 import reference
 from kernels.conv2d import Conv2dConfig, conv2d, mosaic
-from tests.support import (weighted_sum, KERNELS, SUPPORTS_FLOAT64, as_f64, assert_close, assert_lowers,
-                           random, x64)
+from tests.support import (KERNELS, SUPPORTS_FLOAT64, as_f64, assert_close, assert_lowers, random,
+                           x64, weighted_sum)
 
 # (x shape NHWC, w shape HWIO, options). Together: kernels 1x1, 3x3, 5x5, 7x1; strides 1, 2,
 # (2, 1); dilation 1, 2; every padding form; groups 1, 2 and depthwise (with a channel

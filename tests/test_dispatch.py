@@ -258,8 +258,12 @@ def test_a_platform_that_declines_fails_only_where_lowered_for(monkeypatch):
         return real_choose(op, implementation, interpret, checks, platform, operands)
 
     monkeypatch.setattr(_dispatch, "choose", choose)
-    fn = lambda x: _dispatch.run("op", "xla", None, {}, lambda name, i, x: jnp.sin(x), x)  # noqa: E731
-    loss = lambda x: jnp.sum(fn(x))  # noqa: E731
+    def fn(x):
+        return _dispatch.run("op", "xla", None, {}, lambda name, interpret, x: jnp.sin(x), x)
+
+    def loss(x):
+        return jnp.sum(fn(x))
+
     x = jnp.linspace(0.0, 1.0, 8)
     np.testing.assert_allclose(fn(x), np.sin(np.linspace(0.0, 1.0, 8)), rtol=1e-6)
     np.testing.assert_allclose(jax.jit(jax.grad(loss))(x), np.cos(np.asarray(x)), rtol=1e-6)

@@ -11,8 +11,9 @@ from jax.test_util import check_grads
 
 import reference
 from kernels.matmul import MatmulConfig, matmul
-from tests.support import (weighted_sum, FLOAT_DTYPES, KERNELS, SUPPORTS_FLOAT64, as_f64, assert_close,
-                           assert_lowers, random, tolerance, walked_pipeline_bytes, x64)
+from tests.support import (FLOAT_DTYPES, KERNELS, SUPPORTS_FLOAT64, as_f64, assert_close,
+                           assert_lowers, random, tolerance, walked_pipeline_bytes, x64,
+                           weighted_sum)
 
 SHAPES = [  # (M, N, K): none a multiple of any block but 256/512/384
     (1, 1, 1), (7, 13, 5), (129, 257, 65), (256, 512, 384), (1000, 3, 1000), (16, 16, 0)]

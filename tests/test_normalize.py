@@ -14,8 +14,8 @@ from kernels.normalize import NormalizeConfig, layer_norm, normalize, rms_norm
 from reference.normalize import layer_norm as reference_layer_norm
 from reference.normalize import normalize as reference_normalize
 from reference.normalize import rms_norm as reference_rms_norm
-from tests.support import (weighted_sum, FLOAT_DTYPES, KERNELS, SUPPORTS_FLOAT64, as_f64, assert_close,
-                           assert_lowers, random, tolerance, x64)
+from tests.support import (FLOAT_DTYPES, KERNELS, SUPPORTS_FLOAT64, as_f64, assert_close,
+                           assert_lowers, random, tolerance, x64, weighted_sum)
 
 
 def _param_shape(shape, axis):
