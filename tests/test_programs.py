@@ -24,11 +24,15 @@ TARGETS = ("sm_90", "sm_80", "v5e", "v6e", "v4")
 AUTO_MOSAIC = "Mosaic kernels cannot run on a TPU mesh with Auto axes"
 
 
-def _reports(mode: str, target: str) -> list[dict]:
+def _run(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
-    proc = subprocess.run([sys.executable, str(HERE / "programs_run.py"), mode, target],
-                          capture_output=True, text=True, timeout=600, env=env, cwd=HERE.parent)
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600,
+                          env=env, cwd=HERE.parent)
+
+
+def _reports(mode: str, target: str) -> list[dict]:
+    proc = _run(str(HERE / "programs_run.py"), mode, target)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
@@ -83,3 +87,18 @@ def test_example_training_steps_compile(target):
         assert r["compiled"], (where, r["error"])
         if r["implementation"] != "None":
             assert r["kernel_calls"] >= 10, (where, r["kernel_calls"])
+
+
+@pytest.mark.timeout(600)
+def test_command_line_compiles_programs():
+    """`python -m kernels.compile --programs` reports per program: compiled (with its kernel
+    calls and collectives) or refused before compiling, naming what works; exit status 0
+    when nothing failed to compile."""
+    proc = _run("-m", "kernels.compile", "--programs", "--targets", "v5e", "--mesh", "auto",
+                "--ops", "gather")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = [line for line in proc.stdout.splitlines() if "gather" in line]
+    assert any(line.startswith("ok") and "None" in line and "all-reduce" in line
+               for line in lines), lines
+    assert any(line.startswith("refused") and "mosaic" in line for line in lines), lines
+    assert "Explicit" in proc.stdout and "2 programs, 0 failed to compile, 1 refused" in proc.stdout
