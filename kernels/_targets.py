@@ -94,10 +94,14 @@ _OPERAND_DEVICE: contextvars.ContextVar[Any] = contextvars.ContextVar("operand_d
                                                                      default=None)
 
 
+def mesh_of(x: Any) -> Any:
+    """The mesh `x`'s type says it lives on (jit records it in every value it traces), if any."""
+    return getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+
+
 def _operand_device(operands: Sequence[Any]) -> Any:
     for x in operands:
-        mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
-        device = getattr(mesh, "abstract_device", None)
+        device = getattr(mesh_of(x), "abstract_device", None)
         if device is not None:
             return device
     return None

@@ -152,7 +152,7 @@ def _bind(eqn) -> Callable[..., Any]:
     return lambda *operands: eqn.primitive.bind(*operands, **eqn.params)
 
 
-def _first_line(error: BaseException) -> str:
+def first_line(error: BaseException) -> str:
     """The compiler's first diagnostic line (with the next one when it only names a code)."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     if not lines:
@@ -274,7 +274,7 @@ def _triton_report(eqn, target: Target, timeout_s: float | None) -> KernelReport
         resources = _with_timeout(lambda: _compile_triton(text, launch, target), timeout_s)
         report = dataclasses.replace(report, compiled=True, **resources)
     except Exception as error:  # noqa: BLE001 - the verdict is the report
-        report.error = f"{name} for {target.name}: {_first_line(error)}"
+        report.error = f"{name} for {target.name}: {first_line(error)}"
     report.seconds = time.perf_counter() - start
     if report.compiled and not report.fits:
         report.error = (f"{name} for {target.name}: needs {report.shared_bytes} bytes of shared "
@@ -340,7 +340,7 @@ def _mosaic_report(eqn, target: Target, timeout_s: float | None) -> KernelReport
                          for key in ("argument", "output", "temp", "generated_code")}
         report.compiled = True
     except Exception as error:  # noqa: BLE001 - the verdict is the report
-        report.error = f"{name} for {target.name}: {_first_line(error)}"
+        report.error = f"{name} for {target.name}: {first_line(error)}"
     report.seconds = time.perf_counter() - start
     return report
 

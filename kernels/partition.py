@@ -54,7 +54,7 @@ from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from kernels import _pallas
+from kernels import _pallas, _targets
 
 __all__ = ["Layout", "Plan", "partitioned", "match_varying", "Reduction", "reduction", "spec",
            "dims_of", "reshape", "like", "strategy", "check_partitionable"]
@@ -175,14 +175,10 @@ def _map_outputs(plan: Plan, make: Callable[[Dims], Any]) -> Any:
     return make(plan.out_dims)
 
 
-def _mesh_of(x: Any) -> Any:
-    return getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
-
-
 def _explicit_mesh(operands: Sequence[Any]) -> Any:
     """The mesh with Explicit axes some operand lives on, if any (sharded or replicated: its
     type says how, so shard_map can run the plan)."""
-    for mesh in map(_mesh_of, operands):
+    for mesh in map(_targets.mesh_of, operands):
         if mesh is not None and not mesh.empty and any(
                 t == AxisType.Explicit for t in mesh.axis_types):
             return mesh
@@ -201,7 +197,7 @@ def _program_mesh(operands: Sequence[Any]) -> Any:
     operands' types show it (jit records its arguments' mesh, devices compile-only or not, in
     every value it traces), or None for a one-device program. Never the devices this process
     has: a CPU host compiling for 8 GPUs sees one device."""
-    for mesh in (jax.sharding.get_abstract_mesh(), *map(_mesh_of, operands)):
+    for mesh in (jax.sharding.get_abstract_mesh(), *map(_targets.mesh_of, operands)):
         if mesh is not None and not mesh.empty and mesh.size > 1:
             return mesh
     return None

@@ -31,10 +31,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-# Compile-only GPUs on a machine without a driver; libtpu without a TPU (see kernels.compile).
+# Compile-only GPUs on a machine without a driver (kernels.compile sets libtpu's variables).
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
-os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -45,9 +43,10 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import kernels  # noqa: E402
 from kernels import _dispatch, _targets, defaults  # noqa: E402
 from kernels._pallas import MOSAIC_CALL_MARKER, TRITON_CALL_MARKER  # noqa: E402
+from kernels.compile import first_line  # noqa: E402
 
 __all__ = ["ProgramReport", "Program", "PROGRAMS", "MESHES", "devices", "compile_program",
-           "expects_kernels"]
+           "expects_kernels", "collectives"]
 
 MESHES = ("one", "auto", "explicit")
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
@@ -112,9 +111,9 @@ def _ptxas_on_path() -> None:
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
 
 
-def _first_line(error: BaseException) -> str:
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return f"{type(error).__name__}: {lines[0] if lines else ''}"[:300]
+def collectives(text: str) -> dict[str, int]:
+    """How many of each collective the compiled program `text` (HLO) runs."""
+    return {name: len(re.findall(rf"\b{name}(-start)?\(", text)) for name in COLLECTIVES}
 
 
 def mesh_for(target_name: str, count: int, kind: str, shape: Sequence[int] | None = None,
@@ -150,10 +149,11 @@ def compile_program(name: str, fn: Callable[..., Any], args: Sequence[Any], mesh
             compiled = jax.jit(fn).trace(*args).lower().compile()
         text = compiled.as_text()
     except Exception as error:  # noqa: BLE001 - the verdict is the report
-        return report(False, _first_line(error), seconds=time.perf_counter() - start)
+        message = f"{type(error).__name__}: {first_line(error)}"
+        return report(False, message, seconds=time.perf_counter() - start)
     marker = TRITON_CALL_MARKER if platform == "gpu" else MOSAIC_CALL_MARKER
     calls = len(re.findall(rf'custom_call_target="{re.escape(marker)}"', text))
-    counts = tuple((c, len(re.findall(rf"\b{c}(-start)?\(", text))) for c in COLLECTIVES)
+    counts = tuple(collectives(text).items())
     return report(True, "", calls, counts, time.perf_counter() - start)
 
 

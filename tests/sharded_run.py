@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
@@ -26,9 +25,7 @@ from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import kernels  # noqa: E402
-
-COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
-
+from kernels import programs  # noqa: E402
 
 def compiled(fn, *args):
     """`fn` compiled for `args`: called for its values and read for its collectives, so each
@@ -37,8 +34,7 @@ def compiled(fn, *args):
 
 
 def collectives(program) -> dict[str, int]:
-    text = program.as_text()
-    return {name: len(re.findall(rf"\b{name}(-start)?\(", text)) for name in COLLECTIVES}
+    return programs.collectives(program.as_text())
 
 
 def cases(impl: str):
