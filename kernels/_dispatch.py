@@ -8,6 +8,13 @@ stages them with `jax.lax.platform_dependent`, whose lowering keeps only the bra
 platform being lowered for. Where they agree (an explicit implementation with an explicit
 `interpret`, say) the op is traced once, with no conditional.
 
+`interpret` (see DESIGN.md) is resolved here too, into what a kernel receives: `False`
+(compiled), `True` (Pallas' HLO interpreter: the kernel's code as XLA ops, at model speed) or
+`"strict"` (Mosaic kernels in TPU interpret mode, whose simulated memory makes an
+out-of-bounds read raise and uninitialized memory NaN; Triton kernels have no stricter Pallas
+interpreter and run as `True`). The kernels get it as an argument: no state outside the call
+changes how a kernel runs.
+
 Each op passes the checks of its Pallas implementations. A check raises `NotImplementedError`
 with a reason when its kernel cannot take the inputs (a dtype, a shape, an option); the next
 implementation in the sequence is tried. A single explicit choice that declines raises that
@@ -29,10 +36,14 @@ from kernels import _targets, defaults, partition
 
 IMPLEMENTATIONS = ("xla", "triton", "mosaic")
 ENV_VAR = "KERNELS_IMPLEMENTATION"
+INTERPRET_ENV_VAR = "KERNELS_INTERPRET"
+STRICT = "strict"
 # Lowering platforms with a kernel of their own; any other platform is decided as "cpu".
 LOWERING_PLATFORMS = ("cuda", "rocm", "tpu", "cpu")
 
 Implementation = str | Sequence[str] | None
+# What a caller passes (None, True, False, "strict"); a kernel receives it resolved (no None).
+Interpret = bool | str | None
 
 
 def _validated(names: Sequence[str], source: str) -> tuple[str, ...]:
@@ -64,41 +75,59 @@ def implementations(implementation: Implementation, op: str = "",
     return _validated(implementation, "implementation")
 
 
-def resolve_interpret(name: str, interpret: bool | None, platform: str = "cpu",
-                      operands: Sequence[Any] = ()) -> bool:
-    """Whether implementation `name` runs interpreted in a program lowered for `platform`: by
-    default, exactly when that is not the kernel's own platform.
+def _environment_strict() -> bool:
+    """Whether `$KERNELS_INTERPRET` makes "strict" the default (for a whole test run)."""
+    env = os.environ.get(INTERPRET_ENV_VAR, "").strip()
+    if env not in ("", STRICT):
+        raise ValueError(f"${INTERPRET_ENV_VAR} must be unset or {STRICT!r}, got {env!r}")
+    return bool(env)
 
-    An interpreted Mosaic kernel runs in TPU interpret mode, whose ordered host callbacks
-    cannot sit in a `platform_dependent` branch that lowering for a TPU prunes (jax's cond
-    lowering then expects their tokens). So where the program shows it is built for TPUs
-    (`_targets.program_platform`: the abstract device in scope or the operands' mesh), the
-    Mosaic kernel is compiled in every branch."""
+
+def resolve_interpret(name: str, interpret: Interpret, platform: str = "cpu",
+                      operands: Sequence[Any] = ()) -> bool | str:
+    """How implementation `name` runs in a program lowered for `platform`: `False`
+    (compiled), `True` (the HLO interpreter) or "strict" (TPU interpret mode; Mosaic only).
+    `None` interprets exactly where the platform is not the kernel's own, with the HLO
+    interpreter, or with "strict" where `$KERNELS_INTERPRET` says so.
+
+    TPU interpret mode's ordered host callbacks cannot sit in a `platform_dependent` branch
+    that lowering for a TPU prunes (jax's cond lowering then expects their tokens). So where
+    the environment's "strict" meets a program built for TPUs (`_targets.program_platform`:
+    the abstract device in scope or the operands' mesh), the Mosaic kernel is compiled in
+    every branch."""
     if name == "xla":
         return False
+    mode = interpret
     if interpret is None:
         native = defaults.KERNEL_OF_PLATFORM.get(defaults.PLATFORMS.get(platform)) == name
-        return not (native or name == "mosaic" and _targets.program_platform(operands) == "tpu")
-    return interpret
+        strict = _environment_strict()
+        if native or strict and name == "mosaic" and _targets.program_platform(operands) == "tpu":
+            return False
+        mode = STRICT if strict else True
+    # Pallas has no stricter interpreter for Triton kernels than the HLO interpreter.
+    return True if mode == STRICT and name == "triton" else mode
 
 
 def choose(
     op: str,
     implementation: Implementation,
-    interpret: bool | None,
+    interpret: Interpret,
     checks: Mapping[str, Callable[[], None]],
     platform: str = "cpu",
     operands: Sequence[Any] = (),
-) -> tuple[str, bool]:
-    """Returns (implementation name, interpret) for one call of `op` lowered for `platform`.
+) -> tuple[str, bool | str]:
+    """(implementation name, `resolve_interpret`'s mode) for one call of `op` lowered for
+    `platform`.
 
     `checks[name]()` raises `NotImplementedError(reason)` when kernel `name` declines these
     inputs, as does a kernel that cannot be partitioned over the mesh `operands` live on
     (`partition.check_partitionable`); "xla" never declines. Raises `NotImplementedError` when
     nothing accepts the inputs.
     """
-    if interpret is not None and not isinstance(interpret, bool):
-        raise TypeError(f"{op}: interpret must be None, True or False, got {interpret!r}")
+    if not (interpret is None or isinstance(interpret, bool) or
+            isinstance(interpret, str) and interpret == STRICT):
+        raise TypeError(f"{op}: interpret must be None, True, False or {STRICT!r}, got "
+                        f"{interpret!r}")
     names = implementations(implementation, op, platform)
     reasons = []
     for name in names:
@@ -118,7 +147,7 @@ def choose(
 def run(
     op: str,
     implementation: Implementation,
-    interpret: bool | None,
+    interpret: Interpret,
     checks: Mapping[str, Callable[[], None]],
     call: Callable[..., Any],
     *operands: Any,
@@ -142,11 +171,11 @@ def run(
     if not accepted:
         raise NotImplementedError(choices["cpu"])
 
-    def traced(choice: tuple[str, bool], operands: tuple[Any, ...]) -> Any:
+    def traced(choice: tuple[str, bool | str], operands: tuple[Any, ...]) -> Any:
         with _targets.for_operands(arrays):
             return call(*choice, *operands)
 
-    def branch(choice: tuple[str, bool] | str) -> Callable[..., Any]:
+    def branch(choice: tuple[str, bool | str] | str) -> Callable[..., Any]:
         def run_branch(*operands):
             if not isinstance(choice, str):
                 try:

@@ -36,7 +36,6 @@ __all__ = [
     "mosaic_precision",
     "vmem_limit",
     "varying_axes",
-    "hlo_interpret",
     "lowered_text",
     "TRITON_CALL_MARKER",
     "MOSAIC_CALL_MARKER",
@@ -107,26 +106,11 @@ def vmem_limit(needed: int) -> int | None:
     return min(target.vmem, needed + needed // 4)
 
 
-_HLO_INTERPRET = [False]
-
-
-@contextlib.contextmanager
-def hlo_interpret() -> Iterator[None]:
-    """Mosaic kernels traced in this scope and interpreted use the HLO interpreter (plain
-    `interpret=True`) instead of TPU interpret mode, whose io_callbacks an XLA custom
-    partitioner cannot lower (see `kernels.partition`)."""
-    _HLO_INTERPRET.append(True)
-    try:
-        yield
-    finally:
-        _HLO_INTERPRET.pop()
-
-
-def _tpu_interpret_params() -> pltpu.InterpretParams | bool:
-    if _HLO_INTERPRET[-1]:
-        return True
-    # Strict by default: an out-of-bounds read raises instead of being clamped, and memory a
-    # kernel reads before writing is NaN, so a kernel that relies on either fails loudly here.
+def _mosaic_interpret(interpret: bool | str) -> pltpu.InterpretParams | bool:
+    if interpret != "strict":
+        return interpret
+    # An out-of-bounds read raises instead of being clamped, and memory a kernel reads before
+    # writing is NaN, so a kernel that relies on either fails loudly here.
     return pltpu.InterpretParams(out_of_bounds_reads="raise", uninitialized_memory="nan")
 
 
@@ -277,14 +261,15 @@ def mosaic_call(
     out_shape: Any,
     grid_spec: Any,
     dimension_semantics: Sequence[str],
-    interpret: bool,
+    interpret: bool | str,
     flops: int = 0,
     transcendentals: int = 0,
     unpipelined_bytes: int = 0,
     vmem_limit_bytes: int | None = None,
     name: str | None = None,
 ) -> Callable[..., Any]:
-    """`pl.pallas_call` for a Mosaic (TPU) kernel; `interpret=True` means TPU interpret mode.
+    """`pl.pallas_call` for a Mosaic (TPU) kernel; `interpret` is False (compiled), True (the
+    HLO interpreter) or "strict" (TPU interpret mode).
 
     Its cost estimate states `flops`, `transcendentals` and the bytes the kernel moves: those
     of its BlockSpec pipeline (`pipelined_bytes`, re-reads included) plus `unpipelined_bytes`,
@@ -301,7 +286,7 @@ def mosaic_call(
                 grid_spec=grid_spec,
                 compiler_params=pltpu.CompilerParams(dimension_semantics=semantics,
                                                      vmem_limit_bytes=vmem_limit_bytes),
-                interpret=_tpu_interpret_params() if interpret else False,
+                interpret=_mosaic_interpret(interpret),
                 cost_estimate=pl.CostEstimate(flops=flops, transcendentals=transcendentals,
                                               bytes_accessed=moved + unpipelined_bytes),
                 name=name,
@@ -309,7 +294,9 @@ def mosaic_call(
         return call
 
     semantics = tuple(dimension_semantics)
-    return _vmappable_tpu_interpret(build, semantics) if interpret else build(semantics)
+    if interpret == "strict":
+        return _vmappable_tpu_interpret(build, semantics)
+    return build(semantics)
 
 
 def _vmappable_tpu_interpret(build: Callable[[tuple[str, ...]], Callable[..., Any]],

@@ -37,9 +37,9 @@ host compiling for 8 GPUs has one. On one device, and under `vmap` (custom_parti
 batching rule), the kernel runs unpartitioned. XLA's TPU compiler cannot partition a
 custom_partitioning call (jax-ml/jax#38196): the dispatch declines a compiled Mosaic kernel on
 Auto axes (`check_partitionable`), so the default falls back to `xla` there, and Explicit axes
-or shard_map run the kernels per shard. Interpreted Mosaic kernels on a mesh run in the HLO
-interpreter (`_pallas.hlo_interpret`): TPU interpret mode's ordered callbacks cannot be
-partitioned.
+or shard_map run the kernels per shard. Under Auto axes a Mosaic kernel asked to run in TPU
+interpret mode ("strict") runs in the HLO interpreter instead: XLA's partitioner cannot lower
+the simulator's ordered host callbacks. Under Explicit axes and shard_map the simulator runs.
 """
 
 from __future__ import annotations
@@ -216,7 +216,8 @@ def strategy(operands: Sequence[Any]) -> tuple[str, Any]:
     return ("whole", None) if mesh is None else ("auto", mesh)
 
 
-def check_partitionable(implementation: str, interpret: bool, operands: Sequence[Any]) -> None:
+def check_partitionable(implementation: str, interpret: bool | str,
+                        operands: Sequence[Any]) -> None:
     """Raises `NotImplementedError` where a compiled Mosaic kernel would meet Auto mesh axes:
     XLA's TPU compiler has no emitter for custom_partitioning (jax-ml/jax#38196), and Mosaic
     refuses to be lowered unpartitioned into a sharded program. The dispatch then falls back
@@ -230,7 +231,9 @@ def check_partitionable(implementation: str, interpret: bool, operands: Sequence
 
 
 def partitioned(fn: Callable[..., Any], rule: Rule, factors: Factors) -> Callable[..., Any]:
-    """`fn(*operands, static)`, run per shard on whatever mesh its operands live on."""
+    """`fn(*operands, static)`, run per shard on whatever mesh its operands live on. `static`
+    is the op's hashable NamedTuple of options, with an `interpret` field (the dispatch's mode).
+    """
 
     def run_explicit(mesh, present, static, operands):
         shapes = tuple(None if x is None else tuple(x.shape) for x in operands)
@@ -258,12 +261,16 @@ def partitioned(fn: Callable[..., Any], rule: Rule, factors: Factors) -> Callabl
 
     def partition(present, static, mesh, arg_shapes, result_shape):
         layout = _auto_layout(present, arg_shapes, result_shape, mesh)
+        # XLA's partitioner cannot lower TPU interpret mode's ordered host callbacks: there
+        # the simulator gives way to the HLO interpreter (same kernel code, no memory checks).
+        if static.interpret == "strict":
+            static = static._replace(interpret=True)
         plan = rule(fn, static, layout)
         shardings = tuple(NamedSharding(mesh, spec(d)) for d in plan.in_dims if d is not None)
         out = _map_outputs(plan, lambda d: NamedSharding(mesh, spec(d)))
+
         def lower(*blocks):
-            with _pallas.hlo_interpret():
-                return plan.local(*_with_present(present, blocks))
+            return plan.local(*_with_present(present, blocks))
 
         return mesh, lower, out, shardings
 
@@ -302,12 +309,11 @@ def partitioned(fn: Callable[..., Any], rule: Rule, factors: Factors) -> Callabl
         how, mesh = strategy(arrays)
         if how == "whole":
             return fn(*operands, static)
-        with _pallas.hlo_interpret():
-            if how == "manual":
-                return fn(*_with_present(present, match_varying(*arrays)), static)
-            if how == "explicit":
-                return run_explicit(mesh, present, static, operands)
-            return run_auto(present, static, arrays)
+        if how == "manual":
+            return fn(*_with_present(present, match_varying(*arrays)), static)
+        if how == "explicit":
+            return run_explicit(mesh, present, static, operands)
+        return run_auto(present, static, arrays)
 
     return call
 

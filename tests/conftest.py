@@ -17,6 +17,17 @@ def variant(request):
     return jax.jit if request.param == "jit" else (lambda f: f)
 
 
+@pytest.fixture
+def strict_interpret(monkeypatch):
+    """Kernels interpreted by default run in "strict" mode, as a kernel author runs a suite:
+    Mosaic kernels in TPU interpret mode (out-of-bounds reads raise, uninitialized memory is
+    NaN), Triton kernels on their device schedule. The per-op suites use it on small grids;
+    tests at model sizes pass `interpret=True`, and model-level suites keep the default."""
+    from kernels import _dispatch
+
+    monkeypatch.setenv(_dispatch.INTERPRET_ENV_VAR, _dispatch.STRICT)
+
+
 @pytest.fixture(autouse=True)
 def _fresh_tpu_interpret_state():
     yield

@@ -18,6 +18,9 @@ from kernels.conv2d import Conv2dConfig, conv2d, mosaic
 from tests.support import (KERNELS, SUPPORTS_FLOAT64, as_f64, assert_close, assert_lowers, random,
                            x64, weighted_sum)
 
+# Kernels interpreted by default run strict here (TPU interpret mode for Mosaic), on small grids.
+pytestmark = pytest.mark.usefixtures("strict_interpret")
+
 # (x shape NHWC, w shape HWIO, options). Together: kernels 1x1, 3x3, 5x5, 7x1; strides 1, 2,
 # (2, 1); dilation 1, 2; every padding form; groups 1, 2 and depthwise (with a channel
 # multiplier); batch 1 and 3; odd sizes and channels 1, 3, 5, 130.

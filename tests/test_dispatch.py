@@ -29,6 +29,83 @@ def test_kernels_are_interpreted_off_their_platform():
     assert _dispatch.resolve_interpret("xla", None, "cpu") is False
 
 
+@pytest.mark.parametrize("interpret,strict_env,platform,triton,mosaic", [
+    (None, False, "cpu", True, True),          # the fast interpreter off the platform
+    (None, False, "tpu", True, False),         # the kernel's own platform: compiled
+    (None, True, "cpu", True, "strict"),       # $KERNELS_INTERPRET=strict replaces None
+    (None, True, "cuda", False, "strict"),
+    (True, True, "tpu", True, True),           # explicit values win over the environment
+    ("strict", False, "cuda", True, "strict"),  # Triton has no stricter interpreter
+    (False, True, "cpu", False, False),
+])
+def test_interpret_modes(monkeypatch, interpret, strict_env, platform, triton, mosaic):
+    if strict_env:
+        monkeypatch.setenv(_dispatch.INTERPRET_ENV_VAR, "strict")
+    else:
+        monkeypatch.delenv(_dispatch.INTERPRET_ENV_VAR, raising=False)
+    assert _dispatch.resolve_interpret("triton", interpret, platform) is triton
+    resolved = _dispatch.resolve_interpret("mosaic", interpret, platform)
+    assert resolved == mosaic and type(resolved) is type(mosaic)
+
+
+@pytest.mark.parametrize("interpret", ["yes", "fast", 1, 0, np.bool_(True)])
+def test_interpret_must_be_none_true_false_or_strict(interpret):
+    with pytest.raises(TypeError, match="matmul: interpret must be None, True, False or 'strict'"):
+        matmul(jnp.ones((8, 8)), jnp.ones((8, 8)), implementation="mosaic", interpret=interpret)
+
+
+def test_bad_interpret_environment_variable_is_named(monkeypatch):
+    monkeypatch.setenv(_dispatch.INTERPRET_ENV_VAR, "fast")
+    with pytest.raises(ValueError, match=_dispatch.INTERPRET_ENV_VAR):
+        matmul(jnp.ones((8, 8)), jnp.ones((8, 8)), implementation="mosaic")
+
+
+def _mosaic_reading_past_its_block(interpret):
+    """A deliberately wrong Mosaic kernel: it reads rows 8..15 of its 8-row input block."""
+    from jax.experimental import pallas as pl
+
+    from kernels import _pallas
+
+    def kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[pl.ds(pl.program_id(0) + 8, 8), :]
+
+    block = pl.BlockSpec((8, 128), lambda i: (0, 0))
+    return _pallas.mosaic_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
+        grid_spec=pl.GridSpec(grid=(1,), in_specs=[block], out_specs=block),
+        dimension_semantics=("arbitrary",), interpret=interpret)
+
+
+def test_strict_mode_catches_an_out_of_bounds_read():
+    """What "strict" is for: TPU interpret mode raises on the read that the fast interpreter
+    (like the hardware) lets through silently."""
+    x = jnp.ones((8, 128), jnp.float32)
+    jax.block_until_ready(_mosaic_reading_past_its_block(True)(x))  # no error, wrong values
+    with pytest.raises(Exception, match="Out-of-bounds read"):
+        jax.block_until_ready(_mosaic_reading_past_its_block("strict")(x))
+
+
+@pytest.mark.parametrize("op", ["matmul", "layer_norm", "gather"])
+def test_strict_reaches_the_mosaic_kernels_of_public_ops(monkeypatch, op):
+    """Only "strict" (or the environment's) runs the simulator, whose host callbacks show in
+    the lowered program; the default and True run the HLO interpreter, which has none."""
+    import kernels
+
+    x = jnp.ones((16, 128), jnp.float32)
+    calls = {"matmul": lambda x, interpret: kernels.matmul(x, x.T, implementation="mosaic",
+                                                           interpret=interpret),
+             "layer_norm": lambda x, interpret: kernels.layer_norm(
+                 x, implementation="mosaic", interpret=interpret),
+             "gather": lambda x, interpret: kernels.gather(
+                 x, jnp.arange(4), implementation="mosaic", interpret=interpret)}
+    text = lambda interpret: jax.jit(lambda x: calls[op](x, interpret)).lower(x).as_text()  # noqa: E731
+    monkeypatch.delenv(_dispatch.INTERPRET_ENV_VAR, raising=False)
+    assert "callback" not in text(None) and "callback" not in text(True)
+    assert "callback" in text("strict")
+    monkeypatch.setenv(_dispatch.INTERPRET_ENV_VAR, "strict")
+    assert "callback" in text(None)
+
+
 
 def _loop_computations(hlo: str) -> dict[str, str]:
     """The computations of compiled HLO text that run inside a while loop (its bodies and

@@ -22,6 +22,9 @@ from kernels.gather import GatherConfig, gather
 from tests.support import (KERNELS, SUPPORTS_FLOAT64, as_f64, assert_close,
                            assert_lowers, random, x64)
 
+# Kernels interpreted by default run strict here (TPU interpret mode for Mosaic), on small grids.
+pytestmark = pytest.mark.usefixtures("strict_interpret")
+
 MODES = (None, "promise_in_bounds", "clip", "drop", "fill", "wrap")
 CLAMPING = (None, "promise_in_bounds", "clip")
 FILLING = ("drop", "fill")

@@ -15,6 +15,9 @@ from tests.support import (FLOAT_DTYPES, KERNELS, SUPPORTS_FLOAT64, as_f64, asse
                            assert_lowers, random, tolerance, walked_pipeline_bytes, x64,
                            weighted_sum)
 
+# Kernels interpreted by default run strict here (TPU interpret mode for Mosaic), on small grids.
+pytestmark = pytest.mark.usefixtures("strict_interpret")
+
 SHAPES = [  # (M, N, K): none a multiple of any block but 256/512/384
     (1, 1, 1), (7, 13, 5), (129, 257, 65), (256, 512, 384), (1000, 3, 1000), (16, 16, 0)]
 BATCHED = [((3, 65, 33), (33, 17)), ((2, 1, 8, 9), (4, 9, 8)), ((9, 8), (4, 8, 5)),

@@ -17,6 +17,9 @@ from reference.normalize import rms_norm as reference_rms_norm
 from tests.support import (FLOAT_DTYPES, KERNELS, SUPPORTS_FLOAT64, as_f64, assert_close,
                            assert_lowers, random, tolerance, x64, weighted_sum)
 
+# Kernels interpreted by default run strict here (TPU interpret mode for Mosaic), on small grids.
+pytestmark = pytest.mark.usefixtures("strict_interpret")
+
 
 def _param_shape(shape, axis):
     axes = (axis,) if isinstance(axis, int) else axis

@@ -49,7 +49,7 @@ class _Static(NamedTuple):
     """The hashable, non-differentiable arguments of `_conv` and `_weight_gradient`."""
 
     implementation: str
-    interpret: bool
+    interpret: bool | str  # resolved by the dispatch: False, True or "strict"
     config: Conv2dConfig | None
     precision: Any
     geometry: Geometry
@@ -251,7 +251,7 @@ def conv2d(
     precision: lax.PrecisionLike = None,
     preferred_element_type: jnp.dtype | None = None,
     implementation: str | tuple[str, ...] | None = None,
-    interpret: bool | None = None,
+    interpret: bool | str | None = None,
     config: Conv2dConfig | None = None,
 ) -> jax.Array:
     """`lax.conv_general_dilated` on 2-D images as a Pallas kernel.

@@ -234,7 +234,7 @@ def _vmem_limit(p: Problem, layout: _Layout, block_n: int) -> int:
 
 
 def conv(x: jax.Array, w: jax.Array, p: Problem, *, config: Conv2dConfig | None, precision,
-         interpret: bool) -> jax.Array:
+         interpret: bool | str) -> jax.Array:
     """The convolution of a problem that `check` accepted: (N, OH, OW, O) in p.out_dtype."""
     config = resolve_config(p, config)
     layout = _Layout(p, config.block_rows)
@@ -341,7 +341,7 @@ def _depthwise_weight_grad_kernel(x_ref, dy_ref, dw_ref, acc_ref, *, p: Problem,
         dw_ref[...] = acc_ref[...].astype(dw_ref.dtype)
 
 
-def weight_grad(x: jax.Array, dy: jax.Array, p: Problem, *, precision, interpret: bool,
+def weight_grad(x: jax.Array, dy: jax.Array, p: Problem, *, precision, interpret: bool | str,
                 dtype: jnp.dtype) -> jax.Array:
     """dW (KH, KW, C/G, O) in `dtype` of problem `p` from its input and output gradient."""
     config = resolve_config(p, None)

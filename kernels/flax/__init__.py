@@ -58,7 +58,7 @@ class MatmulDotGeneral:
     to rows (one large product instead of a batched one)."""
 
     implementation: Implementation = None
-    interpret: bool | None = None
+    interpret: bool | str | None = None
 
     def __call__(self, lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
                  precision: Any = None, preferred_element_type: Any = None,
@@ -85,7 +85,7 @@ class Conv2dGeneralDilated:
     convolutions, and 1-D ones as 2-D of height 1."""
 
     implementation: Implementation = None
-    interpret: bool | None = None
+    interpret: bool | str | None = None
 
     def __call__(self, lhs: jax.Array, rhs: jax.Array, window_strides: Sequence[int],
                  padding: Any, lhs_dilation: Sequence[int] | None = None,
@@ -140,7 +140,7 @@ def _as_reduced_shape(param: jax.Array | None, x_shape: tuple[int, ...],
 def normalize(x: jax.Array, scale: jax.Array | None, bias: jax.Array | None, *,
               reduction_axes: int | Sequence[int], feature_axes: int | Sequence[int],
               epsilon: float, subtract_mean: bool, out_dtype: Any, layer: str,
-              implementation: Implementation, interpret: bool | None,
+              implementation: Implementation, interpret: bool | str | None,
               axis_name: Any = None, mask: Any = None) -> jax.Array:
     """Flax's LayerNorm (`subtract_mean`) or RMSNorm of `x` with its feature-shaped `scale` and
     `bias`, by `kernels.normalize`: computed in the wider of x's dtype and `out_dtype`
@@ -165,7 +165,7 @@ def normalize(x: jax.Array, scale: jax.Array | None, bias: jax.Array | None, *,
 
 
 def embed(embedding: jax.Array, ids: jax.Array, *, mode: str | None,
-          implementation: Implementation, interpret: bool | None) -> jax.Array:
+          implementation: Implementation, interpret: bool | str | None) -> jax.Array:
     """Flax's Embed lookup, by `kernels.gather` (Flax broadcasts a one-row table whatever the
     ids)."""
     if not jnp.issubdtype(ids.dtype, jnp.integer):
@@ -177,7 +177,7 @@ def embed(embedding: jax.Array, ids: jax.Array, *, mode: str | None,
 
 
 def attend(query: jax.Array, embedding: jax.Array, *, implementation: Implementation,
-           interpret: bool | None) -> jax.Array:
+           interpret: bool | str | None) -> jax.Array:
     """Flax's Embed.attend: the query against every embedding row, by `kernels.matmul`."""
     return MatmulDotGeneral(implementation, interpret)(
         query, embedding.T, (((query.ndim - 1,), (0,)), ((), ())))

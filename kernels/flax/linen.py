@@ -44,7 +44,7 @@ class Dense(_KernelOp, nn.Dense):
     """`flax.linen.Dense` whose product is `kernels.matmul`."""
 
     implementation: common.Implementation = None
-    interpret: bool | None = None
+    interpret: bool | str | None = None
     _replaces = ("dot_general", common.MatmulDotGeneral)
 
 
@@ -52,7 +52,7 @@ class Conv(_KernelOp, nn.Conv):
     """`flax.linen.Conv` whose convolution is `kernels.conv2d` (1-D and 2-D kernels)."""
 
     implementation: common.Implementation = None
-    interpret: bool | None = None
+    interpret: bool | str | None = None
     _replaces = ("conv_general_dilated", common.Conv2dGeneralDilated)
 
 
@@ -82,7 +82,7 @@ class LayerNorm(_Normalization, nn.LayerNorm):
     """`flax.linen.LayerNorm` computed by `kernels.layer_norm`."""
 
     implementation: common.Implementation = None
-    interpret: bool | None = None
+    interpret: bool | str | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array, *, mask: jax.Array | None = None) -> jax.Array:
@@ -93,7 +93,7 @@ class RMSNorm(_Normalization, nn.RMSNorm):
     """`flax.linen.RMSNorm` computed by `kernels.rms_norm`."""
 
     implementation: common.Implementation = None
-    interpret: bool | None = None
+    interpret: bool | str | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array, *, mask: jax.Array | None = None) -> jax.Array:
@@ -106,7 +106,7 @@ class Embed(_KernelOp, nn.Embed):
 
     mode: str | None = "fill"
     implementation: common.Implementation = None
-    interpret: bool | None = None
+    interpret: bool | str | None = None
 
     def __call__(self, inputs: jax.Array) -> jax.Array:
         (embedding,) = self.promote_dtype(self.embedding, dtype=self.dtype, inexact=False)

@@ -28,7 +28,7 @@ class Linear(nnx.Linear):
     """`flax.nnx.Linear` whose product is `kernels.matmul`."""
 
     def __init__(self, in_features: int, out_features: int, *,
-                 implementation: common.Implementation = None, interpret: bool | None = None,
+                 implementation: common.Implementation = None, interpret: bool | str | None = None,
                  **kwargs: Any):
         _replaced(kwargs, "dot_general", "Linear")
         super().__init__(in_features, out_features, **kwargs, dot_general=common.MatmulDotGeneral(
@@ -40,7 +40,7 @@ class Conv(nnx.Conv):
 
     def __init__(self, in_features: int, out_features: int, kernel_size: int | Any,
                  strides: Any = 1, *, implementation: common.Implementation = None,
-                 interpret: bool | None = None, **kwargs: Any):
+                 interpret: bool | str | None = None, **kwargs: Any):
         _replaced(kwargs, "conv_general_dilated", "Conv")
         super().__init__(in_features, out_features, kernel_size, strides, **kwargs,
                          conv_general_dilated=common.Conv2dGeneralDilated(
@@ -50,7 +50,7 @@ class Conv(nnx.Conv):
 class _KernelOptions:
     """`implementation` and `interpret`, kept on the layer for its op (static attributes)."""
 
-    def _set_options(self, implementation: Any, interpret: bool | None) -> None:
+    def _set_options(self, implementation: Any, interpret: bool | str | None) -> None:
         self.implementation = common.as_implementation(implementation)
         self.interpret = interpret
 
@@ -73,7 +73,7 @@ class LayerNorm(_Normalization, nnx.LayerNorm):
     """`flax.nnx.LayerNorm` computed by `kernels.layer_norm`."""
 
     def __init__(self, num_features: int, *, implementation: common.Implementation = None,
-                 interpret: bool | None = None, **kwargs: Any):
+                 interpret: bool | str | None = None, **kwargs: Any):
         super().__init__(num_features, **kwargs)
         self._set_options(implementation, interpret)
 
@@ -85,7 +85,7 @@ class RMSNorm(_Normalization, nnx.RMSNorm):
     """`flax.nnx.RMSNorm` computed by `kernels.rms_norm`."""
 
     def __init__(self, num_features: int, *, implementation: common.Implementation = None,
-                 interpret: bool | None = None, **kwargs: Any):
+                 interpret: bool | str | None = None, **kwargs: Any):
         super().__init__(num_features, **kwargs)
         self._set_options(implementation, interpret)
 
@@ -99,7 +99,7 @@ class Embed(_KernelOptions, nnx.Embed):
     whose `attend` is `kernels.matmul`."""
 
     def __init__(self, num_embeddings: int, features: int, *, mode: str | None = "fill",
-                 implementation: common.Implementation = None, interpret: bool | None = None,
+                 implementation: common.Implementation = None, interpret: bool | str | None = None,
                  **kwargs: Any):
         super().__init__(num_embeddings, features, **kwargs)
         self.mode = mode

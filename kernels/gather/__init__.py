@@ -34,7 +34,7 @@ class _Static(NamedTuple):
     """The hashable, non-differentiable arguments of `_gather` and `_scatter_add`."""
 
     implementation: str
-    interpret: bool
+    interpret: bool | str  # resolved by the dispatch: False, True or "strict"
     config: GatherConfig | None
     problem: Problem
     scatter_mode: str  # the backward's rule: "drop", "clip" or "wrap"
@@ -122,7 +122,7 @@ def gather(
     mode: str | None = None,
     fill_value: Any = None,
     implementation: str | tuple[str, ...] | None = None,
-    interpret: bool | None = None,
+    interpret: bool | str | None = None,
     config: GatherConfig | None = None,
 ) -> jax.Array:
     """`x.at[(slice(None),) * axis + (indices,)].get(mode=mode, fill_value=fill_value)`.

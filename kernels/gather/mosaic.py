@@ -308,7 +308,7 @@ def _tile_gather_kernel(indices_hbm, x_hbm, tail_hbm, out_ref, indices_smem, gro
 
 
 def gather(x: jax.Array, indices: jax.Array, p: Problem, *, config: GatherConfig | None,
-           interpret: bool) -> jax.Array:
+           interpret: bool | str) -> jax.Array:
     """`x` viewed (batch, n, columns), int32 `indices` (m,) -> (batch, m, columns)."""
     config = resolve_config(p, config)
     bits = x.dtype if x.dtype == _BITS[p.itemsize] else _BITS[p.itemsize]
@@ -385,7 +385,7 @@ def _scatter_add_kernel(block_starts_smem, order_hbm, targets_hbm, g_hbm, g_tail
 
 
 def scatter_add(g: jax.Array, plan: ScatterPlan, p: Problem, *, config: GatherConfig | None,
-                interpret: bool) -> jax.Array:
+                interpret: bool | str) -> jax.Array:
     """Cotangent `g` (batch, m, columns) summed into a zero (batch, n, columns) table."""
     config = resolve_config(p, config)
     block_rows, block_columns = config.block_rows, config.block_columns

@@ -31,7 +31,7 @@ class _Static(NamedTuple):
     """The hashable, non-differentiable arguments of `_product`."""
 
     implementation: str
-    interpret: bool
+    interpret: bool | str  # resolved by the dispatch: False, True or "strict"
     config: MatmulConfig | None
     precision: lax.PrecisionLike
     transpose_a: bool
@@ -147,7 +147,7 @@ def matmul(
     precision: lax.PrecisionLike = None,
     preferred_element_type: jnp.dtype | None = None,
     implementation: str | tuple[str, ...] | None = None,
-    interpret: bool | None = None,
+    interpret: bool | str | None = None,
     config: MatmulConfig | None = None,
 ) -> jax.Array:
     """`jnp.matmul(a, b, precision=..., preferred_element_type=...)` as a Pallas kernel.

@@ -133,7 +133,7 @@ def _matmul_kernel(a_ref, b_ref, out_ref, acc_ref, *, p: Problem, block_k: int, 
 
 
 def matmul(a: jax.Array, b: jax.Array, p: Problem, *, config: MatmulConfig | None, precision,
-           interpret: bool) -> jax.Array:
+           interpret: bool | str) -> jax.Array:
     """`op(a) @ op(b)` for a problem that `check` accepted; returns out_batch + (M, N)."""
     config = resolve_config(p, config)
     a_block, b_block, out_block = _block_shapes(p, config)

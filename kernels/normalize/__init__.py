@@ -34,7 +34,7 @@ class _Static(NamedTuple):
     """The hashable, non-differentiable arguments of `_forward` and `_backward`."""
 
     implementation: str
-    interpret: bool
+    interpret: bool | str  # resolved by the dispatch: False, True or "strict"
     config: NormalizeConfig | None
     problem: Problem
 
@@ -162,7 +162,7 @@ def normalize(
     epsilon: float = 1e-5,
     subtract_mean: bool = True,
     implementation: str | tuple[str, ...] | None = None,
-    interpret: bool | None = None,
+    interpret: bool | str | None = None,
     config: NormalizeConfig | None = None,
 ) -> jax.Array:
     """`(x - mean) / sqrt(var + epsilon) * scale + offset` over `axis`, as fused kernels.
@@ -185,7 +185,7 @@ def layer_norm(
     axis: Axis = -1,
     epsilon: float = 1e-5,
     implementation: str | tuple[str, ...] | None = None,
-    interpret: bool | None = None,
+    interpret: bool | str | None = None,
     config: NormalizeConfig | None = None,
 ) -> jax.Array:
     """`normalize(x, scale, offset, axis=axis, epsilon=epsilon)`."""
@@ -200,7 +200,7 @@ def rms_norm(
     axis: Axis = -1,
     epsilon: float = 1e-6,
     implementation: str | tuple[str, ...] | None = None,
-    interpret: bool | None = None,
+    interpret: bool | str | None = None,
     config: NormalizeConfig | None = None,
 ) -> jax.Array:
     """`normalize(x, scale, axis=axis, epsilon=epsilon, subtract_mean=False)`."""

@@ -277,7 +277,7 @@ def _forward_kernel(*refs, p: Problem, s: _Schedule):
 
 
 def forward(x: jax.Array, scale: jax.Array | None, offset: jax.Array | None, p: Problem, *,
-            config: NormalizeConfig | None, interpret: bool):
+            config: NormalizeConfig | None, interpret: bool | str):
     """(y, mean, rstd) for the view-shaped `x` of a problem that `check` accepted."""
     s = _Schedule(p, resolve_config(p, config))
     stats = jax.ShapeDtypeStruct(s.kernel_stats_shape(), p.stat_dtype)
@@ -356,7 +356,7 @@ def _backward_kernel(*refs, p: Problem, s: _Schedule, stat_cotangents: bool):
 
 
 def backward(x, scale, mean, rstd, gy, gmean, grstd, p: Problem, *,
-             config: NormalizeConfig | None, interpret: bool):
+             config: NormalizeConfig | None, interpret: bool | str):
     """(dx, dscale or None, doffset or None); dscale/doffset in `p.param_shape`."""
     s = _Schedule(p, resolve_config(p, config))
     num_partials = p.outer * s.num_blocks
