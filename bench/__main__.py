@@ -1,9 +1,11 @@
 """`python -m bench`: time every op with every implementation this machine has.
 
 On a GPU or TPU: the platform's kernel (natively) and `xla`, at realistic sizes. On a CPU:
-`xla` at CPU-sized shapes, then small interpreted rows for the Triton and Mosaic kernels; those
-rows check that the kernels' code runs and agrees with the reference, they are not speed
-figures.
+`xla` at CPU-sized shapes, then the interpreted rows: the Triton and Mosaic kernels, forward
+and backward, in the default (fast) interpreter at the sizes a model author's CPU test uses,
+and the Mosaic kernels in the "strict" simulator on small grids. Interpreted rows are not
+speed figures of the kernels: their ratio to `xla` is what running the kernels' own code
+costs a CPU test, and their error column checks it against the reference.
 """
 
 from __future__ import annotations
@@ -27,6 +29,11 @@ from kernels import defaults
 BENCHES = {"matmul": matmul_bench, "conv2d": conv2d_bench,
            "normalize": normalize_bench, "gather": gather_bench}
 RECORDS = Path(__file__).parent / "records"
+# --interpret value -> the interpreted plans run on a CPU: (shape set, implementations).
+_FAST = ("interpret", [("triton", True), ("mosaic", True), ("xla", False)])
+_STRICT = ("strict", [("mosaic", "strict"), ("xla", False)])
+INTERPRET_CHOICES = {"none": [_FAST, _STRICT], "true": [_FAST], "strict": [_STRICT],
+                     "false": []}
 
 
 def record_path(device_kind: str) -> Path:
@@ -66,8 +73,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", metavar="DIR",
                         help="write DIR/<op>.png: time vs size per implementation, with the "
                              "roofline floor (needs matplotlib: the examples extra)")
-    parser.add_argument("--no-interpret", action="store_true",
-                        help="skip the interpreted correctness rows on a CPU")
+    parser.add_argument("--interpret", choices=INTERPRET_CHOICES, default="none",
+                        help="the interpreted rows on a CPU, named as the ops' interpret= "
+                             "values: none (default) both kinds, true the fast interpreter's "
+                             "at model-test sizes, strict the simulator's on small grids, "
+                             "false none")
+    parser.add_argument("--no-interpret", action="store_true", help="same as --interpret false")
     parser.add_argument("--no-design", action="store_true",
                         help="skip the design figures (kernel launches worked out for an H100 "
                              "and a TPU v5e, compiled by the real back ends)")
@@ -92,14 +103,16 @@ def main(argv: list[str] | None = None) -> int:
     for op in ops:
         plan += [(case, native, args.repeats)
                  for case in BENCHES[op].cases("native" if on_accelerator else "cpu")]
-        if not on_accelerator and not args.no_interpret:
-            plan += [(case, [("triton", True), ("mosaic", True), ("xla", False)], 3)
-                     for case in BENCHES[op].cases("interpret")]
+        interpreted = [] if on_accelerator or args.no_interpret else INTERPRET_CHOICES[
+            args.interpret]
+        for shapes, implementations in interpreted:
+            plan += [(case, implementations, 3) for case in BENCHES[op].cases(shapes)]
     print("\nfloor_*_us: roofline floor on that device from the op's flop and byte counts "
           "(max of compute time and memory time). Rows marked (interpret) run the GPU/TPU "
-          "kernel code in Pallas interpret mode on this CPU: correctness rows, not speed; their "
-          "vs_xla is the cost of interpreting the kernel on a CPU.\n" + harness.header(),
-          flush=True)
+          "kernel code in Pallas' HLO interpreter on this CPU (interpret=None/True, at "
+          "model-test sizes), rows marked (strict) in TPU interpret mode (interpret=\"strict\", "
+          "small grids): not speed figures; their vs_xla is what running the kernel's code "
+          "costs a CPU test.\n" + harness.header(), flush=True)
     rows = []
     for number, (case, implementations, repeats) in enumerate(plan, 1):
         print(f"[{number}/{len(plan)}] {case.op} {case.shape} {case.dtype}: "

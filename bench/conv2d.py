@@ -13,19 +13,26 @@ import numpy as np
 
 from reference.conv2d import conv2d as reference_conv2d
 from reference.conv2d import geometry as make_geometry
-from bench.harness import Case
+from bench.harness import INTERPRETED, Case, backward
 from kernels.conv2d import conv2d, mosaic
 from kernels.conv2d.common import flops_and_bytes, make_problem
 from tests.support import random
 
 # (x NHWC, w HWIO, options)
-NATIVE_SHAPES = [((32, 56, 56, 64), (3, 3, 64, 64), {}),
-                 ((32, 28, 28, 128), (3, 3, 128, 256), {"stride": 2}),
-                 ((32, 112, 112, 32), (3, 3, 1, 32), {"feature_group_count": 32})]
-CPU_SHAPES = [((8, 32, 32, 32), (3, 3, 32, 64), {}),
-              ((8, 64, 64, 32), (3, 3, 1, 32), {"feature_group_count": 32})]
-INTERPRET_SHAPES = [((1, 9, 17, 8), (3, 3, 8, 16), {"stride": 2})]
-BLUR_CROP = {"native": None, "cpu": None, "interpret": 32}  # interpreted rows use a corner
+SHAPES = {"native": [((32, 56, 56, 64), (3, 3, 64, 64), {}),
+                     ((32, 28, 28, 128), (3, 3, 128, 256), {"stride": 2}),
+                     ((32, 112, 112, 32), (3, 3, 1, 32), {"feature_group_count": 32})],
+          "cpu": [((8, 32, 32, 32), (3, 3, 32, 64), {}),
+                  ((8, 64, 64, 32), (3, 3, 1, 32), {"feature_group_count": 32})],
+          "interpret": [((8, 32, 32, 32), (3, 3, 32, 64), {}),
+                        ((8, 64, 64, 32), (3, 3, 1, 32), {"feature_group_count": 32})],
+          "strict": [((1, 9, 17, 8), (3, 3, 8, 16), {"stride": 2})]}
+# The denoise example's image, whole or (strict: the simulator is slow) a corner of it.
+BLUR_CROP = {"native": None, "cpu": None, "interpret": None, "strict": 32}
+
+
+def _reference(options):
+    return lambda x, w: reference_conv2d(x, w, precision="highest", **options)
 
 
 def _case(x_shape, w_shape, options, dtype) -> Case:
@@ -42,8 +49,7 @@ def _case(x_shape, w_shape, options, dtype) -> Case:
         dtype=jnp.dtype(dtype).name, args=(x, w),
         run=lambda name, interpret: lambda x, w: conv2d(x, w, implementation=name,
                                                         interpret=interpret, **options),
-        expected=reference_conv2d(x.astype(jnp.float32), w.astype(jnp.float32),
-                                  precision="highest", **options),
+        expected=_reference(options)(x.astype(jnp.float32), w.astype(jnp.float32)),
         flops=flops, bytes=nbytes,
         # The Mosaic kernel's input staging copy (padding in the wrapper), timed alone:
         # its ratio to xla is what that copy costs next to a whole convolution.
@@ -89,9 +95,12 @@ def _blur_case(crop: int | None) -> Case | None:
 
 
 def cases(shapes: str) -> list[Case]:
-    """`shapes`: "native" (an accelerator), "cpu" (xla on a CPU) or "interpret" (small)."""
-    chosen = {"native": NATIVE_SHAPES, "cpu": CPU_SHAPES, "interpret": INTERPRET_SHAPES}[shapes]
-    out = [_case(x_shape, w_shape, options, dtype) for x_shape, w_shape, options in chosen
-           for dtype in (jnp.float32, jnp.bfloat16)]
+    """`shapes`: a key of `SHAPES`; interpreted sizes also get the gradient's rows."""
+    out = []
+    for x_shape, w_shape, options in SHAPES[shapes]:
+        for dtype in (jnp.float32, jnp.bfloat16):
+            out.append(_case(x_shape, w_shape, options, dtype))
+            if shapes in INTERPRETED:
+                out.append(backward(out[-1], _reference(options), wrt=(0, 1)))
     blur = _blur_case(BLUR_CROP[shapes])
     return out + ([blur] if blur is not None else [])

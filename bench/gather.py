@@ -19,16 +19,15 @@ from reference.gather import gather as reference_gather
 from tests.support import random
 
 # (vocabulary, features, ids)
-NATIVE_SHAPES = [(32000, 4096, 8192)]
-CPU_SHAPES = [(32000, 512, 2048)]
-INTERPRET_SHAPES = [(1000, 128, 64)]
+SHAPES = {"native": [(32000, 4096, 8192)], "cpu": [(32000, 512, 2048)],
+          "interpret": [(20000, 256, 4096)], "strict": [(1000, 128, 64)]}
 
 
 def _problem(vocabulary: int, features: int, ids: int, dtype) -> Problem:
     return Problem(1, vocabulary, features, ids, jnp.dtype(dtype), "clip", None)
 
 
-def _backward(implementation: str, interpret: bool):
+def _backward(implementation: str, interpret: bool | str):
     def run(table, ids, ct):
         def fn(t):
             return gather(t, ids, implementation=implementation, interpret=interpret)
@@ -38,10 +37,9 @@ def _backward(implementation: str, interpret: bool):
 
 
 def cases(shapes: str) -> list[Case]:
-    """`shapes`: "native" (an accelerator), "cpu" (xla on a CPU) or "interpret" (small)."""
-    chosen = {"native": NATIVE_SHAPES, "cpu": CPU_SHAPES, "interpret": INTERPRET_SHAPES}[shapes]
+    """`shapes`: a key of `SHAPES` (each with the backward's rows)."""
     out = []
-    for vocabulary, features, num_ids in chosen:
+    for vocabulary, features, num_ids in SHAPES[shapes]:
         dtype = jnp.bfloat16
         table = random((vocabulary, features), dtype, seed=1)
         ids = jnp.asarray(np.random.default_rng(2).integers(0, vocabulary, num_ids), jnp.int32)

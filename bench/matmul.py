@@ -6,20 +6,24 @@ import jax.numpy as jnp
 
 import kernels
 import reference
-from bench.harness import Case
+from bench.harness import INTERPRETED, Case, backward
 from kernels.matmul.common import flops_and_bytes, make_problem
 from tests.support import random
 
-NATIVE_SHAPES = [(1024, 1024, 1024), (4096, 4096, 4096), (8192, 1024, 4096)]
-INTERPRET_SHAPES = [(256, 256, 256)]
-CPU_SHAPES = [(512, 512, 512), (1024, 1024, 1024)]
+SHAPES = {"native": [(1024, 1024, 1024), (4096, 4096, 4096), (8192, 1024, 4096)],
+          "cpu": [(512, 512, 512), (1024, 1024, 1024)],
+          "interpret": [(1024, 1024, 1024)],
+          "strict": [(256, 256, 256)]}
+
+
+def _reference(a, b):
+    return reference.matmul(a, b, precision="highest")
 
 
 def cases(shapes: str) -> list[Case]:
-    """`shapes`: "native" (an accelerator), "cpu" (xla on a CPU) or "interpret" (small)."""
-    chosen = {"native": NATIVE_SHAPES, "cpu": CPU_SHAPES, "interpret": INTERPRET_SHAPES}[shapes]
+    """`shapes`: a key of `SHAPES`; interpreted sizes also get the gradient's rows."""
     out = []
-    for m, n, k in chosen:
+    for m, n, k in SHAPES[shapes]:
         for dtype in (jnp.float32, jnp.bfloat16):
             a, b = random((m, k), dtype, seed=1), random((k, n), dtype, seed=2)
             flops, nbytes = flops_and_bytes(make_problem(a, b, False, False, jnp.dtype(dtype)))
@@ -28,7 +32,8 @@ def cases(shapes: str) -> list[Case]:
                 args=(a, b),
                 run=lambda name, interpret: lambda a, b: kernels.matmul(
                     a, b, implementation=name, interpret=interpret),
-                expected=reference.matmul(a.astype(jnp.float32), b.astype(jnp.float32),
-                                          precision="highest"),
+                expected=_reference(a.astype(jnp.float32), b.astype(jnp.float32)),
                 flops=flops, bytes=nbytes))
+    if shapes in INTERPRETED:
+        out += [backward(case, _reference, wrt=(0, 1)) for case in out]
     return out

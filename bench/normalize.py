@@ -10,15 +10,16 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from bench.harness import Case
+from bench.harness import INTERPRETED, Case, backward
 from kernels.normalize import common, normalize
 from reference.normalize import normalize as reference_normalize
 from tests.support import random
 
 # (shape, axis, with scale/offset): layer norm over features, then the tutorial's columns.
-NATIVE_SHAPES = [((8192, 1024), -1, True), ((4096, 8192), -1, True), ((10000, 100), 0, False)]
-CPU_SHAPES = [((2048, 1024), -1, True), ((512, 8192), -1, True), ((10000, 100), 0, False)]
-INTERPRET_SHAPES = [((256, 1024), -1, True), ((1000, 100), 0, False)]
+SHAPES = {"native": [((8192, 1024), -1, True), ((4096, 8192), -1, True), ((10000, 100), 0, False)],
+          "cpu": [((2048, 1024), -1, True), ((512, 8192), -1, True), ((10000, 100), 0, False)],
+          "interpret": [((2048, 1024), -1, True), ((20000, 64), 0, False)],
+          "strict": [((256, 1024), -1, True), ((1000, 100), 0, False)]}
 
 
 def _numpy_standardize(x):
@@ -34,10 +35,9 @@ def _problem(x, axis, has_params: bool) -> common.Problem:
 
 
 def cases(shapes: str) -> list[Case]:
-    """`shapes`: "native" (an accelerator), "cpu" (xla on a CPU) or "interpret" (small)."""
-    chosen = {"native": NATIVE_SHAPES, "cpu": CPU_SHAPES, "interpret": INTERPRET_SHAPES}[shapes]
+    """`shapes`: a key of `SHAPES`; interpreted sizes also get the gradient's rows."""
     out = []
-    for shape, axis, has_params in chosen:
+    for shape, axis, has_params in SHAPES[shapes]:
         dtypes = (jnp.float32, jnp.bfloat16) if has_params else (jnp.float32,)
         for dtype in dtypes:
             x = random(shape, dtype, seed=1)
@@ -54,8 +54,10 @@ def cases(shapes: str) -> list[Case]:
                 return lambda *a: normalize(*a, axis=axis, epsilon=epsilon,
                                              implementation=name, interpret=interpret)
 
-            expected = reference_normalize(*(a.astype(jnp.float32) for a in args), axis=axis,
-                                         epsilon=epsilon)
+            def reference(*a, axis=axis, epsilon=epsilon):
+                return reference_normalize(*a, axis=axis, epsilon=epsilon)
+
+            expected = reference(*(a.astype(jnp.float32) for a in args))
             baselines = {} if has_params else {"numpy": _numpy_standardize}
             flops, _ = common.forward_flops_and_bytes(p)
             label = "layer norm" if has_params else "standardize"
@@ -63,4 +65,6 @@ def cases(shapes: str) -> list[Case]:
                 op="normalize", shape=f"{label} {shape[0]}x{shape[1]} axis={axis}",
                 dtype=jnp.dtype(dtype).name, args=args, run=run, expected=expected,
                 flops=flops, bytes=common.minimum_bytes(p), baselines=baselines))
+            if shapes in INTERPRETED:
+                out.append(backward(out[-1], reference, wrt=range(len(args))))
     return out

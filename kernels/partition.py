@@ -232,8 +232,8 @@ def check_partitionable(implementation: str, interpret: bool | str,
 
 def partitioned(fn: Callable[..., Any], rule: Rule, factors: Factors) -> Callable[..., Any]:
     """`fn(*operands, static)`, run per shard on whatever mesh its operands live on. `static`
-    is the op's hashable NamedTuple of options, with an `interpret` field (the dispatch's mode).
-    """
+    is hashable: the op's NamedTuple of options, with an `interpret` field (the dispatch's
+    mode), or a tuple holding one."""
 
     def run_explicit(mesh, present, static, operands):
         shapes = tuple(None if x is None else tuple(x.shape) for x in operands)
@@ -261,11 +261,7 @@ def partitioned(fn: Callable[..., Any], rule: Rule, factors: Factors) -> Callabl
 
     def partition(present, static, mesh, arg_shapes, result_shape):
         layout = _auto_layout(present, arg_shapes, result_shape, mesh)
-        # XLA's partitioner cannot lower TPU interpret mode's ordered host callbacks: there
-        # the simulator gives way to the HLO interpreter (same kernel code, no memory checks).
-        if static.interpret == "strict":
-            static = static._replace(interpret=True)
-        plan = rule(fn, static, layout)
+        plan = rule(fn, _without_simulator(static), layout)
         shardings = tuple(NamedSharding(mesh, spec(d)) for d in plan.in_dims if d is not None)
         out = _map_outputs(plan, lambda d: NamedSharding(mesh, spec(d)))
 
@@ -316,6 +312,17 @@ def partitioned(fn: Callable[..., Any], rule: Rule, factors: Factors) -> Callabl
         return run_auto(present, static, arrays)
 
     return call
+
+
+def _without_simulator(static: Any) -> Any:
+    """`static` (an op's NamedTuple with an `interpret` field, or a tuple holding one) with
+    "strict" given way to the HLO interpreter: XLA's partitioner cannot lower TPU interpret
+    mode's ordered host callbacks (the same kernel code runs, without the memory checks)."""
+    if hasattr(static, "_replace") and getattr(static, "interpret", None) == "strict":
+        return static._replace(interpret=True)
+    if type(static) is tuple:
+        return tuple(map(_without_simulator, static))
+    return static
 
 
 def _auto_layout(present, arg_shapes, result_shape, mesh) -> Layout:

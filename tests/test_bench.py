@@ -20,13 +20,42 @@ def test_bench_harness_rows():
                         expected=np.asarray(a, np.float64) @ np.asarray(b, np.float64),
                         flops=2 * 64 * 32 * 16, bytes=4 * (64 * 32 + 32 * 16 + 64 * 16),
                         baselines={"numpy": np.matmul}, parts={"copy": lambda a, b: a + 0})
-    rows = harness.measure(case, [("triton", True), ("xla", False)], repeats=2)
-    assert [r["implementation"] for r in rows] == ["triton (interpret)", "xla", "numpy", "copy"]
-    assert rows[0]["kind"] == "correctness only" and rows[0]["GB/s"] is None
+    rows = harness.measure(case, [("triton", True), ("mosaic", "strict"), ("xla", False)],
+                           repeats=2)
+    assert [r["implementation"] for r in rows] == ["triton (interpret)", "mosaic (strict)", "xla",
+                                                   "numpy", "copy"]
+    assert rows[0]["kind"] == "interpreted" and rows[0]["GB/s"] is None
+    rows = rows[:1] + rows[2:]
     assert rows[1]["vs_xla"] == 1.0
     assert all(r["max_rel_err"] < 1e-5 for r in rows[:3])
     assert rows[3]["max_rel_err"] is None and rows[3]["GB/s"] is None
     assert "triton (interpret)" in harness.table(rows)
+
+
+def test_backward_rows_differentiate_the_chosen_arguments():
+    """A backward row's error column compares the kernel's gradient with the reference's."""
+    a, b = random((16, 8), jnp.float32, 1), random((8, 4), jnp.float32, 2)
+    forward = harness.Case(op="matmul", shape="16x8 @ 8x4", dtype="float32", args=(a, b),
+                           run=lambda name, interpret: lambda a, b: matmul(
+                               a, b, implementation=name, interpret=interpret),
+                           expected=a @ b, flops=0, bytes=0)
+    case = harness.backward(forward, lambda a, b: a @ b, wrt=(1,))
+    (row, _) = harness.measure(case, [("mosaic", True), ("xla", False)], repeats=1)
+    assert row["op"] == "matmul backward" and row["max_rel_err"] < 1e-5
+    assert row["GB/s"] is None and row["floor_H100_us"] is None
+    # The gradient is with respect to b only: a's would have a's shape.
+    assert np.shape(case.expected[0]) == (8, 4)
+
+
+def test_interpret_option_takes_the_ops_values(capsys):
+    with pytest.raises(SystemExit):
+        main(["--interpret", "fast"])
+    assert "invalid choice" in capsys.readouterr().err
+    assert main(["--ops", "matmul", "--interpret", "strict", "--no-design", "--repeats",
+                 "1"]) == 0
+    out = capsys.readouterr().out
+    assert "mosaic (strict)" in out and "triton (interpret)" not in out
+    assert "matmul backward" in out
 
 
 def test_record_needs_a_device_and_names_its_file(capsys):

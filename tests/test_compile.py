@@ -74,12 +74,12 @@ def test_a_case_compiles_every_kernel_of_forward_and_backward():
 
 def test_cases_include_the_bench_device_shapes():
     described = {op: " | ".join(c.description for c in cases) for op, cases in CASES.items()}
-    for m, n, k in matmul_bench.NATIVE_SHAPES:
+    for m, n, k in matmul_bench.SHAPES["native"]:
         assert f"{m}x{k} @ {k}x{n}" in described["matmul"]
-    for x_shape, w_shape, _ in conv2d_bench.NATIVE_SHAPES:
+    for x_shape, w_shape, _ in conv2d_bench.SHAPES["native"]:
         assert f"{'x'.join(map(str, x_shape))} * {'x'.join(map(str, w_shape))}" in described[
             "conv2d"]
-    for vocabulary, features, ids in gather_bench.NATIVE_SHAPES:
+    for vocabulary, features, ids in gather_bench.SHAPES["native"]:
         assert f"table {vocabulary}x{features} bfloat16, {ids} ids" in described["gather"]
 
 

@@ -131,6 +131,20 @@ def test_linen_layer_matches_flax(name, implementation):
                         LAYERS[name][4])
 
 
+@pytest.mark.parametrize("name", ["LayerNorm", "Embed", "Linear"])
+def test_layers_take_the_ops_interpret_values(name):
+    """interpret= is passed to the op: "strict" runs the Mosaic kernel in the simulator and
+    still matches Flax; a value the ops do not take is a TypeError naming the argument."""
+    theirs, ours = _nnx_pair(name, implementation="mosaic", interpret="strict")
+    x = LAYERS[name][3]
+    got = _nnx_apply(nnx.graphdef(ours))(nnx.state(theirs), x)
+    want = theirs(x)
+    _assert_same(got, want, want.dtype, LAYERS[name][4])
+    _, wrong = _linen_pair(name, implementation="mosaic", interpret="yes")
+    with pytest.raises(TypeError, match="interpret must be None, True, False or 'strict'"):
+        wrong.init(jax.random.key(0), x)
+
+
 @pytest.mark.parametrize("name", LAYERS)
 def test_nnx_checkpoint_round_trip(name):
     """Flax's parameters (names, shapes, dtypes) load into ours, and ours into Flax's."""

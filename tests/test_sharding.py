@@ -158,3 +158,38 @@ def test_sharded_training_example():
                           env=_env(), cwd=HERE.parent)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "losses match" in done.stdout, done.stdout
+
+
+_STRICT_ON_A_MESH = """
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+import kernels, reference
+
+x = np.random.default_rng(0).standard_normal((64, 256)).astype(np.float32)
+want = np.asarray(reference.layer_norm(jnp.asarray(x)))
+layer_norm = lambda x: kernels.layer_norm(x, implementation="mosaic", interpret="strict")
+for kind in ("Explicit", "Auto", "shard_map"):
+    mesh = jax.make_mesh((4,), ("data",), axis_types=(
+        AxisType.Auto if kind == "Auto" else AxisType.Explicit,))
+    fn = jax.jit(layer_norm if kind != "shard_map" else jax.shard_map(
+        layer_norm, mesh=mesh, in_specs=P("data"), out_specs=P("data"), check_vma=False))
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+        text = fn.lower(xs).as_text()
+        got = np.asarray(fn(xs))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    print(kind, "simulator" if "callback" in text else "hlo-interpreter")
+"""
+
+
+def test_strict_mode_on_a_mesh():
+    """"strict" keeps TPU interpret mode under Explicit axes and shard_map; only under Auto
+    axes (XLA's partitioner, which cannot lower its host callbacks) does it give way to the
+    HLO interpreter. Values are right every way."""
+    proc = subprocess.run([sys.executable, "-c", _STRICT_ON_A_MESH], capture_output=True,
+                          text=True, env=_env(), cwd=HERE.parent, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["Explicit", "simulator", "Auto", "hlo-interpreter",
+                                   "shard_map", "simulator"]
