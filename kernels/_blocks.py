@@ -15,6 +15,9 @@ MIN_TRITON_DOT = 16  # Triton's dot needs every tile dim >= 16
 # A split reduction of fewer steps than this leaves a GPU's software pipeline (num_stages deep)
 # mostly filling and draining.
 MIN_PIPELINED_STEPS = 4
+# Elements of one program's tile in the fast interpreter, where a tile is an XLA array on the
+# CPU (16 MiB of float32: milliseconds of work), not registers.
+INTERPRETED_TILE = 1 << 22
 
 
 def next_power_of_2(n: int) -> int:
@@ -25,6 +28,15 @@ def triton_block(dim: int, cap: int) -> int:
     """A Triton block over `dim`: the power of 2 covering it, at least 16 (the dot's minimum),
     at most `cap`."""
     return min(cap, max(MIN_TRITON_DOT, next_power_of_2(dim)))
+
+
+def tile_limit(device_limit: int, interpreted_limit: int = INTERPRETED_TILE,
+               platform: str = "gpu") -> int:
+    """The most elements one program's tile may hold where the call runs: `device_limit`
+    (what registers or VMEM hold) on a device and in the "strict" interpreter, which run the
+    device's schedule; `interpreted_limit` in the fast interpreter, whose cost is per program
+    (`_targets.INTERPRETER`)."""
+    return interpreted_limit if _targets.current(platform).interpreter else device_limit
 
 
 def is_positive_int(n: object) -> bool:

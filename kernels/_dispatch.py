@@ -11,9 +11,12 @@ platform being lowered for. Where they agree (an explicit implementation with an
 `interpret` (see DESIGN.md) is resolved here too, into what a kernel receives: `False`
 (compiled), `True` (Pallas' HLO interpreter: the kernel's code as XLA ops, at model speed) or
 `"strict"` (Mosaic kernels in TPU interpret mode, whose simulated memory makes an
-out-of-bounds read raise and uninitialized memory NaN; Triton kernels have no stricter Pallas
-interpreter and run as `True`). The kernels get it as an argument: no state outside the call
-changes how a kernel runs.
+out-of-bounds read raise and uninitialized memory NaN; Pallas has no stricter interpreter for
+Triton kernels, which run in the HLO interpreter). The kernels get it as an argument. The fast
+interpreter (`True`) runs each kernel on blocks sized for the interpreter
+(`_targets.INTERPRETER`: few, large programs); "strict" runs the schedule of the device, as
+compiled. The dispatch checks a kernel with its target in scope; `kernels.partition`, through
+which every kernel call goes, traces it so.
 
 Each op passes the checks of its Pallas implementations. A check raises `NotImplementedError`
 with a reason when its kernel cannot take the inputs (a dtype, a shape, an option); the next
@@ -86,7 +89,8 @@ def _environment_strict() -> bool:
 def resolve_interpret(name: str, interpret: Interpret, platform: str = "cpu",
                       operands: Sequence[Any] = ()) -> bool | str:
     """How implementation `name` runs in a program lowered for `platform`: `False`
-    (compiled), `True` (the HLO interpreter) or "strict" (TPU interpret mode; Mosaic only).
+    (compiled), `True` (the HLO interpreter, interpreter-sized blocks) or "strict" (the
+    device's blocks; Mosaic kernels in TPU interpret mode, Triton's in the HLO interpreter).
     `None` interprets exactly where the platform is not the kernel's own, with the HLO
     interpreter, or with "strict" where `$KERNELS_INTERPRET` says so.
 
@@ -104,8 +108,7 @@ def resolve_interpret(name: str, interpret: Interpret, platform: str = "cpu",
         if native or strict and name == "mosaic" and _targets.program_platform(operands) == "tpu":
             return False
         mode = STRICT if strict else True
-    # Pallas has no stricter interpreter for Triton kernels than the HLO interpreter.
-    return True if mode == STRICT and name == "triton" else mode
+    return mode
 
 
 def choose(
@@ -135,7 +138,7 @@ def choose(
         try:
             if name != "xla":
                 partition.check_partitionable(name, interpreted, operands)
-                with _targets.for_operands(operands):
+                with _targets.for_operands(operands), _targets.interpreted(interpreted is True):
                     checks[name]()
         except NotImplementedError as declined:
             reasons.append(f"{name}: {declined}")

@@ -9,6 +9,7 @@ jax 0.11+ lower a kernel for a platform this machine does not have.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -44,6 +45,14 @@ __all__ = [
 TRITON_CALL_MARKER = "__gpu$xla.gpu.triton"
 MOSAIC_CALL_MARKER = "tpu_custom_call"
 
+# Whether the interpreted Triton kernel being traced has so few programs that its tiles are
+# best read and written as slices (set by `triton_call` around the kernel's trace).
+_SLICED_TILES: contextvars.ContextVar[bool] = contextvars.ContextVar("sliced_tiles",
+                                                                    default=False)
+# Up to this many programs an interpreted kernel accesses its tiles as slices.
+_SLICED_PROGRAMS = 4
+
+
 def _as_index_arrays(ref: Any) -> Any:
     """`ref.at[...]` of slices (and scalars) as the same tile indexed by int arrays.
 
@@ -51,8 +60,13 @@ def _as_index_arrays(ref: Any) -> Any:
     compilers see the same contiguity; but Pallas' interpreter pads and unpads the whole array
     around every sliced store (and pads for every sliced load) so a slice may pass the edge,
     which makes each interpreted program cost O(array), while index arrays become a gather or
-    scatter of the tile (out-of-bounds lanes are masked, and a scatter drops them anyway).
+    scatter of the tile (out-of-bounds lanes are masked, and a scatter drops them anyway), at
+    several times the cost of a copy per element. So an interpreted kernel of a few programs
+    (the fast interpreter's schedule, `_targets.INTERPRETER`) keeps its slices: O(array) a few
+    times, at a copy's speed.
     """
+    if _SLICED_TILES.get():
+        return ref
     if not isinstance(ref, state_types.TransformedRef) or len(ref.transforms) != 1:
         return ref
     (indexer,) = ref.transforms
@@ -137,7 +151,7 @@ def triton_call(
     out_specs: Any = None,
     num_warps: int,
     num_stages: int,
-    interpret: bool,
+    interpret: bool | str,
     cost_estimate: pl.CostEstimate | None = None,
     name: str | None = None,
 ) -> Callable[..., Any]:
@@ -151,16 +165,20 @@ def triton_call(
     def call(*args):
         shapes = _varying_like(out_shape, args)
         widen = interpret and _NARROW_CARRIES_CONVERT
-        outs = pl.pallas_call(
-            kernel,
-            out_shape=jax.tree.map(_widened, shapes) if widen else shapes,
-            grid=grid,
-            **specs,
-            compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-            interpret=interpret,
-            cost_estimate=cost_estimate,
-            name=name,
-        )(*args)
+        sliced = _SLICED_TILES.set(bool(interpret) and math.prod(grid) <= _SLICED_PROGRAMS)
+        try:
+            outs = pl.pallas_call(
+                kernel,
+                out_shape=jax.tree.map(_widened, shapes) if widen else shapes,
+                grid=grid,
+                **specs,
+                compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+                interpret=bool(interpret),
+                cost_estimate=cost_estimate,
+                name=name,
+            )(*args)
+        finally:
+            _SLICED_TILES.reset(sliced)
         return jax.tree.map(lambda out, shape: out.astype(shape.dtype), outs, shapes)
 
     return call

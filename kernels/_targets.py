@@ -3,8 +3,11 @@ will run on.
 
 Block sizes are chosen from the target a call runs on (`current`): the device present, or the
 abstract device in scope while lowering or compiling for a target this machine does not have
-(`jax.sharding.use_abstract_mesh`), or, off any accelerator (interpret mode), the default
-target of the platform, so an interpreted kernel runs exactly the schedule it would run there.
+(`jax.sharding.use_abstract_mesh`), or, off any accelerator, the default target of the
+platform, so a kernel in the "strict" interpreter runs exactly the schedule it would run there.
+A kernel in the fast interpreter (`interpret=None`/`True` on a CPU) is sized for `INTERPRETER`
+instead: Pallas' HLO interpreter runs the programs one after another, each as XLA ops on whole
+tiles, so there fewer, larger programs cost less (see `interpreted`).
 The figures are the vendors' and were checked against the real compilers (`kernels.compile`).
 """
 
@@ -47,6 +50,7 @@ class Target:
     l2_cache: int | None = None
     clock_ghz: float | None = None
     device_memory: int | None = None
+    interpreter: bool = False  # Pallas' HLO interpreter on a CPU, not a device
 
     @property
     def min_programs(self) -> int:
@@ -79,6 +83,14 @@ TARGETS = {
                  num_cores=2),
 }
 DEFAULT = {"gpu": TARGETS["sm_90"], "tpu": TARGETS["v5e"]}
+# What the fast interpreter sizes blocks for: one "SM" (so no kernel splits work to fill a GPU)
+# and VMEM as large as the CPU's memory allows a tile (so Mosaic steps cover whole arrays).
+INTERPRETER = {
+    "gpu": Target("interpreter", "gpu", "HLO interpreter", num_sms=1, shared_memory=2**40,
+                  interpreter=True),
+    "tpu": Target("interpreter", "tpu", "HLO interpreter", vmem=1024 * MIB,
+                  scoped_vmem=1024 * MIB, num_cores=1, interpreter=True),
+}
 _PLATFORMS = {"gpu": ("gpu", "cuda", "rocm"), "tpu": ("tpu",)}
 
 
@@ -92,6 +104,8 @@ def _by_device_kind(platform: str, device_kind: str) -> Target:
 # The abstract device of the mesh an op's operands live on, while the op traces (`for_operands`).
 _OPERAND_DEVICE: contextvars.ContextVar[Any] = contextvars.ContextVar("operand_device",
                                                                      default=None)
+# Whether the call being traced runs in the fast interpreter (`interpreted`).
+_INTERPRETED: contextvars.ContextVar[bool] = contextvars.ContextVar("interpreted", default=False)
 
 
 def mesh_of(x: Any) -> Any:
@@ -134,10 +148,23 @@ def for_operands(operands: Sequence[Any]) -> Iterator[None]:
         _OPERAND_DEVICE.reset(token)
 
 
+@contextlib.contextmanager
+def interpreted(fast: bool) -> Iterator[None]:
+    """Within this scope (`fast`: the call runs in the HLO interpreter) `current` is the
+    `INTERPRETER`: set by the dispatch for the call it makes, like `for_operands`."""
+    token = _INTERPRETED.set(fast)
+    try:
+        yield
+    finally:
+        _INTERPRETED.reset(token)
+
+
 def current(platform: str) -> Target:
-    """The target of `platform` ("gpu" or "tpu") that a call made now would run on: the
-    program's device (`_program_devices`), else a device of this process, else the platform's
-    default target."""
+    """The target of `platform` ("gpu" or "tpu") that a call made now would run on: the fast
+    interpreter (`interpreted`), else the program's device (`_program_devices`), else a device
+    of this process, else the platform's default target."""
+    if _INTERPRETED.get():
+        return INTERPRETER[platform]
     for device in (*_program_devices(_OPERAND_DEVICE.get()), *jax.devices()):
         if device.platform in _PLATFORMS[platform]:
             return _by_device_kind(platform, device.device_kind)

@@ -233,7 +233,15 @@ def check_partitionable(implementation: str, interpret: bool | str,
 def partitioned(fn: Callable[..., Any], rule: Rule, factors: Factors) -> Callable[..., Any]:
     """`fn(*operands, static)`, run per shard on whatever mesh its operands live on. `static`
     is hashable: the op's NamedTuple of options, with an `interpret` field (the dispatch's
-    mode), or a tuple holding one."""
+    mode), or a tuple holding one. Forward and backward kernels alike are traced with the fast
+    interpreter's target in scope where that is their mode (`_targets.interpreted`): a
+    custom_vjp's backward is traced after the forward's call has returned."""
+    kernel = fn
+
+    def fn(*args):
+        with _targets.interpreted(_interpret_of(args[-1]) is True):
+            return kernel(*args)
+
 
     def run_explicit(mesh, present, static, operands):
         shapes = tuple(None if x is None else tuple(x.shape) for x in operands)
@@ -314,10 +322,19 @@ def partitioned(fn: Callable[..., Any], rule: Rule, factors: Factors) -> Callabl
     return call
 
 
+def _interpret_of(static: Any) -> Any:
+    """The dispatch's interpret mode held by `static` (an op's NamedTuple with an `interpret`
+    field, or a tuple holding one)."""
+    if hasattr(static, "interpret"):
+        return static.interpret
+    return next((mode for mode in map(_interpret_of, static) if mode is not None), None) \
+        if type(static) is tuple else None
+
+
 def _without_simulator(static: Any) -> Any:
-    """`static` (an op's NamedTuple with an `interpret` field, or a tuple holding one) with
-    "strict" given way to the HLO interpreter: XLA's partitioner cannot lower TPU interpret
-    mode's ordered host callbacks (the same kernel code runs, without the memory checks)."""
+    """`static` with "strict" given way to the HLO interpreter: XLA's partitioner cannot lower
+    TPU interpret mode's ordered host callbacks (the same kernel code runs, without the memory
+    checks)."""
     if hasattr(static, "_replace") and getattr(static, "interpret", None) == "strict":
         return static._replace(interpret=True)
     if type(static) is tuple:

@@ -32,10 +32,10 @@ def test_kernels_are_interpreted_off_their_platform():
 @pytest.mark.parametrize("interpret,strict_env,platform,triton,mosaic", [
     (None, False, "cpu", True, True),          # the fast interpreter off the platform
     (None, False, "tpu", True, False),         # the kernel's own platform: compiled
-    (None, True, "cpu", True, "strict"),       # $KERNELS_INTERPRET=strict replaces None
+    (None, True, "cpu", "strict", "strict"),   # $KERNELS_INTERPRET=strict replaces None
     (None, True, "cuda", False, "strict"),
     (True, True, "tpu", True, True),           # explicit values win over the environment
-    ("strict", False, "cuda", True, "strict"),  # Triton has no stricter interpreter
+    ("strict", False, "cuda", "strict", "strict"),
     (False, True, "cpu", False, False),
 ])
 def test_interpret_modes(monkeypatch, interpret, strict_env, platform, triton, mosaic):
@@ -43,9 +43,9 @@ def test_interpret_modes(monkeypatch, interpret, strict_env, platform, triton, m
         monkeypatch.setenv(_dispatch.INTERPRET_ENV_VAR, "strict")
     else:
         monkeypatch.delenv(_dispatch.INTERPRET_ENV_VAR, raising=False)
-    assert _dispatch.resolve_interpret("triton", interpret, platform) is triton
-    resolved = _dispatch.resolve_interpret("mosaic", interpret, platform)
-    assert resolved == mosaic and type(resolved) is type(mosaic)
+    for name, expected in (("triton", triton), ("mosaic", mosaic)):
+        resolved = _dispatch.resolve_interpret(name, interpret, platform)
+        assert resolved == expected and type(resolved) is type(expected), name
 
 
 @pytest.mark.parametrize("interpret", ["yes", "fast", 1, 0, np.bool_(True)])
@@ -136,7 +136,9 @@ def test_interpreted_triton_kernel_updates_16_bit_outputs_in_place(dtype):
     from kernels import layer_norm
 
     x = jnp.ones((512, 256), dtype)
-    hlo = jax.jit(lambda x: layer_norm(x, implementation="triton")).lower(x).compile().as_text()
+    # "strict": the device's schedule, many programs (the fast interpreter's is one).
+    hlo = jax.jit(lambda x: layer_norm(x, implementation="triton", interpret="strict")).lower(
+        x).compile().as_text()
     loops = _loop_computations(hlo)
     assert loops, "the interpreted kernel runs as a loop over its programs"
     whole_output = "[1,512,256]"

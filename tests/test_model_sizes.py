@@ -86,3 +86,29 @@ def test_conv2d(kernel):
     _check(lambda x, w: kernels.conv2d(x, w, padding="SAME", implementation=kernel),
            lambda x, w: reference.conv2d(x, w, padding="SAME"), (x, w), jnp.float32,
            3 * 3 * 32, (3 * 3 * 64, 8 * 32 * 32))
+
+
+def _programs(fn, *args) -> list[int]:
+    """Programs (grid points) of each kernel launch `fn(*args)` traces, forward and backward."""
+    from kernels.compile import _find_pallas_calls
+
+    jaxpr = jax.make_jaxpr(jax.value_and_grad(lambda *a: jnp.sum(fn(*a)),
+                                              argnums=tuple(range(len(args)))))(*args)
+    return [int(np.prod(eqn.params["grid_mapping"].grid))
+            for eqn in _find_pallas_calls(jaxpr.jaxpr, [])]
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_the_fast_interpreter_runs_few_programs(kernel):
+    """What makes the default interpreter fast: each kernel runs a handful of whole-array
+    programs (`_targets.INTERPRETER`), while "strict" runs the device's schedule, which the
+    per-op suites prove."""
+    x = jnp.ones((2048, 1024), jnp.float32)
+
+    def layer_norm(interpret):
+        return lambda x: kernels.layer_norm(x, implementation=kernel, interpret=interpret)
+
+    # True, the default's choice on a CPU (None also traces the compiled kernel's branch).
+    fast, strict = _programs(layer_norm(True), x), _programs(layer_norm("strict"), x)
+    assert len(fast) == len(strict) == 2  # forward and backward
+    assert max(fast) <= 2 and min(strict) >= 8, (fast, strict)

@@ -290,7 +290,7 @@ def _forward_traffic(p: Problem, config: Conv2dConfig) -> int:
 
 
 def conv(x: jax.Array, w: jax.Array, p: Problem, *, config: Conv2dConfig | None, precision,
-         interpret: bool) -> jax.Array:
+         interpret: bool | str) -> jax.Array:
     """The convolution of a problem that `check` accepted: (N, OH, OW, O) in p.out_dtype."""
     config = resolve_config(p, config)
     if p.depthwise:
@@ -430,7 +430,7 @@ def _weight_grad_traffic(p: Problem, config: Conv2dConfig, dy_dtype, dw_dtype,
             + written)
 
 
-def weight_grad(x: jax.Array, dy: jax.Array, p: Problem, *, precision, interpret: bool,
+def weight_grad(x: jax.Array, dy: jax.Array, p: Problem, *, precision, interpret: bool | str,
                 dtype: jnp.dtype) -> jax.Array:
     """dW (KH, KW, C/G, O) in `dtype` of problem `p` from its input and output gradient."""
     config = weight_grad_config(p)

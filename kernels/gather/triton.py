@@ -55,7 +55,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kernels._blocks import check_triton_config, next_power_of_2, require_int32_offsets
+from kernels._blocks import (check_triton_config, next_power_of_2, require_int32_offsets,
+                             tile_limit)
 from kernels._pallas import pl, triton_call, triton_load, triton_store
 from kernels.gather.common import (GatherConfig, Problem, ScatterPlan, accumulator_dtype,
                                    check_int, gather_cost, normalize_row, scatter_cost)
@@ -67,11 +68,11 @@ _MAX_BLOCK_COLUMNS = 512
 def resolve_config(p: Problem, config: GatherConfig | None) -> GatherConfig:
     """Power-of-2 blocks: up to 64 indices by up to 512 columns (a 64 KiB float32 tile)."""
     config = config or GatherConfig()
-    block_columns = config.block_columns or min(_MAX_BLOCK_COLUMNS,
+    block_columns = config.block_columns or min(tile_limit(_MAX_BLOCK_COLUMNS),
                                                 next_power_of_2(p.columns))
     # Short rows (the last-axis gather): take more indices per program instead.
     block_indices = config.block_indices or min(
-        max(_MAX_BLOCK_INDICES, _MAX_BLOCK_INDICES * 64 // block_columns),
+        max(_MAX_BLOCK_INDICES, tile_limit(_MAX_BLOCK_INDICES * 64) // block_columns),
         next_power_of_2(max(p.num_indices, 1)))
     num_warps = config.num_warps or (8 if block_indices * block_columns >= 16384 else 4)
     return dataclasses.replace(config, block_indices=block_indices, block_columns=block_columns,
@@ -114,7 +115,7 @@ def _gather_kernel(indices_ref, x_ref, out_ref, *, p: Problem, block_indices: in
 
 
 def gather(x: jax.Array, indices: jax.Array, p: Problem, *, config: GatherConfig | None,
-           interpret: bool) -> jax.Array:
+           interpret: bool | str) -> jax.Array:
     """`x` viewed (batch, n, columns), int32 `indices` (m,) -> (batch, m, columns)."""
     config = resolve_config(p, config)
     kernel = functools.partial(_gather_kernel, p=p, block_indices=config.block_indices,
@@ -269,7 +270,7 @@ def _pieces_cost(p: Problem, partial_bytes: int) -> pl.CostEstimate:
 
 
 def scatter_add(g: jax.Array, plan: ScatterPlan, p: Problem, *, config: GatherConfig | None,
-                interpret: bool) -> jax.Array:
+                interpret: bool | str) -> jax.Array:
     """Cotangent `g` (batch, m, columns) summed into a zero (batch, n, columns) table."""
     config = resolve_config(p, config)
     layout = pieces(p, config.block_columns)

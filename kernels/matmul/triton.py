@@ -206,7 +206,7 @@ def _cost_estimate(p: Problem, config: MatmulConfig, partial_bytes: int) -> pl.C
 
 
 def matmul(a: jax.Array, b: jax.Array, p: Problem, *, config: MatmulConfig | None, precision,
-           interpret: bool) -> jax.Array:
+           interpret: bool | str) -> jax.Array:
     """`op(a) @ op(b)` for a problem that `check` accepted; returns out_batch + (M, N)."""
     config = resolve_config(p, config)
     num_tiles = pl.cdiv(p.m, config.block_m) * pl.cdiv(p.n, config.block_n)

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from kernels import _targets
-from kernels._blocks import LANES, sublanes
+from kernels._blocks import LANES, sublanes, tile_limit
 from kernels._pallas import mosaic_call, pl, pltpu
 from kernels.normalize import common
 from kernels.normalize.common import NormalizeConfig, Problem, unpack_refs
@@ -84,17 +84,18 @@ def vmem_bytes(p: Problem, config: NormalizeConfig) -> int:
 
 
 def resolve_config(p: Problem, config: NormalizeConfig | None) -> NormalizeConfig:
-    """Blocks of at most half the target's scoped VMEM (and _TARGET_BLOCK elements): the whole
-    group when it fits (<= 16384), else chunks; as many groups as fit beside it. In the columns
+    """Blocks of at most half the target's scoped VMEM (and _TARGET_BLOCK elements; in the fast
+    interpreter, `tile_limit`'s): the whole group when it fits (<= 16384), else chunks; as many groups as fit beside it. In the columns
     layout the lane dim (groups) cannot go below 128, so a long reduced axis is chunked instead
     (the two-phase schedule) rather than overflowing VMEM."""
     config = config or NormalizeConfig()
     tiling = _tiling(p)
-    budget = min(_TARGET_BLOCK,
+    budget = min(tile_limit(_TARGET_BLOCK, platform="tpu"),
                  _targets.current("tpu").scoped_vmem // 2 // _step_bytes_per_element(p))
     block_reduced = config.block_reduced
     if block_reduced is None:
-        block_reduced = _fit(p.reduced, _MAX_BLOCK_REDUCED, tiling["block_reduced"][0])
+        block_reduced = _fit(p.reduced, tile_limit(_MAX_BLOCK_REDUCED, platform="tpu"),
+                             tiling["block_reduced"][0])
     block_groups = config.block_groups
     if block_groups is None and isinstance(block_reduced, int) and block_reduced > 0:
         multiple = tiling["block_groups"][0]

@@ -56,7 +56,7 @@ from jax import lax
 
 from kernels import _targets
 from kernels._blocks import (Split, check_triton_config, int32_loop, is_positive_int,
-                             is_power_of_2, next_power_of_2, split_reduction)
+                             is_power_of_2, next_power_of_2, split_reduction, tile_limit)
 from kernels._pallas import pl, triton_call, triton_load, triton_store
 from kernels.normalize import common
 from kernels.normalize.common import NormalizeConfig, Problem, unpack_refs
@@ -77,13 +77,14 @@ def resolve_config(p: Problem, config: NormalizeConfig | None) -> NormalizeConfi
     elements as fit. `num_partials` stays None unless given: `num_partials()` picks it.
     """
     config = config or NormalizeConfig()
-    max_tile = _MAX_TILE // 2 if jnp.dtype(p.dtype).itemsize == 8 else _MAX_TILE
+    max_tile = tile_limit(_MAX_TILE) // (2 if jnp.dtype(p.dtype).itemsize == 8 else 1)
     if p.rows:
         block_reduced = _or(config.block_reduced, min(next_power_of_2(p.reduced), max_tile))
         block_groups = _or(config.block_groups, min(
             next_power_of_2(p.groups), max(1, max_tile // max(1, block_reduced))))
     else:
-        block_groups = _or(config.block_groups, min(next_power_of_2(p.groups), 32))
+        block_groups = _or(config.block_groups, min(next_power_of_2(p.groups),
+                                                    tile_limit(32)))
         block_reduced = _or(config.block_reduced, min(
             next_power_of_2(p.reduced), max(1, max_tile // max(1, block_groups))))
     tile = block_groups * block_reduced if is_power_of_2(block_groups * block_reduced) else 0
@@ -300,7 +301,7 @@ def _reads(p: Problem, arrays: int, flops_per_element: int, s: Schedule):
 
 
 def forward(x: jax.Array, scale: jax.Array | None, offset: jax.Array | None, p: Problem, *,
-            config: NormalizeConfig | None, interpret: bool):
+            config: NormalizeConfig | None, interpret: bool | str):
     """(y, mean, rstd) for the view-shaped `x` of a problem that `check` accepted."""
     config = resolve_config(p, config)
     s = schedule(p, config)
@@ -397,7 +398,7 @@ def _backward_kernel(*refs, p: Problem, config: NormalizeConfig, s: Schedule, pa
 
 
 def backward(x, scale, mean, rstd, gy, gmean, grstd, p: Problem, *,
-             config: NormalizeConfig | None, interpret: bool):
+             config: NormalizeConfig | None, interpret: bool | str):
     """(dx, dscale or None, doffset or None); dscale/doffset in `p.param_shape`."""
     config = resolve_config(p, config)
     s = schedule(p, config)
