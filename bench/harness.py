@@ -154,7 +154,7 @@ def measure(case: Case, implementations: Sequence[tuple[str, bool | str]],
 
 
 # (column, format, width): fixed widths, so each row prints as soon as it is measured.
-_COLUMNS = [("op", "{}", 16), ("shape", "{}", 46), ("dtype", "{}", 9),
+_COLUMNS = [("op", "{}", 18), ("shape", "{}", 46), ("dtype", "{}", 9),
             ("implementation", "{}", 24), ("median_ms", "{:.3f}", 10), ("vs_xla", "{:.2f}x", 9),
             ("GB/s", "{:.1f}", 7), ("TFLOP/s", "{:.3f}", 8), ("max_rel_err", "{:.1e}", 11),
             ("floor_H100_us", "{:.3g}", 13), ("floor_TPU v5e_us", "{:.3g}", 16)]

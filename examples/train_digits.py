@@ -14,9 +14,9 @@ The two models differ only in the layer classes (`kernels.flax.nnx.Conv` for `fl
 ...); ours is given the Flax model's initial parameters, as a checkpoint would load. Each epoch
 prints both mean training losses and test accuracies; at the end the script writes a PNG with
 both loss curves and exits non-zero if the final test accuracies differ by more than 2 points.
-On a CPU, `--implementation triton` runs the Triton kernels in interpret mode (8 epochs in
-about 15 s here); `mosaic` runs TPU interpret mode, about 30-40 s per training step here: use
-it to check that a few steps agree, not to train. Needs the `examples` and `flax` extras.
+On a CPU, `--implementation triton` and `mosaic` run the kernels in Pallas' fast interpreter
+(the default `interpret=None`): 8 epochs train in about 8 s and 12 s on this project's 2-core
+CPU (Flax's own layers: under 2 s). Needs the `examples` and `flax` extras.
 """
 
 from __future__ import annotations

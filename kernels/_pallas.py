@@ -49,8 +49,9 @@ MOSAIC_CALL_MARKER = "tpu_custom_call"
 # best read and written as slices (set by `triton_call` around the kernel's trace).
 _SLICED_TILES: contextvars.ContextVar[bool] = contextvars.ContextVar("sliced_tiles",
                                                                     default=False)
-# Up to this many programs an interpreted kernel accesses its tiles as slices.
-_SLICED_PROGRAMS = 4
+# Up to this many tile visits (programs times the tiles each walks) an interpreted kernel
+# accesses its tiles as slices.
+_SLICED_VISITS = 4
 
 
 def _as_index_arrays(ref: Any) -> Any:
@@ -61,9 +62,9 @@ def _as_index_arrays(ref: Any) -> Any:
     around every sliced store (and pads for every sliced load) so a slice may pass the edge,
     which makes each interpreted program cost O(array), while index arrays become a gather or
     scatter of the tile (out-of-bounds lanes are masked, and a scatter drops them anyway), at
-    several times the cost of a copy per element. So an interpreted kernel of a few programs
-    (the fast interpreter's schedule, `_targets.INTERPRETER`) keeps its slices: O(array) a few
-    times, at a copy's speed.
+    several times the cost of a copy per element. So an interpreted kernel that visits only a
+    few tiles in all (the fast interpreter's schedule, `_targets.INTERPRETER`, at its best:
+    one program over whole arrays) keeps its slices: O(array) a few times, at a copy's speed.
     """
     if _SLICED_TILES.get():
         return ref
@@ -154,18 +155,22 @@ def triton_call(
     interpret: bool | str,
     cost_estimate: pl.CostEstimate | None = None,
     name: str | None = None,
+    steps_per_program: int = 1,
 ) -> Callable[..., Any]:
     """`pl.pallas_call` for a Triton kernel.
 
     Always passes Triton compiler params: without them Pallas (jax >= 0.9) routes a GPU kernel
-    to Mosaic GPU.
+    to Mosaic GPU. `steps_per_program`: the tiles of an array one program walks in turn (its
+    loop's trip count), which decides how an interpreted kernel accesses them
+    (`_as_index_arrays`).
     """
     specs = {} if in_specs is None else {"in_specs": in_specs, "out_specs": out_specs}
 
     def call(*args):
         shapes = _varying_like(out_shape, args)
         widen = interpret and _NARROW_CARRIES_CONVERT
-        sliced = _SLICED_TILES.set(bool(interpret) and math.prod(grid) <= _SLICED_PROGRAMS)
+        sliced = _SLICED_TILES.set(
+            bool(interpret) and math.prod(grid) * steps_per_program <= _SLICED_VISITS)
         try:
             outs = pl.pallas_call(
                 kernel,

@@ -84,7 +84,7 @@ def test_bench_streams_rows_and_writes_csv_and_plots(capsys, tmp_path):
     assert "[1/2] gather " in err and "[2/2] gather backward " in err
     rows = list(csv.DictReader(csv_path.open()))
     assert [r["op"] for r in rows] == ["gather", "gather backward"]
-    assert all(any(line.startswith(r["op"].ljust(16) + "  " + r["shape"]) for line in lines)
+    assert all(any(line.startswith(r["op"].ljust(18) + "  " + r["shape"]) for line in lines)
                for r in rows)
     assert float(rows[0]["bytes"]) > 0 and rows[0]["implementation"] == "xla"
     assert (plots / "gather.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
