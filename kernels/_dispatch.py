@@ -118,6 +118,7 @@ def choose(
     checks: Mapping[str, Callable[[], None]],
     platform: str = "cpu",
     operands: Sequence[Any] = (),
+    config: Any = None,
 ) -> tuple[str, bool | str]:
     """(implementation name, `resolve_interpret`'s mode) for one call of `op` lowered for
     `platform`.
@@ -125,7 +126,9 @@ def choose(
     `checks[name]()` raises `NotImplementedError(reason)` when kernel `name` declines these
     inputs, as does a kernel that cannot be partitioned over the mesh `operands` live on
     (`partition.check_partitionable`); "xla" never declines. Raises `NotImplementedError` when
-    nothing accepts the inputs.
+    nothing accepts the inputs. A kernel in the fast interpreter is checked with the blocks it
+    will run, the interpreter's (`_targets.interpreted`), unless the caller gave a `config`:
+    that is a device's blocks, checked against the device.
     """
     if not (interpret is None or isinstance(interpret, bool) or
             isinstance(interpret, str) and interpret == STRICT):
@@ -138,7 +141,8 @@ def choose(
         try:
             if name != "xla":
                 partition.check_partitionable(name, interpreted, operands)
-                with _targets.for_operands(operands), _targets.interpreted(interpreted is True):
+                with _targets.for_operands(operands), _targets.interpreted(
+                        interpreted is True and config is None):
                     checks[name]()
         except NotImplementedError as declined:
             reasons.append(f"{name}: {declined}")
@@ -154,10 +158,12 @@ def run(
     checks: Mapping[str, Callable[[], None]],
     call: Callable[..., Any],
     *operands: Any,
+    config: Any = None,
 ) -> Any:
     """`call(name, interpret, *operands)` with the implementation `choose` picks for each
     platform the program may be lowered for (see the module docstring). `operands` is a
-    pytree of arrays (None for an absent one); `call` traces the chosen implementation.
+    pytree of arrays (None for an absent one); `call` traces the chosen implementation;
+    `config` is the caller's (see `choose`).
 
     Where nothing accepts the inputs on some platforms only (an explicit Mosaic kernel on Auto
     mesh axes: fine interpreted on CPU devices, impossible on TPUs), or where a platform's
@@ -167,7 +173,8 @@ def run(
     choices: dict[str, Any] = {}
     for platform in LOWERING_PLATFORMS:
         try:
-            choices[platform] = choose(op, implementation, interpret, checks, platform, arrays)
+            choices[platform] = choose(op, implementation, interpret, checks, platform, arrays,
+                                       config)
         except NotImplementedError as declined:
             choices[platform] = str(declined)
     accepted = list(dict.fromkeys(c for c in choices.values() if not isinstance(c, str)))

@@ -232,14 +232,15 @@ def check_partitionable(implementation: str, interpret: bool | str,
 
 def partitioned(fn: Callable[..., Any], rule: Rule, factors: Factors) -> Callable[..., Any]:
     """`fn(*operands, static)`, run per shard on whatever mesh its operands live on. `static`
-    is hashable: the op's NamedTuple of options, with an `interpret` field (the dispatch's
-    mode), or a tuple holding one. Forward and backward kernels alike are traced with the fast
-    interpreter's target in scope where that is their mode (`_targets.interpreted`): a
-    custom_vjp's backward is traced after the forward's call has returned."""
+    is hashable: the op's NamedTuple of options, with `interpret` (the dispatch's mode) and
+    `config` fields, or a tuple holding one. Forward and backward kernels alike are traced with
+    the fast interpreter's target in scope where they run there on blocks of their choosing
+    (`_targets.interpreted`): a custom_vjp's backward is traced after the forward's call has
+    returned."""
     kernel = fn
 
     def fn(*args):
-        with _targets.interpreted(_interpret_of(args[-1]) is True):
+        with _targets.interpreted(_sized_for_the_interpreter(args[-1])):
             return kernel(*args)
 
 
@@ -322,13 +323,13 @@ def partitioned(fn: Callable[..., Any], rule: Rule, factors: Factors) -> Callabl
     return call
 
 
-def _interpret_of(static: Any) -> Any:
-    """The dispatch's interpret mode held by `static` (an op's NamedTuple with an `interpret`
-    field, or a tuple holding one)."""
+def _sized_for_the_interpreter(static: Any) -> bool:
+    """Whether `static` (an op's NamedTuple with `interpret` and `config` fields, or a tuple
+    holding one) runs in the fast interpreter on blocks of its choosing: a caller's config is a
+    device's blocks, run as given."""
     if hasattr(static, "interpret"):
-        return static.interpret
-    return next((mode for mode in map(_interpret_of, static) if mode is not None), None) \
-        if type(static) is tuple else None
+        return static.interpret is True and static.config is None
+    return type(static) is tuple and any(map(_sized_for_the_interpreter, static))
 
 
 def _without_simulator(static: Any) -> Any:

@@ -331,10 +331,10 @@ def test_a_platform_that_declines_fails_only_where_lowered_for(monkeypatch):
     lowered for the declining platform raises the reason, gradient programs included."""
     real_choose = _dispatch.choose
 
-    def choose(op, implementation, interpret, checks, platform="cpu", operands=()):
+    def choose(op, implementation, interpret, checks, platform="cpu", operands=(), config=None):
         if platform == "tpu":
             raise NotImplementedError("op: mosaic: not on this mesh")
-        return real_choose(op, implementation, interpret, checks, platform, operands)
+        return real_choose(op, implementation, interpret, checks, platform, operands, config)
 
     monkeypatch.setattr(_dispatch, "choose", choose)
     def fn(x):

@@ -292,4 +292,5 @@ def conv2d(
         out = _jitted_conv(*partition.match_varying(x, w), static)
         return out.transpose(0, 3, 1, 2) if data_format == "NCHW" else out
 
-    return _dispatch.run("conv2d", implementation, interpret, checks, call, x, w)
+    return _dispatch.run("conv2d", implementation, interpret, checks, call, x, w,
+                         config=config)

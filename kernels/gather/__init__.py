@@ -170,7 +170,8 @@ def gather(
         return partition.reshape(out.astype(x.dtype), out_shape, out_dims)
 
     operands = (x,) if host is not None else (x, indices)
-    return _dispatch.run("gather", implementation, interpret, checks, call, *operands)
+    return _dispatch.run("gather", implementation, interpret, checks, call, *operands,
+                         config=config)
 
 
 def _check(module, problem: Problem, config: GatherConfig | None, dtype: Any) -> None:

@@ -173,4 +173,5 @@ def matmul(
         static = _Static(name, interpret, config, precision, False, False, out_dtype)
         return _jitted_product(*partition.match_varying(a2, b2), static).reshape(out_shape)
 
-    return _dispatch.run("matmul", implementation, interpret, checks, call, a, b)
+    return _dispatch.run("matmul", implementation, interpret, checks, call, a, b,
+                         config=config)

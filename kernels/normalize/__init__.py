@@ -150,7 +150,8 @@ def _normalize(x, scale, offset, axis, epsilon, subtract_mean, implementation, i
         y = y.reshape(moved.shape)
         return y if perm is None else jnp.transpose(y, np.argsort(perm))
 
-    return _dispatch.run(op, implementation, interpret, checks, call, x, scale, offset)
+    return _dispatch.run(op, implementation, interpret, checks, call, x, scale, offset,
+                         config=config)
 
 
 def normalize(
