@@ -54,9 +54,10 @@ def summary(ops: list[str], platform: str | None) -> str:
                         "interpreted)"))
     recorded = sorted(path.stem for path in RECORDS.glob("*.json"))
     lines += [
-        "proven: numerics of every kernel against the float64 reference in interpret mode "
-        "(the test suite, on a CPU); compiled by the real back ends for sm_90, sm_80, v5e, v6e "
-        "and v4 (python -m kernels.compile; the design table below compiles its launches now)",
+        "proven: numerics of every kernel against the float64 reference, interpreted on a CPU "
+        "(the test suite: the strict simulator on the device's schedule at small sizes, the "
+        "fast interpreter at model-test sizes); compiled by the real back ends for sm_90, "
+        "sm_80, v5e, v6e and v4 (python -m kernels.compile; the design table below compiles its launches now)",
         "ran on a device: " + (", ".join(recorded) + " (bench/records/)" if recorded else
                                "none recorded; no kernel has been timed on a GPU or TPU"),
     ]

@@ -12,7 +12,7 @@ the tutorial's original NumPy/SciPy code (`scipy.signal.convolve2d` per channel,
 largest difference is printed. Needs the `examples` extra (scipy, scikit-image, pillow).
 
 On a machine without a GPU or TPU, `--implementation triton` or `mosaic` runs the kernel in
-interpret mode: correct, slow (use `--crop` to try a corner of the image).
+Pallas' fast interpreter (`--crop` filters only a corner of the image).
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", default="denoise.png", help="PNG of the four stages")
     parser.add_argument("--noise", type=float, default=0.1, help="noise standard deviation")
     parser.add_argument("--crop", type=int, default=None,
-                        help="use only the top-left CROP x CROP pixels (interpret mode)")
+                        help="use only the top-left CROP x CROP pixels (faster when interpreted)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 

@@ -10,7 +10,8 @@ vocab-parallel: sharded over "model" along its rows), a 1-D convolution over the
 "model"), a row-parallel dense layer (`kernels.matmul`, its input features sharded over
 "model", the partial products summed), a layer norm (`kernels.layer_norm`) and a dense
 read-out. The batch is sharded over "data". Each step's loss is printed beside the unsharded
-run's; the script exits non-zero if they differ. On a CPU the kernels run in interpret mode.
+run's; the script exits non-zero if they differ. On a CPU the kernels run in Pallas' fast
+interpreter.
 """
 
 from __future__ import annotations

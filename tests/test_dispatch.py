@@ -98,7 +98,10 @@ def test_strict_reaches_the_mosaic_kernels_of_public_ops(monkeypatch, op):
                  x, implementation="mosaic", interpret=interpret),
              "gather": lambda x, interpret: kernels.gather(
                  x, jnp.arange(4), implementation="mosaic", interpret=interpret)}
-    text = lambda interpret: jax.jit(lambda x: calls[op](x, interpret)).lower(x).as_text()  # noqa: E731
+
+    def text(interpret):
+        return jax.jit(lambda x: calls[op](x, interpret)).lower(x).as_text()
+
     monkeypatch.delenv(_dispatch.INTERPRET_ENV_VAR, raising=False)
     assert "callback" not in text(None) and "callback" not in text(True)
     assert "callback" in text("strict")

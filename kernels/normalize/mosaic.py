@@ -85,9 +85,10 @@ def vmem_bytes(p: Problem, config: NormalizeConfig) -> int:
 
 def resolve_config(p: Problem, config: NormalizeConfig | None) -> NormalizeConfig:
     """Blocks of at most half the target's scoped VMEM (and _TARGET_BLOCK elements; in the fast
-    interpreter, `tile_limit`'s): the whole group when it fits (<= 16384), else chunks; as many groups as fit beside it. In the columns
-    layout the lane dim (groups) cannot go below 128, so a long reduced axis is chunked instead
-    (the two-phase schedule) rather than overflowing VMEM."""
+    interpreter, `tile_limit`'s): the whole group when it fits (<= 16384), else chunks; as many
+    groups as fit beside it. In the columns layout the lane dim (groups) cannot go below 128,
+    so a long reduced axis is chunked instead (the two-phase schedule) rather than overflowing
+    VMEM."""
     config = config or NormalizeConfig()
     tiling = _tiling(p)
     budget = min(tile_limit(_TARGET_BLOCK, platform="tpu"),
