@@ -140,8 +140,10 @@ def program_platform(operands: Sequence[Any]) -> str:
 def for_operands(operands: Sequence[Any]) -> Iterator[None]:
     """Within this scope `current` also sees the device kind of the mesh `operands` are
     sharded over (a program compiled for a TPU v4 slice from a CPU host sizes its blocks for
-    v4): set by the dispatch from the op's own arguments, for the call it makes."""
-    token = _OPERAND_DEVICE.set(_operand_device(operands))
+    v4): set by the dispatch from the op's own arguments, for the call it makes, and by
+    `kernels.partition` for each kernel it traces (a backward's too). Operands whose type names
+    no device (a shard's, say) keep the device of the enclosing scope."""
+    token = _OPERAND_DEVICE.set(_operand_device(operands) or _OPERAND_DEVICE.get())
     try:
         yield
     finally:

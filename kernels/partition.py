@@ -234,13 +234,16 @@ def partitioned(fn: Callable[..., Any], rule: Rule, factors: Factors) -> Callabl
     """`fn(*operands, static)`, run per shard on whatever mesh its operands live on. `static`
     is hashable: the op's NamedTuple of options, with `interpret` (the dispatch's mode) and
     `config` fields, or a tuple holding one. Forward and backward kernels alike are traced with
-    the fast interpreter's target in scope where they run there on blocks of their choosing
-    (`_targets.interpreted`): a custom_vjp's backward is traced after the forward's call has
-    returned."""
+    their target in scope: the device kind of their operands' mesh (`_targets.for_operands`),
+    or the fast interpreter where they run there on blocks of their choosing
+    (`_targets.interpreted`). The dispatch's scope does not reach a custom_vjp's backward,
+    which is traced after the forward's call has returned."""
     kernel = fn
 
     def fn(*args):
-        with _targets.interpreted(_sized_for_the_interpreter(args[-1])):
+        operands = [x for x in args[:-1] if x is not None]
+        with _targets.for_operands(operands), _targets.interpreted(
+                _sized_for_the_interpreter(args[-1])):
             return kernel(*args)
 
 
@@ -309,6 +312,10 @@ def partitioned(fn: Callable[..., Any], rule: Rule, factors: Factors) -> Callabl
 
     def call(*args):
         *operands, static = args
+        with _targets.for_operands([x for x in operands if x is not None]):
+            return dispatch(operands, static)
+
+    def dispatch(operands, static):
         present = tuple(x is not None for x in operands)
         arrays = [x for x in operands if x is not None]
         how, mesh = strategy(arrays)

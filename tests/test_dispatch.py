@@ -352,3 +352,32 @@ def test_a_platform_that_declines_fails_only_where_lowered_for(monkeypatch):
     for program in (fn, jax.grad(loss)):
         with pytest.raises(NotImplementedError, match="not on this mesh"):
             jax.jit(program).trace(x).lower(lowering_platforms=("tpu",))
+
+
+def test_backward_kernels_are_sized_for_the_operands_device(monkeypatch):
+    """A custom_vjp's backward is traced after the op's call returned, outside the dispatch's
+    scope: its kernels still see the device kind of the mesh the operands live on (a TPU v4,
+    16 MiB of VMEM, not the default v5e's 128 MiB)."""
+    import importlib
+
+    from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec
+
+    import kernels
+    from kernels import _targets
+
+    module = importlib.import_module("kernels.normalize.mosaic")
+    seen, real = [], module.resolve_config
+
+    def spy(p, config):
+        seen.append(_targets.current("tpu").name)
+        return real(p, config)
+
+    monkeypatch.setattr(module, "resolve_config", spy)
+    mesh = AbstractMesh((1,), ("data",), axis_types=(AxisType.Explicit,),
+                        abstract_device=_targets.abstract_device(_targets.TARGETS["v4"]))
+    x = jax.ShapeDtypeStruct((64, 256), jnp.float32,
+                             sharding=NamedSharding(mesh, PartitionSpec()))
+    loss = lambda x: jnp.sum(kernels.layer_norm(x, implementation="mosaic",  # noqa: E731
+                                                interpret=False))
+    jax.jit(jax.grad(loss)).trace(x)
+    assert len(seen) > 2 and set(seen) == {"v4"}, seen
