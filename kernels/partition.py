@@ -312,10 +312,6 @@ def partitioned(fn: Callable[..., Any], rule: Rule, factors: Factors) -> Callabl
 
     def call(*args):
         *operands, static = args
-        with _targets.for_operands([x for x in operands if x is not None]):
-            return dispatch(operands, static)
-
-    def dispatch(operands, static):
         present = tuple(x is not None for x in operands)
         arrays = [x for x in operands if x is not None]
         how, mesh = strategy(arrays)
