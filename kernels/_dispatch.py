@@ -8,7 +8,7 @@ stages them with `jax.lax.platform_dependent`, whose lowering keeps only the bra
 platform being lowered for. Where they agree (an explicit implementation with an explicit
 `interpret`, say) the op is traced once, with no conditional.
 
-`interpret` (see DESIGN.md) is resolved here too, into what a kernel receives: `False`
+`interpret` (README, "Testing on a CPU") is resolved here too, into what a kernel receives: `False`
 (compiled), `True` (Pallas' HLO interpreter: the kernel's code as XLA ops, at model speed) or
 `"strict"` (Mosaic kernels in TPU interpret mode, whose simulated memory makes an
 out-of-bounds read raise and uninitialized memory NaN; Pallas has no stricter interpreter for
@@ -101,14 +101,13 @@ def resolve_interpret(name: str, interpret: Interpret, platform: str = "cpu",
     every branch."""
     if name == "xla":
         return False
-    mode = interpret
-    if interpret is None:
-        native = defaults.KERNEL_OF_PLATFORM.get(defaults.PLATFORMS.get(platform)) == name
-        strict = _environment_strict()
-        if native or strict and name == "mosaic" and _targets.program_platform(operands) == "tpu":
-            return False
-        mode = STRICT if strict else True
-    return mode
+    if interpret is not None:
+        return interpret
+    native = defaults.KERNEL_OF_PLATFORM.get(defaults.PLATFORMS.get(platform)) == name
+    strict = _environment_strict()
+    if native or strict and name == "mosaic" and _targets.program_platform(operands) == "tpu":
+        return False
+    return STRICT if strict else True
 
 
 def choose(
