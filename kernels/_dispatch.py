@@ -141,7 +141,7 @@ def choose(
             if name != "xla":
                 partition.check_partitionable(name, interpreted, operands)
                 with _targets.for_operands(operands), _targets.interpreted(
-                        interpreted is True and config is None):
+                        _targets.interpreter_sized(interpreted, config)):
                     checks[name]()
         except NotImplementedError as declined:
             reasons.append(f"{name}: {declined}")

@@ -150,10 +150,18 @@ def for_operands(operands: Sequence[Any]) -> Iterator[None]:
         _OPERAND_DEVICE.reset(token)
 
 
+def interpreter_sized(interpret: bool | str, config: Any) -> bool:
+    """Whether a kernel call resolved to `interpret` runs on blocks sized for `INTERPRETER`:
+    in the fast interpreter, unless the caller gave a `config` (a device's blocks, run as
+    given and checked against the device)."""
+    return interpret is True and config is None
+
+
 @contextlib.contextmanager
 def interpreted(fast: bool) -> Iterator[None]:
-    """Within this scope (`fast`: the call runs in the HLO interpreter) `current` is the
-    `INTERPRETER`: set by the dispatch for the call it makes, like `for_operands`."""
+    """Within this scope (`fast`: `interpreter_sized`) `current` is the `INTERPRETER`: set
+    by the dispatch while it checks a kernel and by `kernels.partition` while it traces one,
+    like `for_operands`."""
     token = _INTERPRETED.set(fast)
     try:
         yield

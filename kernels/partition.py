@@ -238,21 +238,19 @@ def partitioned(fn: Callable[..., Any], rule: Rule, factors: Factors) -> Callabl
     or the fast interpreter where they run there on blocks of their choosing
     (`_targets.interpreted`). The dispatch's scope does not reach a custom_vjp's backward,
     which is traced after the forward's call has returned."""
-    kernel = fn
 
-    def fn(*args):
-        operands = [x for x in args[:-1] if x is not None]
-        with _targets.for_operands(operands), _targets.interpreted(
-                _sized_for_the_interpreter(args[-1])):
-            return kernel(*args)
-
+    def on_target(*args):
+        *operands, static = args
+        with _targets.for_operands([x for x in operands if x is not None]), \
+                _targets.interpreted(_interpreter_sized(static)):
+            return fn(*args)
 
     def run_explicit(mesh, present, static, operands):
         shapes = tuple(None if x is None else tuple(x.shape) for x in operands)
         dims = tuple(None if x is None else _dims(jax.typeof(x).sharding, x.ndim)
                      for x in operands)
-        plan = rule(fn, static, Layout(shapes, dims, dict(zip(mesh.axis_names,
-                                                               mesh.axis_sizes))))
+        axis_sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+        plan = rule(on_target, static, Layout(shapes, dims, axis_sizes))
         arrays = [jax.sharding.reshard(x, NamedSharding(mesh, spec(d)))
                   for x, d in zip(operands, plan.in_dims)
                   if x is not None]
@@ -273,7 +271,7 @@ def partitioned(fn: Callable[..., Any], rule: Rule, factors: Factors) -> Callabl
 
     def partition(present, static, mesh, arg_shapes, result_shape):
         layout = _auto_layout(present, arg_shapes, result_shape, mesh)
-        plan = rule(fn, _without_simulator(static), layout)
+        plan = rule(on_target, _without_simulator(static), layout)
         shardings = tuple(NamedSharding(mesh, spec(d)) for d in plan.in_dims if d is not None)
         out = _map_outputs(plan, lambda d: NamedSharding(mesh, spec(d)))
 
@@ -283,7 +281,7 @@ def partitioned(fn: Callable[..., Any], rule: Rule, factors: Factors) -> Callabl
         return mesh, lower, out, shardings
 
     def infer(present, static, mesh, arg_shapes, result_shape):
-        plan = rule(fn, static, _auto_layout(present, arg_shapes, result_shape, mesh))
+        plan = rule(on_target, static, _auto_layout(present, arg_shapes, result_shape, mesh))
         return _map_outputs(plan, lambda d: NamedSharding(mesh, spec(d)))
 
     def sharding_rule(present, static, mesh, value_types, result_types):
@@ -291,7 +289,7 @@ def partitioned(fn: Callable[..., Any], rule: Rule, factors: Factors) -> Callabl
         return factors(static, tuple(shapes))
 
     def whole(present, static, *arrays):
-        return fn(*_with_present(present, arrays), static)
+        return on_target(*_with_present(present, arrays), static)
 
     auto = custom_partitioning(whole, static_argnums=(0, 1))
     auto.def_partition(partition=partition, infer_sharding_from_operands=infer,
@@ -316,9 +314,9 @@ def partitioned(fn: Callable[..., Any], rule: Rule, factors: Factors) -> Callabl
         arrays = [x for x in operands if x is not None]
         how, mesh = strategy(arrays)
         if how == "whole":
-            return fn(*operands, static)
+            return on_target(*operands, static)
         if how == "manual":
-            return fn(*_with_present(present, match_varying(*arrays)), static)
+            return on_target(*_with_present(present, match_varying(*arrays)), static)
         if how == "explicit":
             return run_explicit(mesh, present, static, operands)
         return run_auto(present, static, arrays)
@@ -326,13 +324,12 @@ def partitioned(fn: Callable[..., Any], rule: Rule, factors: Factors) -> Callabl
     return call
 
 
-def _sized_for_the_interpreter(static: Any) -> bool:
-    """Whether `static` (an op's NamedTuple with `interpret` and `config` fields, or a tuple
-    holding one) runs in the fast interpreter on blocks of its choosing: a caller's config is a
-    device's blocks, run as given."""
+def _interpreter_sized(static: Any) -> bool:
+    """`_targets.interpreter_sized` of `static`: an op's NamedTuple with `interpret` and
+    `config` fields, or a tuple holding one."""
     if hasattr(static, "interpret"):
-        return static.interpret is True and static.config is None
-    return type(static) is tuple and any(map(_sized_for_the_interpreter, static))
+        return _targets.interpreter_sized(static.interpret, static.config)
+    return type(static) is tuple and any(map(_interpreter_sized, static))
 
 
 def _without_simulator(static: Any) -> Any:
