@@ -301,6 +301,24 @@ def test_16_bit_gradients_accumulate_in_float32(implementation):
     assert_close(dx, expected_gradient(x.shape, ct, indices), jnp.bfloat16)
 
 
+@pytest.mark.parametrize("interpret", [True, "strict"], ids=_ids)
+def test_mosaic_16_bit_rows_of_constants_under_jit(interpret):
+    """The Mosaic kernels move 16-bit rows as 32-bit words of row pairs. With the table and the
+    cotangent known at trace time, XLA folds constants through the interpreted word view: a
+    view built by bitcasts came out with columns paired instead of rows (jax 0.10-0.12)."""
+    x, ct = random((33, 130), jnp.bfloat16, seed=30), random((8, 130), jnp.bfloat16, seed=31)
+    indices = np.asarray([0, 1, 32, 31, -1, 5, 5, 2], np.int32)
+
+    def forward_and_gradient():
+        out, pullback = jax.vjp(lambda t: gather(t, jnp.asarray(indices), implementation="mosaic",
+                                                 interpret=interpret), jnp.asarray(x))
+        return out, pullback(jnp.asarray(ct))[0]
+
+    out, dx = jax.jit(forward_and_gradient)()
+    assert_exact(out, expected_gather(x, indices))
+    assert_close(dx, expected_gradient(x.shape, ct, indices), jnp.bfloat16)
+
+
 @pytest.mark.parametrize("shape,axis", [((20, 600), 0), ((2, 20, 300), 1)], ids=str)
 def test_hot_ids_over_many_steps_and_row_blocks(implementation, shape, axis):
     """Wide rows (the Triton backward sums 8 cotangent rows per step at 512 columns): a row hit
@@ -384,7 +402,7 @@ def test_triton_scatter_add_pieces_cover_each_row_once(layout):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=_ids)
 def test_mosaic_row_copies_keep_a_ring_in_flight(dtype):
-    """Issue 10, finding 8: the scatter-add (and the 16-bit forward, which moves tile groups
+    """Issue 10, finding 8: the scatter-add (and the 16-bit forward, which moves word-rows
     through VMEM) keep a ring of 8 row DMAs in flight, each with its own buffer and semaphore,
     instead of waiting on one DMA per index. (TPU interpret mode runs a DMA when it is waited
     on and poisons scratch memory with NaN, so the numerics tests would fail if a row were

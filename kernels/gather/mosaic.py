@@ -6,9 +6,11 @@ never arithmetic values, so NaN payloads and -0.0 survive.
 
 What the TPU's memory layout allows (checked with the real compiler, `kernels.compile`): a
 32-bit table row is one contiguous run of each (8, 128) memory tile, so a DMA can move a single
-row at any offset. 16-bit and 8-bit tables pack 2 or 4 rows into each 32-bit word of a tile, so
-a DMA can only start at a multiple of the packed tile's rows (`_dma_rows`: 16 and 32), and a
-single row must then be picked out of the tile in registers. The two paths below follow.
+row at any offset. 16-bit and 8-bit tables pack 2 or 4 adjacent rows into each 32-bit word of a
+tile, so a DMA cannot start at any row; but viewed as int32 (`Ref.bitcast`, free: the same
+tiles) such a table is (n / 2 or n / 4, columns) "word-rows", each a single 32-bit row that a
+DMA can move at any offset. The row wanted is then shifted out of each word in registers:
+2x (4x) the row's bytes moved, where moving a whole packed tile would cost 16x (32x).
 
 Indices are staged from HBM into SMEM `_INDEX_BLOCK` (128) at a time, at offsets that are
 multiples of 128 (1-D int32 arrays are tiled by 128 words); the wrapper pads the index vector to
@@ -26,19 +28,20 @@ batch block is shifted back to end at the array's edge (it recopies identical va
 every DMA has one static shape. Rows are in [0, n) before any DMA starts, so no read leaves the
 table. Traffic: each gathered row read once, each output element written once.
 
-Forward, 16-bit and 8-bit tables: tile DMAs into VMEM
-------------------------------------------------------
+Forward, 16-bit and 8-bit tables: word-row DMAs into VMEM
+---------------------------------------------------------
 grid = (batch, cdiv(m, 128)), both "parallel". Step (b, j) stages its 128 indices; for each,
-it DMAs the aligned (`_dma_rows`, columns) tile group that holds the row into one of a ring of
-`_RING` (8) VMEM buffers, started 8 indices ahead so 8 DMAs are in flight, selects the
-row in registers (a masked sum over the group's rows in int32: exact) or the fill value, and
-writes it into row j of a (128, columns) int32 VMEM scratch. A DMA can neither leave the table
-nor move a partial tile, so the rows of a last, partial group come from a copy of that group
-zero-padded to whole, made by the wrapper (fewer than `_dma_rows` rows; the backward does the
-same for the cotangent). The scratch is narrowed into the
-(128, columns) output block, which the BlockSpec pipeline writes back (rows past m dropped).
-Traffic: `_dma_rows` rows read per index (16x for 16-bit tables, 32x for 8-bit: the price of
-the packed layout; XLA's own gather pays it too), each output element written once.
+it DMAs the (1, columns) int32 word-row holding the row into one of a ring of `_RING` (8) VMEM
+buffers, started 8 indices ahead so 8 DMAs are in flight; shifts the row out of each word
+(`_row_of_word`; bits move, so it is exact) or takes the fill value, and writes it into row j
+of a (128, columns) int32 VMEM scratch. The rows of a last, partial word-row (n odd for 16-bit
+tables) come from a copy of them zero-padded to a whole word-row, made by the wrapper, so no
+DMA leaves the table (the backward does the same for the cotangent). The scratch is narrowed
+into the (128, columns) output block, which the BlockSpec pipeline writes back (rows past m
+dropped). Traffic: 2x (8-bit: 4x) each gathered row's bytes read, each output element written
+once. On a CPU the word view is made by XLA in the wrapper (`_interpreted_word_rows`, the same
+words); which half of a word holds the even row on a TPU is JAX's `Ref.bitcast` convention
+(row 0 in the low bits), which no device here has confirmed.
 
 Backward: deterministic scatter-add, one owner per table block
 --------------------------------------------------------------
@@ -48,14 +51,14 @@ block_rows), columns // block_columns), all "parallel": step (b, r, c) owns the
 (block_rows, block_columns) block of the table gradient, accumulated in a float32 VMEM scratch
 zeroed at the start. It walks the sorted indices that land in its rows, staging their positions
 and targets into SMEM 128 at a time from aligned offsets, and for each one DMAs the cotangent's
-tile group holding row `g[b, position, column block]` into VMEM (one row for 32-bit cotangents,
-`_dma_rows` for narrower ones; a ring of `_RING` buffers, each copy started 8 indices ahead, so
-8 DMAs are in flight), selects the row and adds it into accumulator row
+word-row holding row `g[b, position, column block]` into VMEM (a ring of `_RING` buffers, each
+copy started 8 indices ahead, so 8 DMAs are in flight), shifts the row out, and adds it into
+accumulator row
 `target - first row`. Finally the block is cast and written once by the BlockSpec pipeline. Rows
 past n in a ragged last block are never targeted and their writes are dropped. No atomics: one
 owner per output block and a fixed summation order, so every run gives the same bits.
 
-Memory traffic: the cotangent read once (times `_dma_rows` for 16-bit cotangents), the table
+Memory traffic: the cotangent read once (twice for 16-bit cotangents: word-rows), the table
 gradient written once; one DMA per index, 8 in flight (the ring drains at each 128-index
 staging block). A step owns its rows' whole segments, so a row hit k times still costs its step
 k DMAs (the Triton backward bounds this with pieces; not done here).
@@ -72,7 +75,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from kernels._blocks import LANES, int32_loop, sublanes
+from kernels import _targets
+from kernels._blocks import LANES, sublanes
 from kernels._pallas import mosaic_call, pl, pltpu
 from kernels.gather.common import (GatherConfig, Problem, ScatterPlan, check_int, gather_bytes,
                                    normalize_row, scatter_bytes)
@@ -81,13 +85,16 @@ _SLAB_BYTES = 1 << 20        # target bytes of one forward DMA when the batch is
 _MAX_BLOCK_COLUMNS = 1024
 _ACCUMULATOR_BYTES = 2 << 20  # float32 accumulator per backward step
 _INDEX_BLOCK = 128            # indices staged into SMEM at once (1-D int32 tile: 128 words)
-_RING = 8                     # row DMAs in flight in the tile gather and the scatter-add
+_RING = 8                     # row DMAs in flight in the word gather and the scatter-add
 _BITS = {1: jnp.int8, 2: jnp.int16, 4: jnp.int32}
+_UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 
 
-def _dma_rows(dtype) -> int:
-    """Rows one DMA must move together: 1 for 32-bit data, the packed tile's rows below."""
-    return 1 if jnp.dtype(dtype).itemsize == 4 else sublanes(dtype)
+def _ring_depth() -> int:
+    """DMAs in flight: `_RING` on a TPU and in the "strict" interpreter; one in the fast
+    interpreter, where a DMA is a copy made at once and a deeper ring only costs copies of it
+    (`_targets.INTERPRETER`)."""
+    return 1 if _targets.current("tpu").interpreter else _RING
 
 
 def _default_block_columns(columns: int) -> int:
@@ -174,34 +181,69 @@ def _stage(hbm, block: jax.Array, smem) -> None:
                                  _INDEX_BLOCK)], smem)
 
 
-def _pick_row(group: jax.Array, offset: jax.Array, dtype) -> jax.Array:
-    """Row `offset` of a (rows, columns) tile group, as a (1, columns) array of `dtype`:
-    a masked sum (exact: every other row contributes a zero)."""
-    rows = lax.broadcasted_iota(jnp.int32, group.shape, 0)
-    values = group.astype(dtype)
-    return jnp.sum(jnp.where(rows == offset, values, jnp.zeros_like(values)), axis=0,
-                   keepdims=True)
+def _rows_per_word(dtype) -> int:
+    """Table rows that share each 32-bit word of a TPU tile: 1 for 32-bit data, 2 for 16-bit,
+    4 for 8-bit (the packed layout stacks adjacent rows of a tile into one word)."""
+    return 4 // jnp.dtype(dtype).itemsize
 
 
-def _start_row_copy(hbm, tail_hbm, row: jax.Array, n: int, vmem, sem) -> None:
-    """Starts the DMA of the aligned group of `vmem.shape[0]` rows of the (n, columns) HBM ref
-    `hbm` that holds `row` into `vmem`; the row is then at offset `row % rows` in it. Rows of
-    the last, partial group come from `tail_hbm`, that group padded to whole (a DMA may neither
-    leave the table nor move a partial tile), so no read leaves the table."""
-    rows = vmem.shape[0]
-    if rows == 1:
-        pltpu.make_async_copy(hbm.at[pl.ds(row, 1)], vmem, sem).start()
+def _word_rows(ref, n: int, rows_per_word: int):
+    """The (n // rows_per_word, columns) int32 view of the whole word-rows of the (n, columns)
+    ref `ref`: a free reinterpretation of its packed tiles (`Ref.bitcast`), or `ref` itself
+    where it is int32 (the view `_interpreted_word_rows` made, or 32-bit bits). None when
+    n < rows_per_word."""
+    whole = n // rows_per_word * rows_per_word
+    if not whole:
+        return None
+    if ref.dtype == jnp.int32:
+        return ref
+    return (ref if whole == n else ref.at[pl.ds(0, whole)]).bitcast(jnp.int32)
+
+
+def _interpreted_word_rows(x: jax.Array, interpret: bool | str) -> jax.Array:
+    """`x` (batch, n, columns) viewed as `_word_rows` does, made by XLA where the kernel is
+    interpreted, else `x` itself for the kernel to view. The simulator cannot follow a bitcast
+    ref through a DMA, and XLA's constant folding gets the interpreter's bitcast of a constant
+    table wrong (both jax 0.10-0.12): so words are built with shifts, exact and layout-free."""
+    rows_per_word = 4 // x.dtype.itemsize
+    batch, n, columns = x.shape
+    whole = n // rows_per_word * rows_per_word
+    if not interpret or not whole or x.dtype == jnp.int32:
+        return x
+    bits = 32 // rows_per_word
+    rows = lax.bitcast_convert_type(x[:, :whole], _UNSIGNED[x.dtype.itemsize])
+    rows = rows.astype(jnp.uint32).reshape(batch, whole // rows_per_word, rows_per_word, columns)
+    words = functools.reduce(jnp.bitwise_or, (rows[:, :, r] << (bits * r)
+                                              for r in range(rows_per_word)))
+    return lax.bitcast_convert_type(words, jnp.int32)
+
+
+def _row_of_word(words: jax.Array, offset: jax.Array, rows_per_word: int) -> jax.Array:
+    """Row `offset` of an int32 word-row whose words each hold `rows_per_word` rows (row 0 in
+    the low bits), sign-extended: shifted to the word's top, then arithmetically back."""
+    if rows_per_word == 1:
+        return words
+    bits = 32 // rows_per_word
+    return (words << (bits * (rows_per_word - 1 - offset))) >> (bits * (rows_per_word - 1))
+
+
+def _start_row_copy(words_hbm, tail_hbm, row: jax.Array, n: int, rows_per_word: int, vmem,
+                    sem) -> None:
+    """Starts the DMA of the word-row holding row `row` of an (n, columns) table into the
+    (1, columns) int32 `vmem`. `words_hbm` is the table's whole word-rows (`_word_rows`);
+    the last, partial one (n not a multiple of rows_per_word) comes from `tail_hbm`, a copy of
+    its rows zero-padded to a whole word-row, so no read leaves the table."""
+    word_row, whole = row // rows_per_word, n // rows_per_word
+
+    def start(source):
+        pltpu.make_async_copy(source, vmem, sem).start()
+
+    if whole * rows_per_word == n:
+        start(words_hbm.at[pl.ds(word_row, 1)])
         return
-    start = pl.multiple_of(row // rows * rows, rows)
-    whole = n // rows * rows
     if whole:
-        @pl.when(start < whole)
-        def _():
-            pltpu.make_async_copy(hbm.at[pl.ds(start, rows)], vmem, sem).start()
-    if n % rows:
-        @pl.when(start >= whole)
-        def _():
-            pltpu.make_async_copy(tail_hbm, vmem, sem).start()
+        pl.when(word_row < whole)(lambda: start(words_hbm.at[pl.ds(word_row, 1)]))
+    pl.when(word_row >= whole)(lambda: start(tail_hbm))
 
 
 def _ring_of_row_copies(buffers, sems, tail_hbm, lo, hi, start_copy, use) -> None:
@@ -215,21 +257,28 @@ def _ring_of_row_copies(buffers, sems, tail_hbm, lo, hi, start_copy, use) -> Non
         start_copy(j, buffers.at[j % depth], sems.at[j % depth])
         return carry
 
-    def step(j, carry):
+    def wait_and_use(j):
         slot = j % depth
-        # Every row copy has a buffer's shape, so any same-shaped descriptor (the tail
-        # group's) waits for the one on this slot's semaphore.
+        # Every row copy has a buffer's shape, so any same-shaped descriptor (the tail's)
+        # waits for the one on this slot's semaphore.
         pltpu.make_async_copy(tail_hbm, buffers.at[slot], sems.at[slot]).wait()
         use(j, buffers.at[slot])
+        return slot
 
-        @pl.when(j + depth < hi)
-        def _():  # the slot's row has been read: reuse its buffer
-            start_copy(j + depth, buffers.at[slot], sems.at[slot])
-
+    def step(j, carry):
+        slot = wait_and_use(j)
+        start_copy(j + depth, buffers.at[slot], sems.at[slot])  # its row has been read
         return carry
 
+    def drain(j, carry):
+        wait_and_use(j)
+        return carry
+
+    # Three loops rather than one with a branch: a branch around a DMA into the ring makes
+    # the interpreter copy the whole ring at every step.
     lax.fori_loop(lo, jnp.minimum(lo + depth, hi), prologue, 0)
-    lax.fori_loop(lo, hi, step, 0)
+    lax.fori_loop(lo, hi - depth, step, 0)
+    lax.fori_loop(jnp.maximum(lo, hi - depth), hi, drain, 0)
 
 
 def _tail_group(x: jax.Array, rows: int) -> jax.Array:
@@ -282,28 +331,30 @@ def _slab_gather_kernel(indices_hbm, x_hbm, fill_hbm, out_hbm, indices_smem, sem
     lax.fori_loop(jnp.int32(0), count, wait, 0)
 
 
-def _tile_gather_kernel(indices_hbm, x_hbm, tail_hbm, out_ref, indices_smem, groups_vmem,
+def _word_gather_kernel(indices_hbm, x_hbm, tail_hbm, out_ref, indices_smem, words_vmem,
                         rows_vmem, sems, *, p: Problem):
     batch, block = pl.program_id(0), pl.program_id(1)
     _stage(indices_hbm, block, indices_smem)
     fill = int(np.asarray(p.fill_value).view(_BITS[p.itemsize]))
-    group_rows = groups_vmem.shape[1]
+    per_word = _rows_per_word(p.dtype)
+    words = _word_rows(x_hbm.at[batch], p.n, per_word)
+    tail = _word_rows(tail_hbm.at[batch], per_word, per_word)
 
     def row_of(j):
         return normalize_row(indices_smem[j], p.n, p.mode)
 
     def start_copy(j, buffer, sem):
-        _start_row_copy(x_hbm.at[batch], tail_hbm.at[batch], row_of(j)[0], p.n, buffer, sem)
+        _start_row_copy(words, tail, row_of(j)[0], p.n, per_word, buffer, sem)
 
     def gather_one(j, buffer):
         row, in_range = row_of(j)
-        value = _pick_row(buffer[...], row % group_rows, jnp.int32)
+        value = _row_of_word(buffer[...], row % per_word, per_word)
         if p.mode == "fill":
             value = jnp.where(in_range, value, fill)
         rows_vmem[pl.ds(j, 1), :] = value
 
-    _ring_of_row_copies(groups_vmem, sems, tail_hbm.at[batch], jnp.int32(0),
-                        _valid_positions(block, p), start_copy, gather_one)
+    _ring_of_row_copies(words_vmem, sems, tail, jnp.int32(0), _valid_positions(block, p),
+                        start_copy, gather_one)
     out_ref[...] = rows_vmem[...].astype(out_ref.dtype)
 
 
@@ -316,7 +367,7 @@ def gather(x: jax.Array, indices: jax.Array, p: Problem, *, config: GatherConfig
     num_blocks = pl.cdiv(p.num_indices, _INDEX_BLOCK)
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     out_shape = jax.ShapeDtypeStruct((p.batch, p.num_indices, p.columns), bits)
-    if _dma_rows(p.dtype) == 1:
+    if p.itemsize == 4:
         block_batch = min(config.block_batch, p.batch)
         fill = jnp.full((block_batch, 1, p.columns), p.fill_value, x.dtype)
         grid_spec = pltpu.PrefetchScalarGridSpec(
@@ -332,12 +383,14 @@ def gather(x: jax.Array, indices: jax.Array, p: Problem, *, config: GatherConfig
             num_scalar_prefetch=0, grid=(p.batch, num_blocks), in_specs=[hbm, hbm, hbm],
             out_specs=pl.BlockSpec((None, _INDEX_BLOCK, p.columns), lambda b, j: (b, j, 0)),
             scratch_shapes=[pltpu.SMEM((_INDEX_BLOCK,), jnp.int32),
-                            pltpu.VMEM((_RING, _dma_rows(p.dtype), p.columns), bits),
+                            pltpu.VMEM((_ring_depth(), 1, p.columns), jnp.int32),
                             pltpu.VMEM((_INDEX_BLOCK, p.columns), jnp.int32),
                             pltpu.SemaphoreType.DMA((_RING,))])
-        kernel = functools.partial(_tile_gather_kernel, p=p)
-        operands = (_tail_group(table, _dma_rows(p.dtype)),)
-        dma_bytes = gather_bytes(p) - math.prod(out_shape.shape) * p.itemsize  # rows, indices
+        kernel = functools.partial(_word_gather_kernel, p=p)
+        operands = (_interpreted_word_rows(_tail_group(x, _rows_per_word(p.dtype)), interpret),)
+        # The word-rows (rows_per_word times the gathered rows' bytes) and the indices.
+        dma_bytes = (_rows_per_word(p.dtype) * math.prod(out_shape.shape) * p.itemsize
+                     + 4 * p.num_indices)
     call = mosaic_call(
         kernel,
         out_shape=out_shape,
@@ -347,35 +400,39 @@ def gather(x: jax.Array, indices: jax.Array, p: Problem, *, config: GatherConfig
         unpipelined_bytes=dma_bytes,
         name="gather_mosaic",
     )
-    out = _mapped_under_vmap(call)(_padded_to_blocks(indices), table, *operands)
+    rows = table if p.itemsize == 4 else _interpreted_word_rows(x, interpret)
+    out = _mapped_under_vmap(call)(_padded_to_blocks(indices), rows, *operands)
     return lax.bitcast_convert_type(out, x.dtype)
 
 
 def _scatter_add_kernel(block_starts_smem, order_hbm, targets_hbm, g_hbm, g_tail_hbm, out_ref,
-                        acc_ref, groups_vmem, order_smem, targets_smem, sems, *, p: Problem,
+                        acc_ref, words_vmem, order_smem, targets_smem, sems, *, p: Problem,
                         block_rows: int, block_columns: int):
     batch, row_block = pl.program_id(0), pl.program_id(1)
     columns = (slice(None) if block_columns == p.columns else
                pl.ds(pl.multiple_of(pl.program_id(2) * block_columns, LANES), block_columns))
     first_row = row_block * block_rows
     start, stop = block_starts_smem[row_block], block_starts_smem[row_block + 1]
-    g, g_tail = g_hbm.at[batch, :, columns], g_tail_hbm.at[batch, :, columns]
-    group_rows = groups_vmem.shape[1]
+    per_word = _rows_per_word(p.dtype)
+    g = _word_rows(g_hbm.at[batch], p.num_indices, per_word)
+    g = None if g is None else g.at[:, columns]
+    g_tail = _word_rows(g_tail_hbm.at[batch], per_word, per_word).at[:, columns]
     acc_ref[...] = jnp.zeros_like(acc_ref)
 
     def start_copy(j, buffer, sem):
-        _start_row_copy(g, g_tail, order_smem[j], p.num_indices, buffer, sem)
+        _start_row_copy(g, g_tail, order_smem[j], p.num_indices, per_word, buffer, sem)
 
     def add(j, buffer):
         local = pl.ds(targets_smem[j] - first_row, 1)
-        row = _pick_row(buffer[...], order_smem[j] % group_rows, jnp.float32)
-        acc_ref[local, :] = acc_ref[local, :] + row
+        bits = _row_of_word(buffer[...], order_smem[j] % per_word, per_word)
+        row = lax.bitcast_convert_type(bits.astype(_BITS[p.itemsize]), p.dtype)
+        acc_ref[local, :] = acc_ref[local, :] + row.astype(jnp.float32)
 
     def add_block(block, carry):
         _stage(order_hbm, block, order_smem)
         _stage(targets_hbm, block, targets_smem)
         first = block * _INDEX_BLOCK
-        _ring_of_row_copies(groups_vmem, sems, g_tail, jnp.maximum(start - first, 0),
+        _ring_of_row_copies(words_vmem, sems, g_tail, jnp.maximum(start - first, 0),
                             jnp.minimum(stop - first, _INDEX_BLOCK), start_copy, add)
         return carry
 
@@ -400,7 +457,7 @@ def scatter_add(g: jax.Array, plan: ScatterPlan, p: Problem, *, config: GatherCo
         out_specs=pl.BlockSpec((None, block_rows, block_columns),
                                lambda b, r, c, starts: (b, r, c)),
         scratch_shapes=[pltpu.VMEM((block_rows, block_columns), jnp.float32),
-                        pltpu.VMEM((_RING, _dma_rows(g.dtype), block_columns), g.dtype),
+                        pltpu.VMEM((_ring_depth(), 1, block_columns), jnp.int32),
                         pltpu.SMEM((_INDEX_BLOCK,), jnp.int32),
                         pltpu.SMEM((_INDEX_BLOCK,), jnp.int32),
                         pltpu.SemaphoreType.DMA((_RING,))],
@@ -414,11 +471,14 @@ def scatter_add(g: jax.Array, plan: ScatterPlan, p: Problem, *, config: GatherCo
         dimension_semantics=("parallel", "parallel", "parallel"),
         interpret=interpret,
         flops=p.batch * p.num_indices * p.columns,
-        # The cotangent rows, order and targets by the kernel's DMAs; the table gradient by
-        # the pipeline.
-        unpipelined_bytes=scatter_bytes(p) - p.batch * p.n * p.columns * p.itemsize,
+        # The cotangent's word-rows, order and targets by the kernel's DMAs; the table
+        # gradient by the pipeline.
+        unpipelined_bytes=(scatter_bytes(p) - p.batch * p.n * p.columns * p.itemsize
+                           + (_rows_per_word(p.dtype) - 1) * math.prod(g.shape) * p.itemsize),
         name="scatter_add_mosaic",
     )
     return _mapped_under_vmap(call)(block_starts, _padded_to_blocks(plan.order),
-                                    _padded_to_blocks(plan.targets), g,
-                                    _tail_group(g, _dma_rows(g.dtype)))
+                                    _padded_to_blocks(plan.targets),
+                                    _interpreted_word_rows(g, interpret),
+                                    _interpreted_word_rows(_tail_group(g, _rows_per_word(g.dtype)),
+                                                      interpret))
