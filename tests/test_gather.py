@@ -335,6 +335,19 @@ def test_hot_ids_over_many_steps_and_row_blocks(implementation, shape, axis):
     assert_close(dx, want, jnp.float32, reduction_length=100)
 
 
+@pytest.mark.parametrize("implementation", ["triton", "mosaic"])
+def test_backward_in_the_fast_interpreter(implementation):
+    """The fast interpreter's own schedule (triton: 512 rows side by side; mosaic: one DMA in
+    flight): a hot row through pieces, the last row of a table whose last row block is
+    partial, a leading batch dim, 16-bit word-rows."""
+    x = jnp.zeros((2, 1100, 512), jnp.bfloat16)
+    indices = jnp.asarray([3] * 300 + [1099] * 40 + list(range(0, 1100, 7)), jnp.int32)
+    ct = random((2, indices.size, 512), jnp.bfloat16, seed=32)
+    dx = jax.vjp(lambda x: gather(x, indices, axis=1, implementation=implementation,
+                                  interpret=True), x)[1](ct)[0]
+    assert_close(dx, expected_gradient(x.shape, ct, indices, axis=1), jnp.bfloat16)
+
+
 @pytest.mark.parametrize("num_ids", [8192, 1 << 20])
 def test_triton_scatter_add_work_per_program(num_ids):
     """Issue 10, finding 9, at a 128k vocabulary: programs own blocks of rows (not one

@@ -39,6 +39,9 @@ output element has one writer and a fixed summation order, so every run gives th
 Whatever the ids, a row costs its owner at most length/segment_rows + pieces/segment_rows load
 steps (`longest_loop`: 24 for 8192 ids at 512 columns, where one id hit 8192 times took 1024
 steps in a single program).
+In the fast interpreter, whose cost is per loop step rather than per element, a rows program
+owns 512 rows and walks them side by side, one position of each per step (`rows_schedule`):
+as many steps as its longest segment, not one loop per row.
 
 Memory traffic: the cotangent is read once, the table gradient written once, and the pieces'
 float32 partial rows (at most m / length of them) written once and read once.
@@ -55,6 +58,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kernels import _targets
 from kernels._blocks import (check_triton_config, next_power_of_2, require_int32_offsets,
                              tile_limit)
 from kernels._pallas import pl, triton_call, triton_load, triton_store
@@ -91,9 +95,10 @@ def check(p: Problem, config: GatherConfig | None) -> None:
 
 
 def _load_rows(ref, batch, rows, columns, mask, other=0):
-    """The (rows, columns) tile of `ref[batch]` by one masked pointer gather. Array indexers
-    on every dim: the one form both the Triton lowering and interpret mode take for it."""
-    return triton_load(ref.at[batch, rows[:, None], columns[None, :]], mask=mask, other=other)
+    """The (*rows.shape, columns) tile of `ref[batch]` by one masked pointer gather. Array
+    indexers on every dim: the one form both the Triton lowering and interpret mode take."""
+    columns = columns.reshape((1,) * rows.ndim + columns.shape)
+    return triton_load(ref.at[batch, rows[..., None], columns], mask=mask, other=other)
 
 
 def _gather_kernel(indices_ref, x_ref, out_ref, *, p: Problem, block_indices: int,
@@ -135,12 +140,33 @@ def gather(x: jax.Array, indices: jax.Array, p: Problem, *, config: GatherConfig
 
 
 _BLOCK_ROWS = 8  # table rows per backward program
+_INTERPRETED_BLOCK_ROWS = 512  # ... in the fast interpreter, all side by side (`rows_schedule`)
 _SEGMENT_TILE = 4096  # elements of the (segment_rows, block_columns) cotangent tile per step
 _MIN_PIECE_STEPS = 8  # a piece is at least this many load steps
 
 
 def _segment_rows(block_columns: int) -> int:
     return max(1, _SEGMENT_TILE // block_columns)
+
+
+class RowsSchedule(NamedTuple):
+    """How a backward rows program walks its table rows: `block_rows` rows per program,
+    `rows_at_once` of them side by side, each summing its segment `rows_per_step` positions
+    per load step."""
+
+    block_rows: int
+    rows_at_once: int
+    rows_per_step: int
+
+
+def rows_schedule(block_columns: int) -> RowsSchedule:
+    """On a GPU (and in "strict"): one row at a time, a (segment_rows, block_columns) tile per
+    step, so a row's loads are independent and in flight together. In the fast interpreter,
+    whose cost is per loop step, not per element: 64 rows side by side, one position each per
+    step, so a program takes as many steps as its longest segment (`_targets.INTERPRETER`)."""
+    if _targets.current("gpu").interpreter:
+        return RowsSchedule(_INTERPRETED_BLOCK_ROWS, _INTERPRETED_BLOCK_ROWS, 1)
+    return RowsSchedule(_BLOCK_ROWS, 1, _segment_rows(block_columns))
 
 
 class Pieces(NamedTuple):
@@ -195,25 +221,27 @@ def piece_table(plan: ScatterPlan, p: Problem, layout: Pieces) -> PieceTable:
     return PieceTable(row_pieces, bounds.astype(jnp.int32))
 
 
-def _sum_rows(load, start, stop, rows_per_step: int, acc):
-    """acc + the rows start..stop-1 that `load(positions, valid)` returns, rows_per_step at a
-    time: independent loads in flight, not one dependent load per row."""
+def _sum_segments(load, starts, stops, rows_per_step: int, acc):
+    """acc[r] + the rows starts[r]..stops[r]-1 that `load(positions, valid)` returns, for
+    every r at once, rows_per_step positions of each per step: independent loads in flight,
+    not one dependent load per row."""
     steps = jnp.arange(rows_per_step, dtype=jnp.int32)
 
     def add(step, acc):
-        positions = start + step * rows_per_step + steps
-        rows = load(positions, positions < stop)
-        return acc + jnp.sum(rows.astype(acc.dtype), axis=0)
+        positions = starts[:, None] + step * rows_per_step + steps[None, :]
+        rows = load(positions, positions < stops[:, None])
+        return acc + jnp.sum(rows.astype(acc.dtype), axis=1)
 
-    return lax.fori_loop(jnp.int32(0), (stop - start + rows_per_step - 1) // rows_per_step, add,
-                         acc)
+    longest = jnp.max(stops - starts)
+    return lax.fori_loop(jnp.int32(0), (longest + rows_per_step - 1) // rows_per_step, add, acc)
 
 
 def _cotangent_rows(order_ref, g_ref, batch, columns, column_valid):
-    """load(positions, valid) of the cotangent rows at sorted positions."""
+    """load(positions, valid) of the cotangent rows at sorted positions (positions of any
+    rank: the rows come back with a trailing column axis)."""
     def load(positions, valid):
         sources = triton_load(order_ref.at[positions], mask=valid, other=0)
-        return _load_rows(g_ref, batch, sources, columns, valid[:, None] & column_valid[None, :])
+        return _load_rows(g_ref, batch, sources, columns, valid[..., None] & column_valid)
     return load
 
 
@@ -222,43 +250,49 @@ def _piece_kernel(order_ref, bounds_ref, g_ref, out_ref, *, p: Problem, block_co
     first_column = pl.program_id(1) * block_columns
     columns = first_column + jnp.arange(block_columns, dtype=jnp.int32)
     column_valid = columns < p.columns
-    acc = _sum_rows(_cotangent_rows(order_ref, g_ref, batch, columns, column_valid),
-                    bounds_ref[piece, 0], bounds_ref[piece, 1], _segment_rows(block_columns),
-                    jnp.zeros((block_columns,), out_ref.dtype))
-    triton_store(out_ref.at[batch, piece, pl.ds(first_column, block_columns)], acc,
+    bounds = [jnp.full((1,), bounds_ref[piece, k], jnp.int32) for k in (0, 1)]
+    acc = _sum_segments(_cotangent_rows(order_ref, g_ref, batch, columns, column_valid),
+                        *bounds, _segment_rows(block_columns),
+                        jnp.zeros((1, block_columns), out_ref.dtype))
+    triton_store(out_ref.at[batch, piece, pl.ds(first_column, block_columns)], jnp.sum(acc, 0),
                  mask=column_valid)
 
 
 def _scatter_add_kernel(order_ref, row_starts_ref, row_pieces_ref, g_ref, partials_ref,
-                        out_ref, *, p: Problem, block_columns: int, layout: Pieces):
-    row_blocks = pl.cdiv(p.n, _BLOCK_ROWS)
+                        out_ref, *, p: Problem, block_columns: int, layout: Pieces,
+                        schedule: RowsSchedule):
+    row_blocks = pl.cdiv(p.n, schedule.block_rows)
     batch, row_block = pl.program_id(0) // row_blocks, pl.program_id(0) % row_blocks
     first_column = pl.program_id(1) * block_columns
     columns = first_column + jnp.arange(block_columns, dtype=jnp.int32)
     column_valid = columns < p.columns
-    rows_per_step = _segment_rows(block_columns)
     cotangents = _cotangent_rows(order_ref, g_ref, batch, columns, column_valid)
 
     def piece_partials(positions, valid):
         return _load_rows(partials_ref, batch, positions, columns,
-                          valid[:, None] & column_valid[None, :])
+                          valid[..., None] & column_valid)
 
-    def row_gradient(i, carry):
+    def row_group(i, carry):
         # Rows past the table's end have an empty segment (clamped bounds) and store nothing.
-        row = jnp.minimum(row_block * _BLOCK_ROWS + i, p.n)
-        next_row = jnp.minimum(row + 1, p.n)
-        start, stop = row_starts_ref[row], row_starts_ref[next_row]
-        acc = jnp.zeros((block_columns,), accumulator_dtype(p.dtype))
-        acc = _sum_rows(cotangents, start, jnp.minimum(stop, start + layout.length),
-                        rows_per_step, acc)
+        first_row = row_block * schedule.block_rows + i * schedule.rows_at_once
+        rows = jnp.minimum(first_row + jnp.arange(schedule.rows_at_once, dtype=jnp.int32), p.n)
+        next_rows = jnp.minimum(rows + 1, p.n)
+        starts = triton_load(row_starts_ref.at[rows])
+        stops = triton_load(row_starts_ref.at[next_rows])
+        acc = jnp.zeros((schedule.rows_at_once, block_columns), accumulator_dtype(p.dtype))
+        acc = _sum_segments(cotangents, starts, jnp.minimum(stops, starts + layout.length),
+                            schedule.rows_per_step, acc)
         if layout.count:
-            acc = _sum_rows(piece_partials, row_pieces_ref[row], row_pieces_ref[next_row],
-                            rows_per_step, acc)
-        triton_store(out_ref.at[batch, row, pl.ds(first_column, block_columns)],
-                     acc.astype(out_ref.dtype), mask=column_valid & (row < p.n))
+            acc = _sum_segments(piece_partials, triton_load(row_pieces_ref.at[rows]),
+                                triton_load(row_pieces_ref.at[next_rows]),
+                                schedule.rows_per_step, acc)
+        triton_store(out_ref.at[batch, rows[:, None], columns[None, :]],
+                     acc.astype(out_ref.dtype),
+                     mask=(rows < p.n)[:, None] & column_valid[None, :])
         return carry
 
-    lax.fori_loop(jnp.int32(0), jnp.int32(_BLOCK_ROWS), row_gradient, 0)
+    lax.fori_loop(jnp.int32(0), jnp.int32(schedule.block_rows // schedule.rows_at_once),
+                  row_group, 0)
 
 
 def _pieces_cost(p: Problem, partial_bytes: int) -> pl.CostEstimate:
@@ -290,12 +324,13 @@ def scatter_add(g: jax.Array, plan: ScatterPlan, p: Problem, *, config: GatherCo
             cost_estimate=_pieces_cost(p, partial_bytes),
             name="scatter_add_pieces_triton",
         )(plan.order, table.bounds, g)
+    schedule = rows_schedule(config.block_columns)
     kernel = functools.partial(_scatter_add_kernel, p=p, block_columns=config.block_columns,
-                               layout=layout)
+                               layout=layout, schedule=schedule)
     return triton_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((p.batch, p.n, p.columns), g.dtype),
-        grid=(p.batch * pl.cdiv(p.n, _BLOCK_ROWS), column_blocks),
+        grid=(p.batch * pl.cdiv(p.n, schedule.block_rows), column_blocks),
         num_warps=4,
         num_stages=config.num_stages,
         interpret=interpret,
