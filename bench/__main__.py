@@ -14,6 +14,7 @@ import argparse
 import json
 import re
 import sys
+import textwrap
 from pathlib import Path
 
 import jax
@@ -41,27 +42,57 @@ def record_path(device_kind: str) -> Path:
     return RECORDS / (re.sub(r"[^A-Za-z0-9]+", "_", device_kind).strip("_").lower() + ".json")
 
 
-def summary(ops: list[str], platform: str | None) -> str:
-    """What the table stands on: the device, each op's default and why, and how far the
-    kernels are proven (interpret mode, real compilers, devices with a record)."""
-    lines = [f"jax {jax.__version__}, backend {jax.default_backend()}, devices "
-             f"{sorted({d.device_kind for d in jax.devices()})}"]
-    for op in ops:
-        entry = defaults.TABLE.get((op, platform))
-        lines.append(f"default {op}: {', '.join(defaults.default(op, jax.default_backend()))}"
-                     + (f"; {entry.evidence}" if entry else
-                        "; no GPU or TPU here: XLA runs every op (kernels run only when asked, "
-                        "interpreted)"))
+def summary(ops: list[str], rows: list[dict], design_rows: list[dict] | None) -> str:
+    """What a person reads first: this machine, how far the kernels are proven, then per op its
+    default on each platform and why, what its kernels cost a CPU test here, and what the
+    design figures say for an H100 and a TPU v5e."""
     recorded = sorted(path.stem for path in RECORDS.glob("*.json"))
-    lines += [
+    lines = [
+        f"jax {jax.__version__}, backend {jax.default_backend()}, devices "
+        f"{sorted({d.device_kind for d in jax.devices()})}",
         "proven: numerics of every kernel against the float64 reference, interpreted on a CPU "
         "(the test suite: the strict simulator on the device's schedule at small sizes, the "
         "fast interpreter at model-test sizes); compiled by the real back ends for sm_90, "
-        "sm_80, v5e, v6e and v4 (python -m kernels.compile; the design table below compiles its launches now)",
+        "sm_80, v5e, v6e and v4 (python -m kernels.compile)",
         "ran on a device: " + (", ".join(recorded) + " (bench/records/)" if recorded else
                                "none recorded; no kernel has been timed on a GPU or TPU"),
     ]
+    for op in ops:
+        lines += ["", op]
+        for platform in ("gpu", "tpu"):
+            entry = defaults.TABLE.get((op, platform))
+            lines += _wrapped(f"default on {platform.upper()}: "
+                              f"{', then '.join(entry.implementations)} ({entry.evidence})")
+        lines.append(f"  default here ({jax.default_backend()}): "
+                     f"{', '.join(defaults.default(op, jax.default_backend()))}")
+        interpreted = _interpreted_cost([r for r in rows if r["op"].split()[0] == op])
+        if interpreted:
+            lines += _wrapped("interpreted on this machine, time vs XLA's (forward / "
+                              "backward, the largest over the shapes): " + interpreted)
+        if design_rows is not None:
+            for target, device in design.DEVICE_NAMES.items():
+                lines += _wrapped(f"design {device}: " + design.target_line(
+                    [r for r in design_rows if r["op"] == op], target))
     return "\n".join(lines)
+
+
+def _wrapped(text: str) -> list[str]:
+    return textwrap.wrap(text, width=100, initial_indent="  ", subsequent_indent="      ")
+
+
+def _interpreted_cost(op_rows: list[dict]) -> str:
+    """'triton 1.2x / 3.4x, mosaic ...': each interpreted implementation's largest ratio to
+    XLA, forward and backward."""
+    worst: dict[str, dict[bool, float]] = {}
+    for r in op_rows:
+        if r["kind"] == "interpreted" and r["vs_xla"] is not None:
+            by_direction = worst.setdefault(r["implementation"], {})
+            backward = r["op"].endswith(" backward")
+            by_direction[backward] = max(by_direction.get(backward, 0.0), r["vs_xla"])
+    return ", ".join(
+        f"{name} " + " / ".join(f"{ratios[d]:.1f}x" if d in ratios else "-"
+                                for d in (False, True))
+        for name, ratios in worst.items())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,9 +111,12 @@ def main(argv: list[str] | None = None) -> int:
                              "at model-test sizes, strict the simulator's on small grids, "
                              "false none")
     parser.add_argument("--no-interpret", action="store_true", help="same as --interpret false")
-    parser.add_argument("--no-design", action="store_true",
-                        help="skip the design figures (kernel launches worked out for an H100 "
-                             "and a TPU v5e, compiled by the real back ends)")
+    parser.add_argument("--design", choices=("grouped", "full", "none"), default="grouped",
+                        help="the design figures (every kernel launch worked out for an H100 "
+                             "and a TPU v5e, compiled by the real back ends where installed): "
+                             "grouped per op and case (default), full (one table, every "
+                             "column), none")
+    parser.add_argument("--no-design", action="store_true", help="same as --design none")
     parser.add_argument("--record", action="store_true",
                         help="on a GPU or TPU, write the rows to bench/records/<device kind>.json "
                              "(the evidence kernels/defaults.py cites)")
@@ -96,10 +130,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--record needs a GPU or TPU: CPU timings are not evidence for a default")
 
     # The platform's kernel is timed natively next to xla, whichever of them is the default.
-    native = ([(defaults.KERNEL_OF_PLATFORM[platform], False)] if platform else []) + [("xla", False)]
+    native = ([(defaults.KERNEL_OF_PLATFORM[platform], False)] if platform else []) + [
+        ("xla", False)]
     on_accelerator = platform is not None
     device_kind = jax.devices()[0].device_kind
-    print(summary(ops, platform), flush=True)
     plan = []
     for op in ops:
         plan += [(case, native, args.repeats)
@@ -108,23 +142,34 @@ def main(argv: list[str] | None = None) -> int:
             args.interpret]
         for shapes, implementations in interpreted:
             plan += [(case, implementations, 3) for case in BENCHES[op].cases(shapes)]
-    print("\nfloor_*_us: roofline floor on that device from the op's flop and byte counts "
-          "(max of compute time and memory time). Rows marked (interpret) run the GPU/TPU "
-          "kernel code in Pallas' HLO interpreter on this CPU (interpret=None/True, at "
-          "model-test sizes), rows marked (strict) in TPU interpret mode (interpret=\"strict\", "
-          "small grids): not speed figures; their vs_xla is what running the kernel's code "
-          "costs a CPU test.\n" + harness.header(), flush=True)
+    # Progress and each row as it is measured go to stderr; the report, to stdout at the end.
+    print(harness.header(), file=sys.stderr, flush=True)
     rows = []
     for number, (case, implementations, repeats) in enumerate(plan, 1):
         print(f"[{number}/{len(plan)}] {case.op} {case.shape} {case.dtype}: "
               f"{', '.join(name for name, _ in implementations)}", file=sys.stderr, flush=True)
         measured = harness.measure(case, implementations, repeats)
         for row in measured:
-            print(harness.format_row(row), flush=True)
+            print(harness.format_row(row), file=sys.stderr, flush=True)
         rows += measured
-    if not args.no_design:
-        print("\n" + design.LEGEND, flush=True)
-        print(design.table(list(design.rows(ops))), flush=True)
+    design_choice = "none" if args.no_design else args.design
+    design_rows = None
+    if design_choice != "none":
+        print("design figures: tracing and compiling every launch for sm_90 and v5e ...",
+              file=sys.stderr, flush=True)
+        design_rows = list(design.rows(ops))
+    print(summary(ops, rows, design_rows))
+    print("\nTimings. floor_*_us: roofline floor on that device from the op's flop and byte "
+          "counts (max of compute time and memory time). Rows marked (interpret) run the "
+          "GPU/TPU kernel code in Pallas' HLO interpreter on this CPU (interpret=None/True, "
+          "at model-test sizes), rows marked (strict) in TPU interpret mode "
+          "(interpret=\"strict\", small grids): not speed figures; their vs_xla is what "
+          "running the kernel's code costs a CPU test.")
+    print(harness.table(rows))
+    if design_rows is not None:
+        print("\n" + design.LEGEND + "\n" + design.compiler_note(design_rows) + "\n")
+        print(design.table(design_rows) if design_choice == "full" else
+              design.grouped(design_rows), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

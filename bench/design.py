@@ -31,7 +31,8 @@ import jax.numpy as jnp
 
 from bench.harness import aligned
 from kernels import _targets
-from kernels.compile import CASES, implementation_for, pallas_calls, report, resources
+from kernels.compile import (CASES, implementation_for, launch_key, launches, pallas_calls,
+                             report, resources)
 
 TARGETS = ("sm_90", "v5e")
 
@@ -54,14 +55,48 @@ def _op_flops(case) -> int | None:
 
 
 def rows(ops: list[str], compile_kernels: bool = True) -> Iterator[dict]:
-    """One row per distinct kernel launch of each design case, per target."""
+    """One row per distinct kernel launch of each design case, per target, labelled with the
+    parts of the op it computes (`launch`: "forward, dX" where the input gradient runs the
+    forward's very kernel)."""
     for op in ops:
         for case in (c for c in CASES[op] if c.design):
             for name in TARGETS:
                 target = _targets.TARGETS[name]
-                fn = case.function(implementation_for(name))
-                for eqn in pallas_calls(fn, *case.args, target=target):
-                    yield _row(case, eqn, target, compile_kernels)
+                implementation = implementation_for(name)
+                every = launches(case.function(implementation), *case.args, target=target)
+                roles: dict[tuple, list[str]] = {}
+                for eqn, role in zip(every, _roles(case, implementation, target, every),
+                                     strict=True):
+                    roles.setdefault(launch_key(eqn), []).append(role)
+                for eqn in pallas_calls(case.function(implementation), *case.args,
+                                        target=target):
+                    yield {**_row(case, eqn, target, compile_kernels),
+                           "launch": ", ".join(roles[launch_key(eqn)])}
+
+
+# Normalize and gather kernels are named for what they compute.
+_NAMED_ROLES = {"normalize_moments": "forward: moments", "normalize_forward": "forward",
+                "normalize_sums": "backward: sums", "normalize_backward": "backward",
+                "gather": "forward", "scatter_add_pieces": "backward: pieces",
+                "scatter_add": "backward: scatter-add"}
+
+
+def _roles(case, implementation: str, target, every: list) -> list[str]:
+    """What each of `every` launch computes, in launch order. Matmul and conv2d: the forward's
+    launches (traced alone), then dA and dB, or dX (one launch per sub-pixel phase of a
+    strided convolution) and dW, the last launch."""
+    if case.op not in ("matmul", "conv2d"):
+        return [_NAMED_ROLES[eqn.params["name"].rsplit("_", 1)[0]] for eqn in every]
+    forward = len(launches(lambda *arrays: case.call(implementation, *arrays), *case.args,
+                           target=target))
+    backward = len(every) - forward
+    if case.op == "matmul":
+        return _numbered("forward", forward) + ["dA", "dB"][:backward]
+    return _numbered("forward", forward) + _numbered("dX", backward - 1, "phase") + ["dW"]
+
+
+def _numbered(role: str, count: int, part: str = "part") -> list[str]:
+    return [role] if count == 1 else [f"{role} {part} {k}" for k in range(1, count + 1)]
 
 
 def _row(case, eqn, target, compile_kernels: bool) -> dict:
@@ -94,21 +129,94 @@ def _megabytes(value) -> str:
 
 
 def table(design_rows: list[dict]) -> str:
-    header = ["op", "case", "target", "kernel", "grid", "programs", "waves/steps",
+    """Every launch as one row of one table (`--design full`)."""
+    header = ["op", "case", "target", "launch", "kernel", "grid", "programs", "waves/steps",
               "flops vs op", "HBM MB est.", "operands MB", "compiled"]
-    cells = [[r["op"], r["case"], r["target"], r["kernel"], r["grid"], str(r["programs"]),
-              f"{r['waves']:.1f} waves" if r["waves"] is not None else f"{r['programs']} steps",
-              _ratio(r["flops"], r["op_flops"]), _megabytes(r["bytes"]),
-              _megabytes(r["min_bytes"]), r["resources"]] for r in design_rows]
+    cells = [[r["op"], r["case"], r["target"], r["launch"], *_figures(r)] for r in design_rows]
     return aligned(header, cells)
 
 
-LEGEND = ("Design figures (no device needed): waves = programs / 132 SMs of an H100 (under 2 "
-          "leaves SMs idle); TPU grid steps run in order on one v5e core. flops vs op: the "
-          "kernel's cost estimate over the op's forward flops (each matmul or conv backward "
-          "kernel needs the same; a strided conv's input-gradient phases share them). HBM MB "
+def _figures(r: dict) -> list[str]:
+    return [r["kernel"], r["grid"], str(r["programs"]), _occupancy(r),
+            _ratio(r["flops"], r["op_flops"]), _megabytes(r["bytes"]),
+            _megabytes(r["min_bytes"]), r["resources"]]
+
+
+def _occupancy(r: dict) -> str:
+    return f"{r['waves']:.1f} waves" if r["waves"] is not None else f"{r['programs']} steps"
+
+
+DEVICE_NAMES = {"sm_90": "H100", "v5e": "TPU v5e"}
+
+
+def grouped(design_rows: list[dict]) -> str:
+    """The launches grouped per op and case, each case a small table of its launches per
+    target (the default view)."""
+    blocks = []
+    for (op, case), launches in _groups(design_rows, ("op", "case")).items():
+        cells = [[DEVICE_NAMES[r["target"]] if i == 0 else "", r["launch"], *_figures(r)[:-1],
+                  r["resources"] if r["resources"] != "not compiled" else "-"]
+                 for target_rows in _groups(launches, ("target",)).values()
+                 for i, r in enumerate(target_rows)]
+        header = ["target", "launch", "kernel", "grid", "programs", "waves/steps",
+                  "flops vs op", "HBM MB est.", "operands MB", "compiled"]
+        table_text = aligned(header, cells)
+        blocks.append(f"{op}: {case}\n" + "\n".join("  " + line
+                                                       for line in table_text.splitlines()))
+    return "\n\n".join(blocks)
+
+
+def _groups(design_rows: list[dict], keys: tuple[str, ...]) -> dict[tuple, list[dict]]:
+    out: dict[tuple, list[dict]] = {}
+    for r in design_rows:
+        out.setdefault(tuple(r[k] for k in keys), []).append(r)
+    return out
+
+
+def target_line(design_rows: list[dict], target: str) -> str:
+    """What an op's design figures say for one target, in a line: its launches, the least
+    occupied one, the most bytes against the operands, and what the compiler reported."""
+    launches = [r for r in design_rows if r["target"] == target]
+    if not launches:
+        return "no design case"
+    where = "{launch} of {case}"
+    if target == "sm_90":
+        low = min(launches, key=lambda r: r["waves"])
+        occupancy = f"fewest waves {low['waves']:.1f} ({where.format(**low)})"
+    else:
+        steps = [r["programs"] for r in launches]
+        occupancy = f"grid steps {min(steps)}-{max(steps)}"
+    stated = [r for r in launches if r["bytes"] and r["min_bytes"]]
+    traffic = ""
+    if stated:
+        heavy = max(stated, key=lambda r: r["bytes"] / r["min_bytes"])
+        traffic = (f"; HBM est. at most {heavy['bytes'] / heavy['min_bytes']:.1f}x its "
+                   f"operands ({where.format(**heavy)})")
+    failed = [r for r in launches if r["resources"].startswith("FAIL")]
+    unknown = all(r["resources"].startswith("not compiled") for r in launches)
+    compiled = ("not compiled here" if unknown else
+                f"{len(failed)} failed to compile" if failed else "all compile within budget")
+    return f"{len(launches)} launches; {occupancy}{traffic}; {compiled}"
+
+
+def compiler_note(design_rows: list[dict]) -> str:
+    """One line on the compiled-resources column: what it shows, or how to get it."""
+    missing = sorted({r["resources"].split(": ", 1)[1].split(" is not")[0] for r in design_rows
+                      if r["resources"].startswith("not compiled: ")})
+    if not missing:
+        return ("compiled: the real compiler's report for that target (Triton: shared memory, "
+                "registers, spills, load widths; libtpu: planned VMEM against the limit).")
+    return (f"compiled: not shown, {' and '.join(missing)} not installed here; "
+            "pip install -e '.[test]' brings Triton's compiler and libtpu, which compile for "
+            "these targets on a CPU.")
+
+
+LEGEND = ("Design figures (no device needed): every launch of the forward and backward at "
+          "device sizes, worked out for an H100 and a TPU v5e. waves = programs / 132 SMs "
+          "(under 2 leaves SMs idle); a v5e core runs its grid steps in order. flops vs op: "
+          "the kernel's cost estimate over the op's forward flops (each matmul or conv "
+          "backward launch needs the same; a strided conv's dX phases share them). HBM MB "
           "est.: the bytes the kernel's cost estimate states, re-reads included (Mosaic: its "
           "pipeline's block copies; Triton matmul/conv: the loads its programs issue, much of "
           "them served by L2/L1); operands MB: its inputs and outputs, each once (a gather "
-          "reads only the rows it gathers). compiled: the real compiler's report for that "
-          "target.")
+          "reads only the rows it gathers).")

@@ -173,7 +173,13 @@ def format_row(row: dict) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    return "\n".join([header(), *map(format_row, rows)])
+    """The rows under the header, a blank line between ops."""
+    lines = [header()]
+    for previous, row in zip([None, *rows], rows):
+        if previous is not None and previous["op"].split()[0] != row["op"].split()[0]:
+            lines.append("")
+        lines.append(format_row(row))
+    return "\n".join(lines)
 
 
 def csv_text(rows: list[dict]) -> str:

@@ -8,10 +8,10 @@ stages them with `jax.lax.platform_dependent`, whose lowering keeps only the bra
 platform being lowered for. Where they agree (an explicit implementation with an explicit
 `interpret`, say) the op is traced once, with no conditional.
 
-`interpret` (README, "Testing on a CPU") is resolved here too, into what a kernel receives: `False`
-(compiled), `True` (Pallas' HLO interpreter: the kernel's code as XLA ops, at model speed) or
-`"strict"` (Mosaic kernels in TPU interpret mode, whose simulated memory makes an
-out-of-bounds read raise and uninitialized memory NaN; Pallas has no stricter interpreter for
+`interpret` (docs/usage.md, "Testing on a CPU") is resolved here too, into what a kernel
+receives: `False` (compiled), `True` (Pallas' HLO interpreter: the kernel's code as XLA ops, at
+model speed) or `"strict"` (Mosaic kernels in TPU interpret mode, whose simulated memory makes
+an out-of-bounds read raise and uninitialized memory NaN; Pallas has no stricter interpreter for
 Triton kernels, which run in the HLO interpreter). The kernels get it as an argument. The fast
 interpreter (`True`) runs each kernel on blocks sized for the interpreter
 (`_targets.INTERPRETER`: few, large programs); "strict" runs the schedule of the device, as
@@ -63,7 +63,7 @@ def _validated(names: Sequence[str], source: str) -> tuple[str, ...]:
 def implementations(implementation: Implementation, op: str = "",
                     platform: str = "cpu") -> tuple[str, ...]:
     """The sequence of implementations to try for `implementation=` of `op` in a program
-    lowered for `platform` (see DESIGN.md): `None` is `$KERNELS_IMPLEMENTATION` if set, else
+    lowered for `platform` (see docs/design.md): `None` is `$KERNELS_IMPLEMENTATION` if set, else
     the op's entry in `kernels.defaults` for that platform."""
     if implementation is None:
         env = os.environ.get(ENV_VAR, "").strip()

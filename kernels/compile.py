@@ -136,12 +136,17 @@ def launches(fn: Callable[..., Any], *args: Any, target: Target) -> list:
     return _find_pallas_calls(jaxpr.jaxpr, [])
 
 
+def launch_key(eqn) -> tuple:
+    """What makes two launches the same kernel: name, operands, grid and body."""
+    return (eqn.params["name"], _operands(eqn), eqn.params["grid_mapping"].grid,
+            str(eqn.params["jaxpr"]))
+
+
 def pallas_calls(fn: Callable[..., Any], *args: Any, target: Target) -> list:
     """The distinct `launches` of `fn(*args)` for `target`, in order of appearance."""
     calls, seen = [], set()
     for eqn in launches(fn, *args, target=target):
-        key = (eqn.params["name"], _operands(eqn), eqn.params["grid_mapping"].grid,
-               str(eqn.params["jaxpr"]))
+        key = launch_key(eqn)
         if key not in seen:
             seen.add(key)
             calls.append(eqn)

@@ -63,7 +63,7 @@ def dilated_size(size: int, dilation: int) -> int:
 
 def normalize_padding(padding: Any, in_hw: Pair, window_hw: Pair, stride: Pair,
                       dilation: Pair) -> Padding:
-    """Every padding form of DESIGN.md as ((top, bottom), (left, right)).
+    """Every padding form the ops take (docs/design.md) as ((top, bottom), (left, right)).
 
     "SAME"/"VALID"/"SAME_LOWER" (any case) follow `lax.padtype_to_pads`, so "SAME" accounts
     for the stride and the dilated window exactly as `lax.conv_general_dilated` does.

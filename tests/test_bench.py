@@ -67,27 +67,59 @@ def test_record_needs_a_device_and_names_its_file(capsys):
     assert record_path("TPU v5 lite").parent.name == "records"
 
 
-def test_bench_streams_rows_and_writes_csv_and_plots(capsys, tmp_path):
-    """The summary comes first (device, each op's default and why, what is proven); each row
-    prints as it is measured, after a progress line on stderr; --csv and --plot write every
-    row and one PNG per op."""
+def test_bench_report_and_csv_and_plots(capsys, tmp_path):
+    """The report on stdout opens with the summary (device, what is proven, then per op its
+    default on each platform and why, and the design figures in a line per device), then the
+    timing rows, then the design figures grouped per case; stderr shows progress and each row
+    as it is measured; --csv and --plot write every row and one PNG per op."""
     import csv
 
     csv_path, plots = tmp_path / "rows.csv", tmp_path / "plots"
-    assert main(["--ops", "gather", "--no-interpret", "--no-design", "--repeats", "1",
+    assert main(["--ops", "gather", "--no-interpret", "--repeats", "1",
                  "--csv", str(csv_path), "--plot", str(plots)]) == 0
     out, err = capsys.readouterr()
     lines = out.splitlines()
-    assert lines[0].startswith("jax ") and lines[1].startswith("default gather: xla; ")
-    assert any(line.startswith("proven: ") for line in lines[:4])
-    assert any(line.startswith("ran on a device: ") for line in lines[:5])
+    assert lines[0].startswith("jax ") and lines[1].startswith("proven: ")
+    assert lines[2].startswith("ran on a device: ") and lines[4] == "gather"
+    assert lines[5].startswith("  default on GPU: triton, then xla (design: ")
+    assert any(line.startswith("  default here (cpu): xla") for line in lines[5:12])
+    assert any(line.startswith("  design H100: 3 launches; fewest waves ") for line in lines)
+    assert any(line.startswith("  design TPU v5e: 2 launches; ") for line in lines)
     assert "[1/2] gather " in err and "[2/2] gather backward " in err
     rows = list(csv.DictReader(csv_path.open()))
     assert [r["op"] for r in rows] == ["gather", "gather backward"]
-    assert all(any(line.startswith(r["op"].ljust(18) + "  " + r["shape"]) for line in lines)
-               for r in rows)
+    table = [i for i, line in enumerate(lines) if line.startswith(rows[0]["op"].ljust(18) + "  ")]
+    assert table and all(any(line.startswith(r["op"].ljust(18) + "  " + r["shape"])
+                             for line in lines) for r in rows)
+    design_at = lines.index("gather: table 32000x4096 bfloat16, 8192 ids, axis=0, mode=None")
+    assert design_at > table[-1]
+    launches = lines[design_at + 3:design_at + 8]
+    expected = [("H100", "forward"), ("", "backward: pieces"), ("", "backward: scatter-add"),
+                ("TPU v5e", "forward"), ("", "backward: scatter-add")]
+    assert all(line.startswith("  " + target) and launch in line
+               for line, (target, launch) in zip(launches, expected, strict=True)), launches
     assert float(rows[0]["bytes"]) > 0 and rows[0]["implementation"] == "xla"
     assert (plots / "gather.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_design_launches_are_labelled_with_what_they_compute():
+    """Each launch says which part of the op it computes: matmul's forward, dA and dB; a
+    convolution's dX (the forward's own kernel when shapes match, one launch per sub-pixel
+    phase of a strided one) and dW; normalize's and gather's by kernel."""
+    from bench import design
+
+    rows = list(design.rows(["matmul", "conv2d"], compile_kernels=False))
+    square = [r["launch"] for r in rows if r["case"].startswith("4096x4096 @")
+              and r["target"] == "v5e"]
+    assert square == ["forward", "dA", "dB"]
+    same = [r["launch"] for r in rows if r["case"].startswith("32x56x56x64 * 3x3x64x64")
+            and r["target"] == "sm_90"]
+    assert same == ["forward, dX", "dW"]
+    strided = [r["launch"] for r in rows if "stride=2" in r["case"] and r["target"] == "sm_90"]
+    assert strided == ["forward", "dX phase 1", "dX phase 2", "dX phase 3", "dX phase 4", "dW"]
+    text = design.grouped(rows)
+    assert "conv2d: 32x28x28x128 * 3x3x128x256 bfloat16, stride=2" in text
+    assert "dX phase 4" in design.table(rows)
 
 
 def test_design_figures_show_programs_against_the_device():

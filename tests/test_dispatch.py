@@ -1,4 +1,4 @@
-"""How an implementation is chosen (DESIGN.md, "Choosing an implementation")."""
+"""How an implementation is chosen (docs/design.md, "Choosing an implementation")."""
 
 from __future__ import annotations
 

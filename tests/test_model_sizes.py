@@ -1,7 +1,7 @@
 """Every kernel at the sizes a model author's CPU test uses, through the default interpreter.
 
 `interpret=None` off the kernel's platform is Pallas' HLO interpreter for both kernels (see
-DESIGN.md): the kernel's own code run as XLA ops, at model speed. Here each kernel, forward and
+docs/design.md): the kernel's own code run as XLA ops, at model speed. Here each kernel, forward and
 gradient, runs at such a size and is compared with the float64 reference. The per-op suites
 prove the same kernels on small grids in "strict" mode (TPU interpret mode for Mosaic); the
 bench's interpreted rows time these sizes against XLA.

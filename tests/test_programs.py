@@ -1,4 +1,4 @@
-"""Whole programs compiled as users run them (DESIGN.md, "Proof without hardware"): every op's
+"""Whole programs compiled as users run them (docs/design.md, "Proof without hardware"): every op's
 forward and gradient, and the examples' training steps, compiled by XLA's GPU compiler for
 H100/A100 and by libtpu for multi-chip v5e/v6e/v4, on one device and on 4-device meshes with
 Auto and Explicit axes, with the default implementation and with the target's kernel.

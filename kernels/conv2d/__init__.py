@@ -263,7 +263,7 @@ def conv2d(
     result has `preferred_element_type` if given. 16-bit inputs accumulate in float32.
 
     The kernels work in NHWC/HWIO: NCHW input is transposed in the wrapper (an XLA copy each
-    way). `implementation` and `interpret` choose the kernel as in DESIGN.md; `config` sets the
+    way). `implementation` and `interpret` choose the kernel as in docs/design.md; `config` sets the
     forward kernel's block sizes (`None` picks them from the shapes).
     """
     _validate_arrays(x, w, config)

@@ -135,7 +135,7 @@ def gather(
     for every index value (no narrow-dtype overflow). The gradient with respect to `x` is
     JAX's: a scatter-add of the cotangent under the same mode (the default mode drops
     out-of-range indices in the backward). `implementation` and `interpret` choose the kernel as
-    in DESIGN.md; `config` sets block sizes.
+    in docs/design.md; `config` sets block sizes.
     """
     x, indices = jnp.asarray(x), host_indices(indices)
     axis = _validate(x, indices, axis, mode, config)

@@ -162,8 +162,9 @@ class RowsSchedule(NamedTuple):
 def rows_schedule(block_columns: int) -> RowsSchedule:
     """On a GPU (and in "strict"): one row at a time, a (segment_rows, block_columns) tile per
     step, so a row's loads are independent and in flight together. In the fast interpreter,
-    whose cost is per loop step, not per element: 64 rows side by side, one position each per
-    step, so a program takes as many steps as its longest segment (`_targets.INTERPRETER`)."""
+    whose cost is per loop step more than per element: `_INTERPRETED_BLOCK_ROWS` rows side by
+    side, one position each per step, so a program takes as many steps as its longest segment
+    (`_targets.INTERPRETER`)."""
     if _targets.current("gpu").interpreter:
         return RowsSchedule(_INTERPRETED_BLOCK_ROWS, _INTERPRETED_BLOCK_ROWS, 1)
     return RowsSchedule(_BLOCK_ROWS, 1, _segment_rows(block_columns))

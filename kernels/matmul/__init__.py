@@ -154,7 +154,7 @@ def matmul(
 
     Operands of rank >= 1 with broadcasting batch dims, any M, N, K, any float dtype (16-bit
     inputs accumulate in float32). `implementation` and `interpret` choose the kernel as in
-    DESIGN.md; `config` sets block sizes (`None` picks them from the shapes).
+    docs/design.md; `config` sets block sizes (`None` picks them from the shapes).
     """
     a, b = _validated(a, b, config)
     if isinstance(precision, list):

@@ -172,7 +172,7 @@ def normalize(
     `subtract_mean=False`: `x / sqrt(mean(x²) + epsilon) * scale + offset` (RMS norm).
     `scale`/`offset` have the shape of the normalized axes. Statistics in float32 (float64 for
     float64 `x`); the result has `x.dtype` (see `reference.normalize`). `implementation` and
-    `interpret` choose the kernel as in DESIGN.md; `config` sets block sizes.
+    `interpret` choose the kernel as in docs/design.md; `config` sets block sizes.
     """
     return _normalize(x, scale, offset, axis, epsilon, subtract_mean, implementation,
                       interpret, config, "normalize")
