@@ -141,7 +141,9 @@ def main(argv: list[str] | None = None) -> int:
         interpreted = [] if on_accelerator or args.no_interpret else INTERPRET_CHOICES[
             args.interpret]
         for shapes, implementations in interpreted:
-            plan += [(case, implementations, 3) for case in BENCHES[op].cases(shapes)]
+            # The simulator's rows take up to seconds each: fewer runs there.
+            repeats = 3 if shapes == "strict" else args.repeats
+            plan += [(case, implementations, repeats) for case in BENCHES[op].cases(shapes)]
     # Progress and each row as it is measured go to stderr; the report, to stdout at the end.
     print(harness.header(), file=sys.stderr, flush=True)
     rows = []

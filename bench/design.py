@@ -155,7 +155,7 @@ def grouped(design_rows: list[dict]) -> str:
     blocks = []
     for (op, case), launches in _groups(design_rows, ("op", "case")).items():
         cells = [[DEVICE_NAMES[r["target"]] if i == 0 else "", r["launch"], *_figures(r)[:-1],
-                  r["resources"] if r["resources"] != "not compiled" else "-"]
+                  "-" if r["resources"].startswith("not compiled") else r["resources"]]
                  for target_rows in _groups(launches, ("target",)).values()
                  for i, r in enumerate(target_rows)]
         header = ["target", "launch", "kernel", "grid", "programs", "waves/steps",
