@@ -337,7 +337,7 @@ def test_hot_ids_over_many_steps_and_row_blocks(implementation, shape, axis):
 
 @pytest.mark.parametrize("implementation", ["triton", "mosaic"])
 def test_backward_in_the_fast_interpreter(implementation):
-    """The fast interpreter's own schedule (triton: 512 rows side by side; mosaic: one DMA in
+    """The fast interpreter's own schedule (triton: 64 rows side by side; mosaic: one DMA in
     flight): a hot row through pieces, the last row of a table whose last row block is
     partial, a leading batch dim, 16-bit word-rows."""
     x = jnp.zeros((2, 1100, 512), jnp.bfloat16)

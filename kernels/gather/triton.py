@@ -40,7 +40,7 @@ Whatever the ids, a row costs its owner at most length/segment_rows + pieces/seg
 steps (`longest_loop`: 24 for 8192 ids at 512 columns, where one id hit 8192 times took 1024
 steps in a single program).
 In the fast interpreter, whose cost is per loop step rather than per element, a rows program
-owns 512 rows and walks them side by side, one position of each per step (`rows_schedule`):
+owns 64 rows and walks them side by side, one position of each per step (`rows_schedule`):
 as many steps as its longest segment, not one loop per row.
 
 Memory traffic: the cotangent is read once, the table gradient written once, and the pieces'
@@ -140,7 +140,9 @@ def gather(x: jax.Array, indices: jax.Array, p: Problem, *, config: GatherConfig
 
 
 _BLOCK_ROWS = 8  # table rows per backward program
-_INTERPRETED_BLOCK_ROWS = 512  # ... in the fast interpreter, all side by side (`rows_schedule`)
+# ... in the fast interpreter, all side by side (`rows_schedule`). Not more: from 128 on, XLA's
+# compile of a sharded program holding the kernel (jax 0.12, Auto axes) ran for minutes.
+_INTERPRETED_BLOCK_ROWS = 64
 _SEGMENT_TILE = 4096  # elements of the (segment_rows, block_columns) cotangent tile per step
 _MIN_PIECE_STEPS = 8  # a piece is at least this many load steps
 
