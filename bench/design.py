@@ -31,10 +31,13 @@ import jax.numpy as jnp
 
 from bench.harness import aligned
 from kernels import _targets
-from kernels.compile import (CASES, implementation_for, launch_key, launches, pallas_calls,
+from kernels.compile import (CASES, distinct, implementation_for, launch_key, launches,
                              report, resources)
 
-TARGETS = ("sm_90", "v5e")
+DEVICE_NAMES = {"sm_90": "H100", "v5e": "TPU v5e"}  # the design targets, as the summary names them
+TARGETS = tuple(DEVICE_NAMES)
+_FIGURE_COLUMNS = ["kernel", "grid", "programs", "waves/steps", "flops vs op", "HBM MB est.",
+                   "operands MB", "compiled"]
 
 
 def _bytes(avals) -> int:
@@ -68,8 +71,7 @@ def rows(ops: list[str], compile_kernels: bool = True) -> Iterator[dict]:
                 for eqn, role in zip(every, _roles(case, implementation, target, every),
                                      strict=True):
                     roles.setdefault(launch_key(eqn), []).append(role)
-                for eqn in pallas_calls(case.function(implementation), *case.args,
-                                        target=target):
+                for eqn in distinct(every):
                     yield {**_row(case, eqn, target, compile_kernels),
                            "launch": ", ".join(roles[launch_key(eqn)])}
 
@@ -130,8 +132,7 @@ def _megabytes(value) -> str:
 
 def table(design_rows: list[dict]) -> str:
     """Every launch as one row of one table (`--design full`)."""
-    header = ["op", "case", "target", "launch", "kernel", "grid", "programs", "waves/steps",
-              "flops vs op", "HBM MB est.", "operands MB", "compiled"]
+    header = ["op", "case", "target", "launch", *_FIGURE_COLUMNS]
     cells = [[r["op"], r["case"], r["target"], r["launch"], *_figures(r)] for r in design_rows]
     return aligned(header, cells)
 
@@ -146,8 +147,6 @@ def _occupancy(r: dict) -> str:
     return f"{r['waves']:.1f} waves" if r["waves"] is not None else f"{r['programs']} steps"
 
 
-DEVICE_NAMES = {"sm_90": "H100", "v5e": "TPU v5e"}
-
 
 def grouped(design_rows: list[dict]) -> str:
     """The launches grouped per op and case, each case a small table of its launches per
@@ -158,9 +157,7 @@ def grouped(design_rows: list[dict]) -> str:
                   "-" if r["resources"].startswith("not compiled") else r["resources"]]
                  for target_rows in _groups(launches, ("target",)).values()
                  for i, r in enumerate(target_rows)]
-        header = ["target", "launch", "kernel", "grid", "programs", "waves/steps",
-                  "flops vs op", "HBM MB est.", "operands MB", "compiled"]
-        table_text = aligned(header, cells)
+        table_text = aligned(["target", "launch", *_FIGURE_COLUMNS], cells)
         blocks.append(f"{op}: {case}\n" + "\n".join("  " + line
                                                        for line in table_text.splitlines()))
     return "\n\n".join(blocks)

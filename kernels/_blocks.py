@@ -36,7 +36,7 @@ def tile_limit(device_limit: int, interpreted_limit: int = INTERPRETED_TILE,
     (what registers or VMEM hold) on a device and in the "strict" interpreter, which run the
     device's schedule; `interpreted_limit` in the fast interpreter, whose cost is per program
     (`_targets.INTERPRETER`)."""
-    return interpreted_limit if _targets.current(platform).interpreter else device_limit
+    return _targets.device_or_interpreter(platform, device_limit, interpreted_limit)
 
 
 def is_positive_int(n: object) -> bool:

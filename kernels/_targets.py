@@ -169,6 +169,13 @@ def interpreted(fast: bool) -> Iterator[None]:
         _INTERPRETED.reset(token)
 
 
+def device_or_interpreter(platform: str, device: Any, interpreter: Any) -> Any:
+    """A schedule choice of a kernel for `platform`: `interpreter` where a call made now runs in
+    the fast interpreter (`current` is the `INTERPRETER`), else `device` (on a device and in
+    the "strict" interpreter, which run the device's schedule)."""
+    return interpreter if current(platform).interpreter else device
+
+
 def current(platform: str) -> Target:
     """The target of `platform` ("gpu" or "tpu") that a call made now would run on: the fast
     interpreter (`interpreted`), else the program's device (`_program_devices`), else a device

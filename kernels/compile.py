@@ -61,7 +61,8 @@ from kernels._blocks import sublanes  # noqa: E402
 from kernels._pallas import TRITON_CALL_MARKER, lower, on_target  # noqa: E402
 from kernels._targets import TARGETS, Target  # noqa: E402
 
-__all__ = ["KernelReport", "compile_kernels", "report", "resources", "pallas_calls", "CASES", "main"]
+__all__ = ["KernelReport", "compile_kernels", "report", "resources", "launches", "pallas_calls",
+           "distinct", "launch_key", "CASES", "main"]
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -144,8 +145,13 @@ def launch_key(eqn) -> tuple:
 
 def pallas_calls(fn: Callable[..., Any], *args: Any, target: Target) -> list:
     """The distinct `launches` of `fn(*args)` for `target`, in order of appearance."""
+    return distinct(launches(fn, *args, target=target))
+
+
+def distinct(eqns: list) -> list:
+    """`eqns` without repeats of the same kernel (`launch_key`), in order of appearance."""
     calls, seen = [], set()
-    for eqn in launches(fn, *args, target=target):
+    for eqn in eqns:
         key = launch_key(eqn)
         if key not in seen:
             seen.add(key)

@@ -94,7 +94,7 @@ def _ring_depth() -> int:
     """DMAs in flight: `_RING` on a TPU and in the "strict" interpreter; one in the fast
     interpreter, where a DMA is a copy made at once and a deeper ring only costs copies of it
     (`_targets.INTERPRETER`)."""
-    return 1 if _targets.current("tpu").interpreter else _RING
+    return _targets.device_or_interpreter("tpu", _RING, 1)
 
 
 def _default_block_columns(columns: int) -> int:
@@ -200,12 +200,19 @@ def _word_rows(ref, n: int, rows_per_word: int):
     return (ref if whole == n else ref.at[pl.ds(0, whole)]).bitcast(jnp.int32)
 
 
+def _word_operands(x: jax.Array, interpret: bool | str) -> tuple[jax.Array, jax.Array]:
+    """`x` (batch, n, columns) and its last, partial word-row zero-padded to whole
+    (`_tail_group`), as the word kernels take them (`_interpreted_word_rows`)."""
+    tail = _tail_group(x, _rows_per_word(x.dtype))
+    return _interpreted_word_rows(x, interpret), _interpreted_word_rows(tail, interpret)
+
+
 def _interpreted_word_rows(x: jax.Array, interpret: bool | str) -> jax.Array:
     """`x` (batch, n, columns) viewed as `_word_rows` does, made by XLA where the kernel is
     interpreted, else `x` itself for the kernel to view. The simulator cannot follow a bitcast
     ref through a DMA, and XLA's constant folding gets the interpreter's bitcast of a constant
     table wrong (both jax 0.10-0.12): so words are built with shifts, exact and layout-free."""
-    rows_per_word = 4 // x.dtype.itemsize
+    rows_per_word = _rows_per_word(x.dtype)
     batch, n, columns = x.shape
     whole = n // rows_per_word * rows_per_word
     if not interpret or not whole or x.dtype == jnp.int32:
@@ -363,7 +370,6 @@ def gather(x: jax.Array, indices: jax.Array, p: Problem, *, config: GatherConfig
     """`x` viewed (batch, n, columns), int32 `indices` (m,) -> (batch, m, columns)."""
     config = resolve_config(p, config)
     bits = x.dtype if x.dtype == _BITS[p.itemsize] else _BITS[p.itemsize]
-    table = lax.bitcast_convert_type(x, bits)
     num_blocks = pl.cdiv(p.num_indices, _INDEX_BLOCK)
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     out_shape = jax.ShapeDtypeStruct((p.batch, p.num_indices, p.columns), bits)
@@ -376,7 +382,7 @@ def gather(x: jax.Array, indices: jax.Array, p: Problem, *, config: GatherConfig
             scratch_shapes=[pltpu.SMEM((_INDEX_BLOCK,), jnp.int32),
                             pltpu.SemaphoreType.DMA(())])
         kernel = functools.partial(_slab_gather_kernel, p=p, block_batch=block_batch)
-        operands = (lax.bitcast_convert_type(fill, bits),)
+        operands = tuple(lax.bitcast_convert_type(a, bits) for a in (x, fill))
         dma_bytes = gather_bytes(p)  # the kernel copies rows into the output itself
     else:
         grid_spec = pltpu.PrefetchScalarGridSpec(
@@ -387,7 +393,7 @@ def gather(x: jax.Array, indices: jax.Array, p: Problem, *, config: GatherConfig
                             pltpu.VMEM((_INDEX_BLOCK, p.columns), jnp.int32),
                             pltpu.SemaphoreType.DMA((_RING,))])
         kernel = functools.partial(_word_gather_kernel, p=p)
-        operands = (_interpreted_word_rows(_tail_group(x, _rows_per_word(p.dtype)), interpret),)
+        operands = _word_operands(x, interpret)
         # The word-rows (rows_per_word times the gathered rows' bytes) and the indices.
         dma_bytes = (_rows_per_word(p.dtype) * math.prod(out_shape.shape) * p.itemsize
                      + 4 * p.num_indices)
@@ -400,8 +406,7 @@ def gather(x: jax.Array, indices: jax.Array, p: Problem, *, config: GatherConfig
         unpipelined_bytes=dma_bytes,
         name="gather_mosaic",
     )
-    rows = table if p.itemsize == 4 else _interpreted_word_rows(x, interpret)
-    out = _mapped_under_vmap(call)(_padded_to_blocks(indices), rows, *operands)
+    out = _mapped_under_vmap(call)(_padded_to_blocks(indices), *operands)
     return lax.bitcast_convert_type(out, x.dtype)
 
 
@@ -479,6 +484,4 @@ def scatter_add(g: jax.Array, plan: ScatterPlan, p: Problem, *, config: GatherCo
     )
     return _mapped_under_vmap(call)(block_starts, _padded_to_blocks(plan.order),
                                     _padded_to_blocks(plan.targets),
-                                    _interpreted_word_rows(g, interpret),
-                                    _interpreted_word_rows(_tail_group(g, _rows_per_word(g.dtype)),
-                                                      interpret))
+                                    *_word_operands(g, interpret))

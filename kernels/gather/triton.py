@@ -167,9 +167,9 @@ def rows_schedule(block_columns: int) -> RowsSchedule:
     whose cost is per loop step more than per element: `_INTERPRETED_BLOCK_ROWS` rows side by
     side, one position each per step, so a program takes as many steps as its longest segment
     (`_targets.INTERPRETER`)."""
-    if _targets.current("gpu").interpreter:
-        return RowsSchedule(_INTERPRETED_BLOCK_ROWS, _INTERPRETED_BLOCK_ROWS, 1)
-    return RowsSchedule(_BLOCK_ROWS, 1, _segment_rows(block_columns))
+    return _targets.device_or_interpreter(
+        "gpu", RowsSchedule(_BLOCK_ROWS, 1, _segment_rows(block_columns)),
+        RowsSchedule(_INTERPRETED_BLOCK_ROWS, _INTERPRETED_BLOCK_ROWS, 1))
 
 
 class Pieces(NamedTuple):
