@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     for number, (case, implementations, repeats) in enumerate(plan, 1):
         print(f"[{number}/{len(plan)}] {case.op} {case.shape} {case.dtype}: "
               f"{', '.join(name for name, _ in implementations)}", file=sys.stderr, flush=True)
-        measured = harness.measure(case, implementations, repeats)
+        measured = harness.measure(case, implementations, repeats, pipelined=on_accelerator)
         for row in measured:
             print(harness.format_row(row), file=sys.stderr, flush=True)
         rows += measured

@@ -13,7 +13,7 @@ import numpy as np
 
 from reference.conv2d import conv2d as reference_conv2d
 from reference.conv2d import geometry as make_geometry
-from bench.harness import INTERPRETED, Case, backward
+from bench.harness import WITH_BACKWARD, Case, backward
 from kernels.conv2d import conv2d, mosaic
 from kernels.conv2d.common import flops_and_bytes, make_problem
 from tests.support import random
@@ -95,12 +95,12 @@ def _blur_case(crop: int | None) -> Case | None:
 
 
 def cases(shapes: str) -> list[Case]:
-    """`shapes`: a key of `SHAPES`; interpreted sizes also get the gradient's rows."""
+    """`shapes`: a key of `SHAPES`; native and interpreted sizes also get the gradient's rows."""
     out = []
     for x_shape, w_shape, options in SHAPES[shapes]:
         for dtype in (jnp.float32, jnp.bfloat16):
             out.append(_case(x_shape, w_shape, options, dtype))
-            if shapes in INTERPRETED:
+            if shapes in WITH_BACKWARD:
                 out.append(backward(out[-1], _reference(options), wrt=(0, 1)))
     blur = _blur_case(BLUR_CROP[shapes])
     return out + ([blur] if blur is not None else [])

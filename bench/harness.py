@@ -27,9 +27,17 @@ DEVICES = {
 }
 
 
+# A pipelined sample's length and its most calls (each call's output stays alive until the
+# sample's wait, so the cap bounds the memory a sample holds).
+_PIPELINED_SAMPLE_SECONDS = 0.01
+_MAX_PIPELINED_CALLS = 50
+
 # Shape sets run interpreted on a CPU: model-test sizes with the default (fast) interpreter,
 # small grids with the "strict" simulator.
 INTERPRETED = ("interpret", "strict")
+# Shape sets where a kernel is timed (natively on a device, or interpreted): these also get the
+# gradient's rows, since a training step runs the backward kernels too.
+WITH_BACKWARD = ("native",) + INTERPRETED
 
 
 @dataclasses.dataclass
@@ -56,16 +64,31 @@ class Case:
     parts: dict[str, Callable[..., Any]] = dataclasses.field(default_factory=dict)
 
 
-def median_seconds(fn: Callable[..., Any], *args: Any, repeats: int, warmup: int = 2) -> float:
-    """Median wall time of `fn(*args)`, waiting for the result (JAX dispatches asynchronously:
-    without the wait a benchmark times only the dispatch)."""
+def median_seconds(fn: Callable[..., Any], *args: Any, repeats: int, warmup: int = 2,
+                   pipelined: bool = False) -> float:
+    """Median time of one `fn(*args)` call, waiting for the result (JAX dispatches
+    asynchronously: without the wait a benchmark times only the dispatch).
+
+    `pipelined` (on a GPU or TPU): each sample enqueues enough calls back to back to last
+    about `_PIPELINED_SAMPLE_SECONDS` and waits once, as a model's step enqueues its kernels,
+    so the host's round trip (about 0.15 ms per blocked call on an H100 with jax 0.11) is
+    spread over the calls instead of swamping a 20-microsecond kernel. On a CPU each call is
+    waited for: that is what a test pays."""
     for _ in range(warmup):
         jax.block_until_ready(fn(*args))
+    calls = 1
+    if pipelined:
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        single = time.perf_counter() - start
+        calls = max(1, min(_MAX_PIPELINED_CALLS, round(_PIPELINED_SAMPLE_SECONDS / single)))
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
+        results = [fn(*args) for _ in range(calls)]
+        jax.block_until_ready(results)
+        times.append((time.perf_counter() - start) / calls)
+        del results
     return statistics.median(times)
 
 
@@ -117,8 +140,9 @@ def label(implementation: str, interpret: bool | str) -> str:
 
 
 def measure(case: Case, implementations: Sequence[tuple[str, bool | str]],
-            repeats: int) -> list[dict]:
-    """Rows for `case`: each (implementation, interpret) pair, then the baselines."""
+            repeats: int, pipelined: bool = False) -> list[dict]:
+    """Rows for `case`: each (implementation, interpret) pair, then the baselines, timed by
+    `median_seconds` (`pipelined` on a GPU or TPU)."""
     rows, xla_seconds = [], None
     programs = [(name, interpret, jax.jit(case.run(name, interpret)))
                 for name, interpret in implementations]
@@ -126,7 +150,14 @@ def measure(case: Case, implementations: Sequence[tuple[str, bool | str]],
     programs += [(name, False, fn) for name, fn in case.parts.items()]
     for name, interpret, fn in programs:
         part = name in case.parts
-        seconds = median_seconds(fn, *case.args, repeats=repeats)
+        try:
+            seconds = median_seconds(fn, *case.args, repeats=repeats,
+                                     pipelined=pipelined and not interpret)
+        except Exception as error:  # noqa: BLE001 - a kernel that fails is a row, not a crash
+            if name == "xla":
+                raise
+            rows.append(_failed_row(case, label(name, interpret), error))
+            continue
         if name == "xla":
             xla_seconds = seconds
         rows.append({
@@ -145,12 +176,24 @@ def measure(case: Case, implementations: Sequence[tuple[str, bool | str]],
             **{f"floor_{d}_us": None if part else roofline_floor_us(case, d) for d in DEVICES},
         })
     for row in rows:
+        if "error" in row:
+            continue
         # On an interpreted row the ratio is what a model author testing on a CPU pays for
         # running the kernel's code instead of XLA (the goal: within 20x with the default
         # interpreter, at model-test sizes), not a speed figure of the kernel.
         row["vs_xla"] = (row["median_ms"] / (xla_seconds * 1e3)
                          if xla_seconds and row["implementation"] not in case.parts else None)
     return rows
+
+
+def _failed_row(case: Case, implementation: str, error: Exception) -> dict:
+    """A row for an implementation that failed to compile or run here: every figure '-', the
+    error kept (in the JSON and the record) so the table never silently drops a kernel."""
+    message = f"{type(error).__name__}: {error}".splitlines()[0][:300]
+    return {"op": case.op, "shape": case.shape, "dtype": case.dtype, "flops": case.flops,
+            "bytes": case.bytes, "implementation": implementation, "kind": "failed",
+            "median_ms": None, "GB/s": None, "TFLOP/s": None, "max_rel_err": None,
+            **{f"floor_{d}_us": None for d in DEVICES}, "vs_xla": None, "error": message}
 
 
 # (column, format, width): fixed widths, so each row prints as soon as it is measured.
@@ -167,9 +210,10 @@ def header() -> str:
 
 
 def format_row(row: dict) -> str:
-    """One row of the table; '-' where a figure does not apply."""
-    return "  ".join(("-" if row[name] is None else fmt.format(row[name])).ljust(width)
+    """One row of the table; '-' where a figure does not apply, and why a failed row failed."""
+    line = "  ".join(("-" if row[name] is None else fmt.format(row[name])).ljust(width)
                      for name, fmt, width in _COLUMNS).rstrip()
+    return line + (f"  FAILED: {row['error']}" if "error" in row else "")
 
 
 def table(rows: list[dict]) -> str:

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 
 import kernels
 import reference
-from bench.harness import INTERPRETED, Case, backward
+from bench.harness import WITH_BACKWARD, Case, backward
 from kernels.matmul.common import flops_and_bytes, make_problem
 from tests.support import random
 
@@ -21,7 +21,7 @@ def _reference(a, b):
 
 
 def cases(shapes: str) -> list[Case]:
-    """`shapes`: a key of `SHAPES`; interpreted sizes also get the gradient's rows."""
+    """`shapes`: a key of `SHAPES`; native and interpreted sizes also get the gradient's rows."""
     out = []
     for m, n, k in SHAPES[shapes]:
         for dtype in (jnp.float32, jnp.bfloat16):
@@ -34,6 +34,6 @@ def cases(shapes: str) -> list[Case]:
                     a, b, implementation=name, interpret=interpret),
                 expected=_reference(a.astype(jnp.float32), b.astype(jnp.float32)),
                 flops=flops, bytes=nbytes))
-    if shapes in INTERPRETED:
+    if shapes in WITH_BACKWARD:
         out += [backward(case, _reference, wrt=(0, 1)) for case in out]
     return out

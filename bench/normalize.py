@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from bench.harness import INTERPRETED, Case, backward
+from bench.harness import WITH_BACKWARD, Case, backward
 from kernels.normalize import common, normalize
 from reference.normalize import normalize as reference_normalize
 from tests.support import random
@@ -35,7 +35,7 @@ def _problem(x, axis, has_params: bool) -> common.Problem:
 
 
 def cases(shapes: str) -> list[Case]:
-    """`shapes`: a key of `SHAPES`; interpreted sizes also get the gradient's rows."""
+    """`shapes`: a key of `SHAPES`; native and interpreted sizes also get the gradient's rows."""
     out = []
     for shape, axis, has_params in SHAPES[shapes]:
         dtypes = (jnp.float32, jnp.bfloat16) if has_params else (jnp.float32,)
@@ -65,6 +65,6 @@ def cases(shapes: str) -> list[Case]:
                 op="normalize", shape=f"{label} {shape[0]}x{shape[1]} axis={axis}",
                 dtype=jnp.dtype(dtype).name, args=args, run=run, expected=expected,
                 flops=flops, bytes=common.minimum_bytes(p), baselines=baselines))
-            if shapes in INTERPRETED:
+            if shapes in WITH_BACKWARD:
                 out.append(backward(out[-1], reference, wrt=range(len(args))))
     return out
