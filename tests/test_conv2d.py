@@ -54,12 +54,12 @@ def _ground_truth(x, w, **options):
         return np.asarray(reference.conv2d(as_f64(x), as_f64(w), **options))
 
 
-def _check(x, w, out, dtype, **options):
+def _check(x, w, out, dtype, dot=True, **options):
     expected = _ground_truth(x, w, **options)
     chex.assert_shape(out, expected.shape)
     hwio = w.shape if options.get("data_format", "NHWC") == "NHWC" else (
         w.shape[2], w.shape[3], w.shape[1], w.shape[0])
-    assert_close(out, expected, dtype, reduction_length=hwio[0] * hwio[1] * hwio[2])
+    assert_close(out, expected, dtype, reduction_length=hwio[0] * hwio[1] * hwio[2], dot=dot)
 
 
 @pytest.mark.parametrize("x_shape,w_shape,options", CASES, ids=CASE_IDS)
@@ -126,7 +126,7 @@ def test_mixed_dtypes_and_preferred_element_type(implementation):
 def test_precision_highest(implementation):
     x, w = _inputs((1, 5, 6, 3), (3, 3, 3, 4), jnp.float32)
     out = conv2d(x, w, implementation=implementation, precision=jax.lax.Precision.HIGHEST)
-    _check(x, w, out, jnp.float32)
+    _check(x, w, out, jnp.float32, dot=False)
 
 
 def test_declining_kernel_falls_through_to_xla():
@@ -210,7 +210,7 @@ def test_gradients_match_reference(implementation, case):
     length = max(np.prod(w_shape), n * h * wd)
     for got, expected, operand in zip(grads, want, (x, w)):
         assert got.dtype == operand.dtype
-        assert_close(got, expected, jnp.float32, reduction_length=length)
+        assert_close(got, expected, jnp.float32, reduction_length=length, dot=True)
 
 
 def _weight_grad_problem(x_shape, w_shape, dtype, **options):
@@ -241,7 +241,8 @@ def test_triton_weight_gradient_pixel_splits(x_shape, w_shape, options):
     got = jax.grad(_loss("triton", **options), argnums=1)(x, w)
     with x64():
         want = jax.grad(_loss("reference", **options), argnums=1)(as_f64(x), as_f64(w))
-    assert_close(got, want, jnp.float32, reduction_length=x_shape[0] * x_shape[1] * x_shape[2])
+    assert_close(got, want, jnp.float32, reduction_length=x_shape[0] * x_shape[1] * x_shape[2],
+                 dot=True)
 
 
 @pytest.mark.parametrize("x_shape,w_shape,options,tap_major", [
@@ -265,7 +266,8 @@ def test_triton_k_blocks(x_shape, w_shape, options, tap_major):
     with x64():
         want = jax.grad(_loss("reference", **options), argnums=(0, 1))(as_f64(x), as_f64(w))
     for got, expected in zip(grads, want):
-        assert_close(got, expected, jnp.float32, reduction_length=int(np.prod(x_shape[:3])))
+        assert_close(got, expected, jnp.float32, reduction_length=int(np.prod(x_shape[:3])),
+                     dot=True)
 
 
 @pytest.mark.parametrize("x_shape,w_shape,options", [
@@ -280,7 +282,8 @@ def test_gradient_tolerance_holds_for_xla_itself(x_shape, w_shape, options):
     with x64():
         want = jax.grad(_loss("reference", **options), argnums=(0, 1))(as_f64(x), as_f64(w))
     for got, expected in zip(grads, want):
-        assert_close(got, expected, jnp.float32, reduction_length=int(np.prod(x_shape[:3])))
+        assert_close(got, expected, jnp.float32, reduction_length=int(np.prod(x_shape[:3])),
+                     dot=True)
 
 
 # ResNet-50's weight gradients at batch 32 (bfloat16) and the programs the Triton kernel
@@ -337,7 +340,7 @@ def test_strided_input_gradient_phases(implementation, x_shape, w_shape, options
     got = jax.grad(_loss(implementation, **options), argnums=0)(x, w)
     with x64():
         want = jax.grad(_loss("reference", **options), argnums=0)(as_f64(x), as_f64(w))
-    assert_close(got, want, jnp.float32, reduction_length=np.prod(w_shape))
+    assert_close(got, want, jnp.float32, reduction_length=np.prod(w_shape), dot=True)
 
 
 @pytest.mark.parametrize("implementation", ["triton", "mosaic"])
@@ -349,7 +352,7 @@ def test_pointwise_convolution_gradients(implementation):
     with x64():
         want = jax.grad(_loss("reference"), argnums=(0, 1))(as_f64(x), as_f64(w))
     for got, expected in zip(grads, want):
-        assert_close(got, expected, jnp.float32, reduction_length=70)
+        assert_close(got, expected, jnp.float32, reduction_length=70, dot=True)
 
 
 @pytest.mark.parametrize("target", ["sm_90", "v5e"])
@@ -428,7 +431,7 @@ def test_gradients_bfloat16(impl):
                         argnums=(0, 1))(as_f64(x), as_f64(w))
     for got, expected, operand in zip(grads, want, (x, w)):
         assert got.dtype == operand.dtype
-        assert_close(got, expected, jnp.bfloat16, reduction_length=63)
+        assert_close(got, expected, jnp.bfloat16, reduction_length=63, dot=True)
 
 
 @pytest.mark.parametrize("implementation,options", [
@@ -448,7 +451,7 @@ def test_grad_of_grad(implementation, options):
         want = second("reference")(as_f64(x), as_f64(w))
     # Four chained convolutions (forward, input gradient and their derivatives).
     for got_, expected in zip(got, want):
-        assert_close(got_, expected, jnp.float32, reduction_length=1000)
+        assert_close(got_, expected, jnp.float32, reduction_length=1000, dot=True)
 
 
 @pytest.mark.parametrize("impl", [i for i in ("xla", "triton") if SUPPORTS_FLOAT64[i]])
@@ -578,7 +581,7 @@ def test_mosaic_many_blocks(monkeypatch, options, w_shape):
     with x64():
         want = jax.grad(_loss("reference", **options), argnums=(0, 1))(as_f64(x), as_f64(w))
     for got, expected in zip(grads, want):
-        assert_close(got, expected, jnp.float32, reduction_length=200)
+        assert_close(got, expected, jnp.float32, reduction_length=200, dot=True)
 
 
 @pytest.mark.parametrize("x_shape,w_shape,groups", [
