@@ -1,15 +1,17 @@
 """What `implementation=None` runs, per op and platform: one table, each entry with its evidence.
 
 An entry cites a bench record (`python -m bench --record` on a GPU or TPU writes one under
-`bench/records/`) when one exists; where nothing has been measured on a device, it gives the
-design reason for the choice. Without a record showing a kernel ahead, an op defaults to `xla`
-where XLA calls a vendor library (cuBLAS, cuDNN) or a compiler path tuned for years (TPU matmul
-and convolution), so `implementation=None` never puts a model on a kernel expected to be slower.
+`bench/records/`) with the figures it relies on, or, where nothing has been measured on a
+device, gives the design reason for the choice. An entry puts a kernel first only where its
+record (or, unmeasured, its design) has it at or ahead of XLA, forward and in a training step,
+so `implementation=None` never puts a model on a kernel measured or expected to be slower.
 `implementation=` and `$KERNELS_IMPLEMENTATION` still force any kernel. On a CPU (and any
 platform not listed) every op runs `xla`.
 
-Status (2026-11): no kernel of this library has run on a GPU or TPU yet, so every entry below
-is a design judgement, not a measurement.
+Status (2026-11): the GPU entries are measured on one H100 (SXM, 80 GB, jax 0.11.2,
+`bench/records/nvidia_h100_80gb_hbm3.json`, two runs; ratios are kernel time over XLA's, a
+range over the rows that took over 0.1 ms, where two runs agreed within a few percent). No
+kernel has run on a TPU: the TPU entries are design judgements.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ __all__ = ["Default", "TABLE", "PLATFORMS", "KERNEL_OF_PLATFORM", "default"]
 @dataclasses.dataclass(frozen=True)
 class Default:
     implementations: tuple[str, ...]
-    evidence: str  # "bench/records/<device kind>.json" or "design: <why>"
+    evidence: str  # "bench/records/<device kind>.json: <the figures>" or "design: <why>"
 
 
 # jax.default_backend() (or a device's platform) -> the table's platform, and its kernel.
@@ -32,21 +34,23 @@ KERNEL_OF_PLATFORM = {"gpu": "triton", "tpu": "mosaic"}
 # Public op names -> the op family an entry covers.
 _FAMILY = {"layer_norm": "normalize", "rms_norm": "normalize"}
 
+_H100 = "bench/records/nvidia_h100_80gb_hbm3.json"
+
 TABLE: dict[tuple[str, str], Default] = {
     ("matmul", "gpu"): Default(("xla",), (
-        "design: cuBLAS/cuBLASLt pick a tuned kernel per shape (wgmma, TMA, split-K, stream-K); "
-        "the Triton kernel, untimed on a device, is expected at or below cuBLAS")),
+        f"{_H100}: the Triton kernel takes 1.08-1.34x cuBLAS's time in bfloat16 and 3.2-4.9x in "
+        "float32 (TF32 both) at 4096^3 and 8192x4096x1024, forward and backward")),
     ("conv2d", "gpu"): Default(("xla",), (
-        "design: cuDNN's implicit-GEMM and Winograd kernels with tensor-core layouts; the Triton "
-        "implicit GEMM has not been timed on a device")),
-    ("normalize", "gpu"): Default(("triton", "xla"), (
-        "design: memory-bound; the fused kernel reads x once and writes y once per pass, and "
-        "its backward fuses dx with the scale/offset partial sums, where XLA emits separate "
-        "reduction and elementwise fusions (2-3 reads of x)")),
-    ("gather", "gpu"): Default(("triton", "xla"), (
-        "design: memory-bound; the forward reads each gathered row once with the out-of-bounds "
-        "mode computed in the kernel (XLA adds clamp/select passes for fill and wrap); the "
-        "backward sums each table row's cotangents without atomics, deterministic")),
+        f"{_H100}: the Triton implicit GEMM takes 1.2-2.5x cuDNN's time in float32, forward "
+        "and backward; bfloat16 rows (0.67-1.58x) are under 0.13 ms and moved by up to 2x "
+        "between runs")),
+    ("normalize", "gpu"): Default(("xla",), (
+        f"{_H100}: the Triton layer norm's forward takes 1.10-1.22x XLA's fusion at 4096x8192 "
+        "(float32 and bfloat16); a training step 0.73x in bfloat16 but 1.05-1.07x in float32; "
+        "the smaller rows are within the runs' spread")),
+    ("gather", "gpu"): Default(("xla",), (
+        f"{_H100}: the Triton gather forward takes 0.82-0.86x XLA's time, but a training step "
+        "(gather and its sorted scatter-add) 1.36-1.68x, table 32000x4096 bfloat16, 8192 ids")),
     ("matmul", "tpu"): Default(("xla",), (
         "design: XLA's TPU matmul is the MXU's reference path; the Mosaic kernel tiles the same "
         "way and is not expected to beat it")),
