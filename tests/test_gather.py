@@ -413,6 +413,32 @@ def test_triton_scatter_add_pieces_cover_each_row_once(layout):
                  reduction_length=len(ids))
 
 
+@pytest.mark.parametrize("scatter_mode", ["clip", "drop", "wrap"])
+def test_scatter_plan_matches_numpy_without_a_loop(scatter_mode):
+    """The backward's plan (sorted positions, each row's segment start) and the Triton piece
+    table are NumPy's stable argsort and searchsorted, computed with no XLA while loop (issue
+    25: `jnp.searchsorted`'s default method is a loop of about log2(m) steps, each a launch on
+    a GPU, twice per backward)."""
+    from kernels.gather import triton as gather_triton
+    from kernels.gather.common import Problem, scatter_plan
+
+    n, ids = 20, np.r_[[5] * 600, -3, 25, -30, np.arange(-20, 40), [19] * 300].astype(np.int32)
+    plan = scatter_plan(jnp.asarray(ids), n, scatter_mode)
+    rows = {"clip": np.clip(np.where(ids < 0, ids + n, ids), 0, n - 1), "wrap": ids % n,
+            "drop": np.where((ids >= -n) & (ids < n), np.where(ids < 0, ids + n, ids), n)}
+    targets = rows[scatter_mode]
+    order = np.argsort(targets, kind="stable")
+    np.testing.assert_array_equal(plan.order, order)
+    np.testing.assert_array_equal(plan.targets, targets[order])
+    np.testing.assert_array_equal(plan.row_starts,
+                                  np.searchsorted(targets[order], np.arange(n + 1), "left"))
+    p = Problem(1, n, 512, len(ids), jnp.dtype(jnp.float32), "fill", None)
+    layout = gather_triton.pieces(p, 512)
+    program = jax.jit(lambda i: gather_triton.piece_table(scatter_plan(i, n, scatter_mode), p,
+                                                          layout)).lower(jnp.asarray(ids))
+    assert layout.count > 0 and "while" not in program.as_text()
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=_ids)
 def test_mosaic_row_copies_keep_a_ring_in_flight(dtype):
     """Issue 10, finding 8: the scatter-add (and the 16-bit forward, which moves word-rows

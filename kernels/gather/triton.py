@@ -215,8 +215,12 @@ def piece_table(plan: ScatterPlan, p: Problem, layout: Pieces) -> PieceTable:
     extra = jnp.maximum(hits - 1, 0) // layout.length
     row_pieces = jnp.concatenate([jnp.zeros((1,), jnp.int32),
                                   jnp.cumsum(extra).astype(jnp.int32)])
+    # Each piece's row: mark each row's first piece with the row, then a running max (no
+    # search loop). Unused pieces past row_pieces[n] get the last row and are masked below.
     piece = jnp.arange(layout.count, dtype=jnp.int32)
-    row = jnp.clip(jnp.searchsorted(row_pieces, piece, side="right") - 1, 0, p.n - 1)
+    first_piece = jnp.where(extra > 0, row_pieces[:-1], layout.count)
+    row = lax.cummax(jnp.zeros((layout.count,), jnp.int32).at[first_piece].max(
+        jnp.arange(p.n, dtype=jnp.int32), mode="drop"))
     start = plan.row_starts[row] + layout.length * (piece - row_pieces[row] + 1)
     stop = jnp.minimum(start + layout.length, plan.row_starts[row + 1])
     used = piece < row_pieces[p.n]
