@@ -57,7 +57,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from kernels import _pallas, _targets
 
 __all__ = ["Layout", "Plan", "partitioned", "match_varying", "Reduction", "reduction", "spec",
-           "dims_of", "reshape", "like", "strategy", "check_partitionable"]
+           "dims_of", "sharding", "reshape", "like", "strategy", "check_partitionable"]
 
 Axes = tuple[str, ...]  # the mesh axes one dim is sharded over, major first
 Dims = tuple[Axes, ...]  # per dim of one array
@@ -354,13 +354,20 @@ def _auto_layout(present, arg_shapes, result_shape, mesh) -> Layout:
     return Layout(tuple(shapes), dims, dict(zip(mesh.axis_names, mesh.axis_sizes)), requested)
 
 
+def sharding(dims: Sequence[Axes], *operands: Any) -> NamedSharding | None:
+    """The sharding `dims` says on the Explicit mesh `operands` live on, or None where they
+    live on none (JAX infers or propagates the sharding there)."""
+    mesh = _explicit_mesh(operands)
+    return None if mesh is None else NamedSharding(mesh, spec(tuple(dims)))
+
+
 def reshape(x: jax.Array, shape: Sequence[int], dims: Sequence[Axes]) -> jax.Array:
     """`x.reshape(shape)`, whose result on an Explicit mesh is sharded as `dims` says: JAX
     cannot infer the sharding of a reshape that splits a sharded dim."""
-    mesh = _explicit_mesh([x])
-    if mesh is None:
+    out_sharding = sharding(dims, x)
+    if out_sharding is None:
         return x.reshape(shape)
-    return lax.reshape(x, tuple(shape), out_sharding=NamedSharding(mesh, spec(tuple(dims))))
+    return lax.reshape(x, tuple(shape), out_sharding=out_sharding)
 
 
 def dims_of(x: jax.Array) -> Dims:

@@ -96,16 +96,22 @@ def gather(
     axis: int = 0,
     mode: str | None = None,
     fill_value=None,
+    out_sharding=None,
 ) -> jax.Array:
     """`x.at[(slice(None),) * axis + (indices,)].get(mode=mode, fill_value=fill_value)`, or
     `jnp.take(x, indices, axis=axis, mode="wrap")` for mode="wrap", with NumPy's answer for
-    every index value and index dtype."""
+    every index value and index dtype. `out_sharding`: the result's sharding, as
+    `.at[].get` takes it (on an Explicit mesh JAX asks for it when the table and the indices
+    are sharded over different axes)."""
     x, indices = jnp.asarray(x), host_indices(indices)
     axis = check_arguments(x, indices, axis, mode)
     n = x.shape[axis]
     safe = jnp.asarray(bounded_indices(indices, n, mode))
     if safe.size == 0:
         return jnp.zeros(x.shape[:axis] + indices.shape + x.shape[axis + 1:], x.dtype)
-    if mode == "wrap":
+    if mode == "wrap" and out_sharding is None:
         return jnp.take(x, safe, axis=axis, mode="wrap")
-    return x.at[(slice(None),) * axis + (safe,)].get(mode=mode, fill_value=fill_value)
+    # wrap's safe indices are already in [0, n): clipping them changes nothing.
+    return x.at[(slice(None),) * axis + (safe,)].get(
+        mode="clip" if mode == "wrap" else mode, fill_value=fill_value,
+        out_sharding=out_sharding)

@@ -156,17 +156,22 @@ def gather(
 
     def call(name, interpret, x, *traced_indices):
         indices = traced_indices[0] if traced_indices else host
+        # The output keeps the indices' sharding and the table's on its other dims.
+        table_dims = partition.dims_of(x)
+        out_dims = (*table_dims[:axis], *partition.dims_of(indices), *table_dims[axis + 1:])
         if name == "xla":
-            return reference_gather(x, indices, axis=axis, mode=mode, fill_value=fill_value)
+            # On an Explicit mesh JAX's gather asks for that sharding when the table and the
+            # indices are sharded over different axes; with the gathered axis sharded, JAX
+            # decides.
+            out_sharding = None if table_dims[axis] else partition.sharding(out_dims, x)
+            return reference_gather(x, indices, axis=axis, mode=mode, fill_value=fill_value,
+                                    out_sharding=out_sharding)
         if math.prod(out_shape) == 0:
             return jnp.zeros(out_shape, x.dtype)
         flat_indices = jnp.asarray(bounded_indices(indices, n, mode)).reshape(-1)
-        table_dims = partition.dims_of(x)
         static = _Static(name, interpret, config, problem, SCATTER_MODE[mode], table_dims[axis])
         table = x.astype(kernel_dtype).reshape(batch, n, columns)
         out = _jitted_gather(*partition.match_varying(table, flat_indices), static)
-        # The output keeps the indices' sharding and the table's on its other dims.
-        out_dims = (*table_dims[:axis], *partition.dims_of(indices), *table_dims[axis + 1:])
         return partition.reshape(out.astype(x.dtype), out_shape, out_dims)
 
     operands = (x,) if host is not None else (x, indices)
