@@ -12,7 +12,7 @@ compilers installed (the `test` extra), what the real back end reports: shared m
 registers and spills (Triton) or planned VMEM (Mosaic).
 
 The stated bytes count re-reads. Mosaic: what the BlockSpec pipeline copies (a block each
-time its index changes; `kernels._pallas.pipelined_bytes`), plus the kernel's own DMAs.
+time its index changes; `kernels._traffic.pipelined_bytes`), plus the kernel's own DMAs.
 Triton matmul and conv2d: the loads the programs issue (each tile's A and B panels; each
 output pixel's patch per output-channel block), of which L2 and L1 serve much on a GPU, so
 for them it bounds the HBM traffic from above. Triton normalize and gather: their programs

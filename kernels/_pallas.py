@@ -1,23 +1,22 @@
-"""The one module that imports Pallas backend modules.
+"""Calling Pallas: the one module that imports Pallas backend modules, and the one place each
+kernel call is made (`triton_call`, `mosaic_call`, Triton's tile loads and stores).
 
 Everything that differs between the supported jax versions (0.10.2 on Python 3.11, the newest on
-Python 3.12+) is hidden here, so a version difference is fixed in one place: compiler-parameter
-classes, Triton's masked load/store, TPU interpret parameters, and the abstract device that lets
-jax 0.11+ lower a kernel for a platform this machine does not have.
+Python 3.12+) in calling a kernel is hidden here, so a version difference is fixed in one
+place: compiler-parameter classes, Triton's masked load/store, TPU interpret parameters.
+Lowering for a platform this machine lacks is `kernels._lowering`; what a Mosaic pipeline
+moves, `kernels._traffic`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import math
-import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax._src.state import indexing as state_indexing
 from jax._src.state import types as state_types
@@ -26,24 +25,11 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plt
 
 from kernels import _targets
+from kernels._traffic import pipelined_bytes
 
-__all__ = [
-    "pl",
-    "pltpu",
-    "triton_load",
-    "triton_store",
-    "triton_call",
-    "mosaic_call",
-    "mosaic_precision",
-    "vmem_limit",
-    "varying_axes",
-    "lowered_text",
-    "TRITON_CALL_MARKER",
-    "MOSAIC_CALL_MARKER",
-]
+__all__ = ["pl", "pltpu", "triton_load", "triton_store", "triton_call", "mosaic_call",
+           "mosaic_precision", "vmem_limit", "varying_axes", "reset_tpu_interpret_state"]
 
-TRITON_CALL_MARKER = "__gpu$xla.gpu.triton"
-MOSAIC_CALL_MARKER = "tpu_custom_call"
 
 # Whether the interpreted Triton kernel being traced has so few programs that its tiles are
 # best read and written as slices (set by `triton_call` around the kernel's trace).
@@ -205,79 +191,6 @@ def _widened(shape: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
         shape, "manual_axis_type", None))
 
 
-def _block_dims(spec: pl.BlockSpec, shape: Sequence[int]) -> list[tuple[int, bool]]:
-    """Per array dim: (block size, whether the index map gives an element offset rather than
-    a block index). Squeezed dims are blocks of 1; no block shape means the whole array."""
-    if spec.block_shape is None:
-        return [(d, False) for d in shape]
-    dims = []
-    for d in spec.block_shape:
-        size = getattr(d, "block_size", 1 if d is None else d)
-        dims.append((size if isinstance(size, int) else 1, type(d).__name__ == "Element"))
-    return dims
-
-
-def copied_bytes(block_indices: np.ndarray, dims: Sequence[tuple[int, bool]],
-                 shape: Sequence[int], itemsize: int) -> int:
-    """Bytes the pipeline moves for a block visited at `block_indices` (steps, ndim), in grid
-    order: a copy at the first step and wherever the index changes, each of the part of the
-    block inside the array (edge blocks are copied clipped)."""
-    index = np.asarray(block_indices, np.int64).reshape(len(block_indices), len(dims))
-    changed = np.ones(len(index), bool)
-    changed[1:] = np.any(index[1:] != index[:-1], axis=1)
-    index = index[changed]
-    extent = np.ones(len(index), np.int64)
-    for axis, ((size, element), dim) in enumerate(zip(dims, shape)):
-        start = index[:, axis] * (1 if element else size)
-        extent *= np.clip(dim - start, 0, size)
-    return int(extent.sum()) * itemsize
-
-
-def _spec_bytes(spec: pl.BlockSpec, aval: Any, grid: tuple[int, ...],
-                prefetch: Sequence[Any]) -> int:
-    """All the grid's block indices evaluated at once, on concrete values even while a caller
-    traces (an index map is cheap scalar arithmetic; a grid has at most a few million steps)."""
-    dims = _block_dims(spec, aval.shape)
-    steps = math.prod(grid)
-    if spec.index_map is None or not steps:
-        return copied_bytes(np.zeros((1, len(dims))), dims, aval.shape, aval.dtype.itemsize)
-    axes = [a.astype(np.int32) for a in np.unravel_index(np.arange(steps), grid)]
-    try:
-        with jax.ensure_compile_time_eval():
-            # Called on numpy vectors: the usual index map is Python arithmetic, which numpy
-            # evaluates for every step at once (vmap is the general, slower route).
-            try:
-                blocks = spec.index_map(*axes, *prefetch)
-            except Exception:  # noqa: BLE001 - e.g. Python control flow on an index
-                blocks = jax.vmap(spec.index_map,
-                                  in_axes=(0,) * len(grid) + (None,) * len(prefetch))(
-                                      *axes, *prefetch)
-            index = np.stack([np.broadcast_to(np.asarray(i), (steps,))
-                              for i in jax.tree.leaves(blocks)], axis=1)
-    except Exception:  # noqa: BLE001 - an estimate must not fail a call: a copy every step
-        block = math.prod(min(size, dim) for (size, _), dim in zip(dims, aval.shape))
-        return steps * block * aval.dtype.itemsize
-    return copied_bytes(index, dims, aval.shape, aval.dtype.itemsize)
-
-
-def pipelined_bytes(grid_spec: Any, args: Sequence[Any], outs: Sequence[Any]) -> int:
-    """HBM bytes the BlockSpec pipeline of a Mosaic kernel moves: walking the grid in order, a
-    block is copied in (or written back) only at the steps where its index changes. Operands
-    left in HBM or SMEM (manual DMAs) are not counted: the kernel states those itself."""
-    grid = tuple(grid_spec.grid)
-    num_prefetch = getattr(grid_spec, "num_scalar_prefetch", 0)
-    prefetch = [np.zeros(a.shape, a.dtype) for a in args[:num_prefetch]]
-    out_specs = grid_spec.out_specs
-    if isinstance(out_specs, pl.BlockSpec):
-        out_specs = [out_specs]
-    total = 0
-    for spec, aval in zip([*grid_spec.in_specs, *out_specs], [*args[num_prefetch:], *outs]):
-        space = str(getattr(spec, "memory_space", None)).lower()
-        if not any(name in space for name in ("any", "hbm", "smem")):
-            total += _spec_bytes(spec, aval, grid, prefetch)
-    return total
-
-
 def mosaic_call(
     kernel: Callable[..., None],
     *,
@@ -352,42 +265,3 @@ def reset_tpu_interpret_state() -> None:
     pltpu.reset_tpu_interpret_mode_state()
 
 
-_PLATFORMS = {"cuda": "gpu", "tpu": "tpu"}
-
-
-@contextlib.contextmanager
-def on_target(target: _targets.Target) -> Iterator[None]:
-    """Puts `target`'s abstract device in scope: jax 0.11+ needs one to lower a kernel for a
-    device this machine does not have, and the kernels pick their blocks for it."""
-    mesh = jax.sharding.AbstractMesh((), (), abstract_device=_targets.abstract_device(target))
-    with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(mesh):
-        # jax 0.11+ warns that Triton lowering is deprecated in favour of Mosaic GPU; this
-        # library uses Triton on purpose, so the warning says nothing to its users.
-        warnings.simplefilter("ignore", DeprecationWarning)
-        yield
-
-
-def lower(fn: Callable[..., Any], *args: Any, target: _targets.Target) -> Any:
-    """`jax.jit(fn)` lowered for `target` on any machine (`jax.stages.Lowered`).
-
-    Kernels called with `interpret=None` or `False` inside `fn` lower compiled (the dispatch
-    decides `None` for the platform lowered for). For a TPU target, `args` must
-    carry a sharding on a device of that target's topology if the result is to be compiled.
-    """
-    with on_target(target):
-        traced = jax.jit(fn).trace(*args)
-        platform = "cuda" if target.platform == "gpu" else "tpu"
-        return traced.lower(lowering_platforms=(platform,))
-
-
-def lowered_text(fn: Callable[..., Any], *args: Any, platform: str) -> str:
-    """Lowers `jax.jit(fn)(*args)` for `platform` ("cuda" or "tpu") on any machine.
-
-    Kernels called with `interpret=None` or `False` inside `fn` lower compiled. Returns the
-    StableHLO text, in
-    which a Triton kernel appears as `TRITON_CALL_MARKER` and a Mosaic one as
-    `MOSAIC_CALL_MARKER`.
-    """
-    if platform not in _PLATFORMS:
-        raise ValueError(f"platform must be 'cuda' or 'tpu', got {platform!r}")
-    return lower(fn, *args, target=_targets.DEFAULT[_PLATFORMS[platform]]).as_text()

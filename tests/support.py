@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels._pallas import MOSAIC_CALL_MARKER, TRITON_CALL_MARKER, lowered_text
+from kernels._lowering import MOSAIC_CALL_MARKER, TRITON_CALL_MARKER, lowered_text
 
 IMPLEMENTATIONS = ("xla", "triton", "mosaic")
 KERNELS = ("triton", "mosaic")
@@ -106,7 +106,7 @@ def walked_pipeline_bytes(eqn) -> int:
     array. Operands left in HBM or SMEM (manual DMAs) are not counted."""
     import itertools
 
-    from kernels._pallas import copied_bytes
+    from kernels._traffic import copied_bytes
 
     grid_mapping = eqn.params["grid_mapping"]
     mappings = grid_mapping.block_mappings[:grid_mapping.num_inputs + grid_mapping.num_outputs]

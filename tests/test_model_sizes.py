@@ -90,12 +90,12 @@ def test_conv2d(kernel):
 
 def _programs(fn, *args) -> list[int]:
     """Programs (grid points) of each kernel launch `fn(*args)` traces, forward and backward."""
-    from kernels.compile import _find_pallas_calls
+    from kernels.compile import find_pallas_calls
 
     jaxpr = jax.make_jaxpr(jax.value_and_grad(lambda *a: jnp.sum(fn(*a)),
                                               argnums=tuple(range(len(args)))))(*args)
     return [int(np.prod(eqn.params["grid_mapping"].grid))
-            for eqn in _find_pallas_calls(jaxpr.jaxpr, [])]
+            for eqn in find_pallas_calls(jaxpr.jaxpr)]
 
 
 @pytest.mark.parametrize("kernel", KERNELS)

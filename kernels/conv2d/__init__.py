@@ -31,7 +31,7 @@ from jax import lax
 
 from kernels import _dispatch, partition
 from kernels.conv2d import mosaic, sharding, triton
-from kernels.conv2d.common import (Conv2dConfig, ConvConfig, Phase, Problem, make_problem,
+from kernels.conv2d.common import (Conv2dConfig, Phase, Problem, make_problem,
                                    subpixel_phases)
 from kernels.matmul import mosaic as matmul_mosaic
 from kernels.matmul import triton as matmul_triton
@@ -39,7 +39,7 @@ from kernels.matmul.common import make_problem as matmul_problem
 from reference.conv2d import Geometry, conv2d as reference_conv2d, dilated_size
 from reference.conv2d import geometry as make_geometry
 
-__all__ = ["conv2d", "Conv2dConfig", "ConvConfig"]
+__all__ = ["conv2d", "Conv2dConfig"]
 
 _KERNELS = {"triton": triton, "mosaic": mosaic}
 _MATMUL_KERNELS = {"triton": matmul_triton, "mosaic": matmul_mosaic}

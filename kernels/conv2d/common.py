@@ -45,8 +45,6 @@ class Conv2dConfig:
     num_stages: int | None = None
 
 
-ConvConfig = Conv2dConfig
-
 
 class Problem(NamedTuple):
     """One grouped convolution: x (N, H, W, C) * w (KH, KW, C/G, O) -> (N, OH, OW, O)."""

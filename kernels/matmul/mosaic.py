@@ -24,7 +24,7 @@ stored layout and the transpose is folded into the dot's dimension numbers.
 
 Memory traffic: the output is written once; A is read cdiv(N, block_n) times and B
 cdiv(M, block_m) times, except that a block whose index does not change between consecutive
-steps is not copied again: with one K block A is read once (`kernels._pallas.pipelined_bytes`
+steps is not copied again: with one K block A is read once (`kernels._traffic.pipelined_bytes`
 counts this for the cost estimate).
 """
 

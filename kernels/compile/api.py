@@ -1,0 +1,37 @@
+"""The entry points: every kernel a function launches, compiled for a target by its back end."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from kernels._targets import TARGETS, Target
+from kernels.compile.launches import pallas_calls
+from kernels.compile.mosaic import mosaic_report
+from kernels.compile.report import DEFAULT_TIMEOUT_S, KernelReport
+from kernels.compile.triton import triton_report
+
+__all__ = ["compile_kernels", "report", "implementation_for"]
+
+
+def compile_kernels(fn: Callable[..., Any], *args: Any, target: str,
+                    timeout_s: float | None = DEFAULT_TIMEOUT_S) -> list[KernelReport]:
+    """Compiles each kernel that `fn(*args)` launches for `target` (a key of `TARGETS`).
+
+    `fn` calls the ops with `implementation="triton"` (GPU targets) or `"mosaic"` (TPU
+    targets) and `interpret=False`; `args` are arrays or `jax.ShapeDtypeStruct`s. Returns one
+    report per distinct kernel; a compiler error becomes a report's `error`, not an exception.
+    """
+    chosen = TARGETS[target]
+    return [report(eqn, chosen, timeout_s) for eqn in pallas_calls(fn, *args, target=chosen)]
+
+
+def report(eqn, target: Target, timeout_s: float | None = DEFAULT_TIMEOUT_S) -> KernelReport:
+    """Compiles one `pallas_call` equation (from `pallas_calls`) for `target`."""
+    compile_one = triton_report if target.platform == "gpu" else mosaic_report
+    return compile_one(eqn, target, timeout_s)
+
+
+def implementation_for(target: str) -> str:
+    """The implementation whose kernels run on `target`."""
+    return "triton" if TARGETS[target].platform == "gpu" else "mosaic"
