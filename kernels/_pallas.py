@@ -1,18 +1,21 @@
-"""Calling Pallas: the one module that imports Pallas backend modules, and the one place each
-kernel call is made (`triton_call`, `mosaic_call`, Triton's tile loads and stores).
+"""The one module that imports Pallas backend modules: every kernel call is made here
+(`triton_call`, `mosaic_call`, Triton's tile loads and stores), and every lowering for a
+platform this machine lacks (`on_target`, `lower`, `lowered_text`).
 
 Everything that differs between the supported jax versions (0.10.2 on Python 3.11, the newest on
-Python 3.12+) in calling a kernel is hidden here, so a version difference is fixed in one
-place: compiler-parameter classes, Triton's masked load/store, TPU interpret parameters.
-Lowering for a platform this machine lacks is `kernels._lowering`; what a Mosaic pipeline
-moves, `kernels._traffic`.
+Python 3.12+) is hidden here, so a version difference is fixed in one place: compiler-parameter
+classes, Triton's masked load/store, TPU interpret parameters, and the abstract device that lets
+jax 0.11+ lower a kernel for a platform this machine does not have. What a Mosaic kernel's
+pipeline moves is worked out in `kernels._traffic`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import math
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -28,7 +31,11 @@ from kernels import _targets
 from kernels._traffic import pipelined_bytes
 
 __all__ = ["pl", "pltpu", "triton_load", "triton_store", "triton_call", "mosaic_call",
-           "mosaic_precision", "vmem_limit", "varying_axes", "reset_tpu_interpret_state"]
+           "mosaic_precision", "vmem_limit", "varying_axes", "reset_tpu_interpret_state",
+           "TRITON_CALL_MARKER", "MOSAIC_CALL_MARKER", "on_target", "lower", "lowered_text"]
+
+TRITON_CALL_MARKER = "__gpu$xla.gpu.triton"
+MOSAIC_CALL_MARKER = "tpu_custom_call"
 
 
 # Whether the interpreted Triton kernel being traced has so few programs that its tiles are
@@ -265,3 +272,42 @@ def reset_tpu_interpret_state() -> None:
     pltpu.reset_tpu_interpret_mode_state()
 
 
+_PLATFORMS = {"cuda": "gpu", "tpu": "tpu"}
+
+
+@contextlib.contextmanager
+def on_target(target: _targets.Target) -> Iterator[None]:
+    """Puts `target`'s abstract device in scope: jax 0.11+ needs one to lower a kernel for a
+    device this machine does not have, and the kernels pick their blocks for it."""
+    mesh = jax.sharding.AbstractMesh((), (), abstract_device=_targets.abstract_device(target))
+    with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(mesh):
+        # jax 0.11+ warns that Triton lowering is deprecated in favour of Mosaic GPU; this
+        # library uses Triton on purpose, so the warning says nothing to its users.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        yield
+
+
+def lower(fn: Callable[..., Any], *args: Any, target: _targets.Target) -> Any:
+    """`jax.jit(fn)` lowered for `target` on any machine (`jax.stages.Lowered`).
+
+    Kernels called with `interpret=None` or `False` inside `fn` lower compiled (the dispatch
+    decides `None` for the platform lowered for). For a TPU target, `args` must
+    carry a sharding on a device of that target's topology if the result is to be compiled.
+    """
+    with on_target(target):
+        traced = jax.jit(fn).trace(*args)
+        platform = "cuda" if target.platform == "gpu" else "tpu"
+        return traced.lower(lowering_platforms=(platform,))
+
+
+def lowered_text(fn: Callable[..., Any], *args: Any, platform: str) -> str:
+    """Lowers `jax.jit(fn)(*args)` for `platform` ("cuda" or "tpu") on any machine.
+
+    Kernels called with `interpret=None` or `False` inside `fn` lower compiled. Returns the
+    StableHLO text, in
+    which a Triton kernel appears as `TRITON_CALL_MARKER` and a Mosaic one as
+    `MOSAIC_CALL_MARKER`.
+    """
+    if platform not in _PLATFORMS:
+        raise ValueError(f"platform must be 'cuda' or 'tpu', got {platform!r}")
+    return lower(fn, *args, target=_targets.DEFAULT[_PLATFORMS[platform]]).as_text()

@@ -42,7 +42,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import kernels  # noqa: E402
 from kernels import _dispatch, _targets, defaults  # noqa: E402
-from kernels._lowering import MOSAIC_CALL_MARKER, TRITON_CALL_MARKER  # noqa: E402
+from kernels._pallas import MOSAIC_CALL_MARKER, TRITON_CALL_MARKER  # noqa: E402
 from kernels.compile import first_line  # noqa: E402
 
 __all__ = ["ProgramReport", "Program", "PROGRAMS", "MESHES", "devices", "compile_program",

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels._lowering import MOSAIC_CALL_MARKER, TRITON_CALL_MARKER, lowered_text
+from kernels._pallas import MOSAIC_CALL_MARKER, TRITON_CALL_MARKER, lowered_text
 
 IMPLEMENTATIONS = ("xla", "triton", "mosaic")
 KERNELS = ("triton", "mosaic")

@@ -15,8 +15,7 @@ from bench import conv2d as conv2d_bench
 from bench import gather as gather_bench
 from bench import matmul as matmul_bench
 from kernels import MatmulConfig, _targets
-from kernels._lowering import on_target
-from kernels._pallas import mosaic_call, pl, pltpu, triton_call
+from kernels._pallas import mosaic_call, on_target, pl, pltpu, triton_call
 from kernels.compile import CASES, compile_kernels, implementation_for
 
 TARGETS = ("sm_90", "sm_80", "v5e", "v6e", "v4")

@@ -231,12 +231,12 @@ def test_defaults_are_decided_for_the_lowering_platform(monkeypatch, platform, m
     (implementation=None, interpret=None): its compiled kernel where the table puts one first
     (TPU), XLA where it does not (GPU), never an interpreted kernel. Lowered for the CPU, the
     same traced program runs XLA."""
-    from kernels import _lowering, _targets, layer_norm
+    from kernels import _pallas, _targets, layer_norm
 
     monkeypatch.delenv(_dispatch.ENV_VAR, raising=False)
     x = jnp.ones((64, 256), jnp.bfloat16)
     target = _targets.DEFAULT["gpu" if platform == "cuda" else "tpu"]
-    text = _lowering.lower(lambda x: jax.grad(lambda x: layer_norm(x).astype(jnp.float32).sum())(x),
+    text = _pallas.lower(lambda x: jax.grad(lambda x: layer_norm(x).astype(jnp.float32).sum())(x),
                          x, target=target).as_text()
     kernels_expected = 0 if defaults.default("layer_norm", platform)[0] == "xla" else 2
     assert kernels_expected == (2 if platform == "tpu" else 0)  # the table as it stands
@@ -250,11 +250,11 @@ def test_defaults_are_decided_for_the_lowering_platform(monkeypatch, platform, m
 def test_explicit_kernel_is_compiled_for_its_platform_and_interpreted_elsewhere():
     """interpret=None: the Triton kernel is a kernel call when lowered for cuda and the
     interpreter's loop when lowered for this CPU, from one traced function."""
-    from kernels import _lowering, _targets, layer_norm
+    from kernels import _pallas, _targets, layer_norm
 
     x = jnp.ones((64, 256), jnp.float32)
     fn = lambda x: layer_norm(x, implementation="triton")  # noqa: E731
-    cuda = _lowering.lower(fn, x, target=_targets.DEFAULT["gpu"]).as_text()
+    cuda = _pallas.lower(fn, x, target=_targets.DEFAULT["gpu"]).as_text()
     assert "__gpu$xla.gpu.triton" in cuda and "stablehlo.while" not in cuda
     cpu = jax.jit(fn).lower(x).as_text()
     assert "__gpu$xla.gpu.triton" not in cpu and "stablehlo.while" in cpu
@@ -292,7 +292,7 @@ def test_tracing_and_lowering_execute_nothing(monkeypatch, platform):
     devices, abstract meshes, jax.export for a platform the host lacks."""
     from jax._src import dispatch
 
-    from kernels import _lowering, _targets
+    from kernels import _pallas, _targets
 
     def executed(*args, **kwargs):
         raise AssertionError(f"executed while tracing: {args[0]}")
@@ -302,10 +302,10 @@ def test_tracing_and_lowering_execute_nothing(monkeypatch, platform):
     for implementation in (None, kernel):
         for name, fn, specs in _every_op(implementation):
             monkeypatch.setattr(dispatch, "apply_primitive", executed)
-            text = _lowering.lower(fn, *specs, target=target).as_text()
+            text = _pallas.lower(fn, *specs, target=target).as_text()
             monkeypatch.undo()
             if implementation == kernel:
-                assert _lowering.TRITON_CALL_MARKER in text or _lowering.MOSAIC_CALL_MARKER in text, \
+                assert _pallas.TRITON_CALL_MARKER in text or _pallas.MOSAIC_CALL_MARKER in text, \
                     name
 
 
@@ -318,13 +318,13 @@ def test_export_for_a_platform_this_host_lacks(platform):
     from jax.sharding import AbstractMesh, AxisType, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from kernels import _lowering, _targets, layer_norm
+    from kernels import _pallas, _targets, layer_norm
 
     target = _targets.DEFAULT["gpu" if platform == "cuda" else "tpu"]
     mesh = AbstractMesh((4,), ("data",), axis_types=(AxisType.Explicit,),
                         abstract_device=_targets.abstract_device(target))
     x = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16, sharding=NamedSharding(mesh, P("data")))
-    marker = _lowering.TRITON_CALL_MARKER if platform == "cuda" else _lowering.MOSAIC_CALL_MARKER
+    marker = _pallas.TRITON_CALL_MARKER if platform == "cuda" else _pallas.MOSAIC_CALL_MARKER
     # jax.export refuses custom calls without compatibility guarantees unless told (Triton's).
     checks = [jax.export.DisabledSafetyCheck.custom_call(marker)] if platform == "cuda" else []
     kernel = "triton" if platform == "cuda" else "mosaic"
@@ -332,7 +332,7 @@ def test_export_for_a_platform_this_host_lacks(platform):
     for implementation, kernels_expected in ((None, 2 * default_is_kernel), (kernel, 2)):
         fn = jax.jit(jax.grad(lambda x, i=implementation: jnp.sum(
             layer_norm(x, implementation=i).astype(jnp.float32))))
-        with _lowering.on_target(target):
+        with _pallas.on_target(target):
             exported = jax.export.export(fn, platforms=(platform,), disabled_checks=checks)(x)
         text = exported.mlir_module()
         assert text.count(marker) == kernels_expected, (implementation, text.count(marker))

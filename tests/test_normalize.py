@@ -224,7 +224,7 @@ def test_mosaic_blocks_fit_the_vmem_budget(target, shape, dtype, axis):
     CNN of examples/train_digits.py) took 4096-row blocks needing 24 MiB and was declined.
     `tests/test_compile.py` compiles the device shapes with libtpu."""
     from kernels import _targets
-    from kernels._lowering import on_target
+    from kernels._pallas import on_target
     from kernels.normalize import common, mosaic
 
     axes = tuple(sorted(a % len(shape) for a in ((axis,) if isinstance(axis, int) else axis)))

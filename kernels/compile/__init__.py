@@ -1,6 +1,6 @@
 """Compile every Pallas kernel of a function for a real GPU or TPU target, on any machine.
 
-Lowering (`kernels._lowering.lower`) proves only that the compiler front ends accept a kernel.
+Lowering (`kernels._pallas.lower`) proves only that the compiler front ends accept a kernel.
 This package runs the real back ends, which work without the hardware, one module per job:
 
 - `launches`: the kernels (`pallas_call` equations) a function launches for a target;
@@ -38,10 +38,11 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 from kernels.compile.cases import CASES, Case  # noqa: E402
 from kernels.compile.launches import (distinct, find_pallas_calls, launch_key,  # noqa: E402
                                       launches, pallas_calls)
+from kernels.compile.mosaic import planned_vmem  # noqa: E402
 from kernels.compile.api import compile_kernels, implementation_for, report  # noqa: E402
 from kernels.compile.report import (DEFAULT_TIMEOUT_S, KernelReport, first_line,  # noqa: E402
                                     resources)
 
 __all__ = ["KernelReport", "compile_kernels", "report", "resources", "launches", "pallas_calls",
            "distinct", "launch_key", "find_pallas_calls", "first_line", "implementation_for",
-           "CASES", "Case", "DEFAULT_TIMEOUT_S"]
+           "planned_vmem", "CASES", "Case", "DEFAULT_TIMEOUT_S"]

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jax_core
 
-from kernels._lowering import on_target
+from kernels._pallas import on_target
 from kernels._targets import Target
 
 __all__ = ["find_pallas_calls", "launches", "launch_key", "pallas_calls", "distinct", "operands",

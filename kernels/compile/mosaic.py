@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels._blocks import sublanes
-from kernels._lowering import lower
+from kernels._pallas import lower
 from kernels._targets import TARGETS, Target
 from kernels.compile.launches import bind, operands
 from kernels.compile.report import KernelReport, first_line, with_timeout

@@ -20,7 +20,7 @@ import warnings
 
 import jax
 
-from kernels._lowering import TRITON_CALL_MARKER, lower
+from kernels._pallas import TRITON_CALL_MARKER, lower
 from kernels._targets import Target
 from kernels.compile.launches import bind, operands
 from kernels.compile.report import KernelReport, first_line, with_timeout
