@@ -238,19 +238,47 @@ def partitioned(fn: Callable[..., Any], rule: Rule, factors: Factors) -> Callabl
     or the fast interpreter where they run there on blocks of their choosing
     (`_targets.interpreted`). The dispatch's scope does not reach a custom_vjp's backward,
     which is traced after the forward's call has returned."""
+    return _Partitioned(fn, rule, factors)
 
-    def on_target(*args):
+
+class _Partitioned:
+    """`partitioned(fn, rule, factors)`: one method per way to run `fn` over a mesh
+    (`strategy`): whole, manual (inside shard_map), explicit (shard_map over the plan's
+    shardings) and auto (custom_partitioning, whose callbacks are the methods below it)."""
+
+    def __init__(self, fn: Callable[..., Any], rule: Rule, factors: Factors):
+        self.fn, self.rule, self.factors = fn, rule, factors
+        self.auto = custom_partitioning(self._whole, static_argnums=(0, 1))
+        self.auto.def_partition(partition=self._partition,
+                                infer_sharding_from_operands=self._infer,
+                                sharding_rule=self._sharding_rule)
+
+    def __call__(self, *args):
+        *operands, static = args
+        present = tuple(x is not None for x in operands)
+        arrays = [x for x in operands if x is not None]
+        how, mesh = strategy(arrays)
+        if how == "whole":
+            return self.on_target(*operands, static)
+        if how == "manual":
+            return self.on_target(*_with_present(present, match_varying(*arrays)), static)
+        if how == "explicit":
+            return self._run_explicit(mesh, present, static, operands)
+        return self._run_auto(present, static, arrays)
+
+    def on_target(self, *args):
+        """`fn(*args)` traced with its operands' target (or the interpreter's) in scope."""
         *operands, static = args
         with _targets.for_operands([x for x in operands if x is not None]), \
                 _targets.interpreted(_interpreter_sized(static)):
-            return fn(*args)
+            return self.fn(*args)
 
-    def run_explicit(mesh, present, static, operands):
+    def _run_explicit(self, mesh, present, static, operands):
         shapes = tuple(None if x is None else tuple(x.shape) for x in operands)
         dims = tuple(None if x is None else _dims(jax.typeof(x).sharding, x.ndim)
                      for x in operands)
         axis_sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
-        plan = rule(on_target, static, Layout(shapes, dims, axis_sizes))
+        plan = self.rule(self.on_target, static, Layout(shapes, dims, axis_sizes))
         arrays = [jax.sharding.reshard(x, NamedSharding(mesh, spec(d)))
                   for x, d in zip(operands, plan.in_dims)
                   if x is not None]
@@ -269,9 +297,28 @@ def partitioned(fn: Callable[..., Any], rule: Rule, factors: Factors) -> Callabl
                              check_vma=False)(*arrays)
         return tuple(_with_present(tuple(kept), outs))
 
-    def partition(present, static, mesh, arg_shapes, result_shape):
+    def _run_auto(self, present, static, arrays):
+        # custom_partitioning has no batching rule of its own: under vmap, run whole.
+        @jax.custom_batching.custom_vmap
+        def call(*arrays):
+            return self.auto(present, static, *arrays)
+
+        @call.def_vmap
+        def _batched(axis_size, in_batched, *arrays):
+            in_axes = tuple(0 if b else None for b in in_batched)
+            out = jax.vmap(lambda *a: self._whole(present, static, *a), in_axes=in_axes)(*arrays)
+            return out, jax.tree_util.tree_map(lambda _: True, out)
+
+        return call(*arrays)
+
+    # custom_partitioning's callbacks (Auto axes).
+
+    def _whole(self, present, static, *arrays):
+        return self.on_target(*_with_present(present, arrays), static)
+
+    def _partition(self, present, static, mesh, arg_shapes, result_shape):
         layout = _auto_layout(present, arg_shapes, result_shape, mesh)
-        plan = rule(on_target, _without_simulator(static), layout)
+        plan = self.rule(self.on_target, _without_simulator(static), layout)
         shardings = tuple(NamedSharding(mesh, spec(d)) for d in plan.in_dims if d is not None)
         out = _map_outputs(plan, lambda d: NamedSharding(mesh, spec(d)))
 
@@ -280,48 +327,14 @@ def partitioned(fn: Callable[..., Any], rule: Rule, factors: Factors) -> Callabl
 
         return mesh, lower, out, shardings
 
-    def infer(present, static, mesh, arg_shapes, result_shape):
-        plan = rule(on_target, static, _auto_layout(present, arg_shapes, result_shape, mesh))
+    def _infer(self, present, static, mesh, arg_shapes, result_shape):
+        plan = self.rule(self.on_target, static,
+                         _auto_layout(present, arg_shapes, result_shape, mesh))
         return _map_outputs(plan, lambda d: NamedSharding(mesh, spec(d)))
 
-    def sharding_rule(present, static, mesh, value_types, result_types):
+    def _sharding_rule(self, present, static, mesh, value_types, result_types):
         shapes = _with_present(present, [tuple(t.shape) for t in value_types])
-        return factors(static, tuple(shapes))
-
-    def whole(present, static, *arrays):
-        return on_target(*_with_present(present, arrays), static)
-
-    auto = custom_partitioning(whole, static_argnums=(0, 1))
-    auto.def_partition(partition=partition, infer_sharding_from_operands=infer,
-                       sharding_rule=sharding_rule)
-
-    def run_auto(present, static, arrays):
-        @jax.custom_batching.custom_vmap
-        def call(*arrays):
-            return auto(present, static, *arrays)
-
-        @call.def_vmap
-        def _batched(axis_size, in_batched, *arrays):
-            in_axes = tuple(0 if b else None for b in in_batched)
-            out = jax.vmap(lambda *a: whole(present, static, *a), in_axes=in_axes)(*arrays)
-            return out, jax.tree_util.tree_map(lambda _: True, out)
-
-        return call(*arrays)
-
-    def call(*args):
-        *operands, static = args
-        present = tuple(x is not None for x in operands)
-        arrays = [x for x in operands if x is not None]
-        how, mesh = strategy(arrays)
-        if how == "whole":
-            return on_target(*operands, static)
-        if how == "manual":
-            return on_target(*_with_present(present, match_varying(*arrays)), static)
-        if how == "explicit":
-            return run_explicit(mesh, present, static, operands)
-        return run_auto(present, static, arrays)
-
-    return call
+        return self.factors(static, tuple(shapes))
 
 
 def _interpreter_sized(static: Any) -> bool:
