@@ -120,6 +120,27 @@ def test_large_mosaic_config_within_budget_raises_the_vmem_limit_and_compiles():
     assert report.vmem_limit > _targets.TARGETS["v5e"].scoped_vmem
 
 
+@pytest.mark.timeout(TIMEOUT_S)
+def test_conv2d_mosaic_tiles_are_budgeted_by_the_targets_vmem():
+    """One VMEM policy for every Mosaic kernel (`Target.vmem_budget`): a conv step whose
+    tiles need about 33 MiB is declined for a v4, whose 16 MiB of VMEM it cannot fit (libtpu
+    clamps a higher `vmem_limit_bytes` to the physical VMEM, so under the old fixed 48 MiB cap
+    the kernel was accepted and then failed to compile: "Used 22.25M of 16.00M vmem"), and
+    compiles for a v5e with its scoped limit raised."""
+    x = jax.ShapeDtypeStruct((1, 16, 2048, 256), jnp.float32)
+    w = jax.ShapeDtypeStruct((3, 3, 256, 256), jnp.float32)
+
+    def forward(x, w):
+        return kernels.conv2d(x, w, implementation="mosaic", interpret=False)
+
+    with on_target(_targets.TARGETS["v4"]), pytest.raises(
+            NotImplementedError, match="tiles need .* VMEM, over v4's budget"):
+        jax.eval_shape(forward, x, w)
+    (report,) = compile_kernels(forward, x, w, target="v5e")
+    assert report.fits, report.error
+    assert report.vmem_limit > _targets.TARGETS["v5e"].scoped_vmem
+
+
 def test_blocks_are_chosen_for_the_target_the_call_runs_on():
     x = jax.ShapeDtypeStruct((4096, 8192), jnp.bfloat16)
     assert _targets.current("gpu") is _targets.DEFAULT["gpu"]  # no GPU here: H100's budget

@@ -37,8 +37,14 @@ Weight gradient, depthwise path: the same grid over channel blocks; per tap the 
 The input gradient is the forward kernel on the output gradient, one launch per sub-pixel
 phase when the forward is strided (see `kernels.conv2d`): no zero-dilated dY is ever stored.
 
-The whole input tile of a step must fit VMEM with double buffering; a problem whose tile would
-not (very wide images with many channels) is declined.
+The whole input tile of a step must fit VMEM with double buffering, within the target's budget
+(`Target.vmem_budget`, the policy every Mosaic kernel shares: physical VMEM less an eighth, so
+14 MiB on a v4 and 112 MiB on a v5e; `_pallas.vmem_limit` raises the compiler's scoped limit
+to what the step needs); a problem whose tile would not (very wide images with many channels)
+is declined. (libtpu clamps a limit above the physical VMEM rather than refusing it, so the
+former fixed 48 MiB cap let a v4 step that needed 22 MiB through to a compile error. The
+estimate, `_vmem_bytes`, counts float32 accumulators beside the blocks and is conservative:
+a v4 step it puts at 23.6 MiB plans 13.2 MiB of blocks and compiles, but is declined.)
 """
 
 from __future__ import annotations
@@ -50,13 +56,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kernels import _targets
 from kernels._blocks import LANES, require_floating, sublanes
-from kernels._pallas import mosaic_call, mosaic_precision, pl, pltpu
+from kernels._pallas import mosaic_call, mosaic_precision, pl, pltpu, vmem_limit
 from kernels.conv2d.common import Conv2dConfig, Problem, flops_and_bytes
 
 _MAX_CHANNEL_BLOCK = 512
 _TARGET_PIXELS = 512  # rows of the per-tap matmul a step aims for
-_VMEM_LIMIT = 48 * 2**20  # leaves headroom on every TPU generation (64 MiB on v5p/v7)
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -132,10 +138,11 @@ def check(p: Problem, config: Conv2dConfig | None) -> None:
                          "divides them")
     if not isinstance(config.block_rows, int) or config.block_rows < 1:
         raise ValueError(f"config.block_rows must be a positive int, got {config.block_rows!r}")
-    needed = _vmem_bytes(p, _Layout(p, config.block_rows), block_n)
-    if needed > _VMEM_LIMIT:
-        raise NotImplementedError(f"a step's tiles need {needed} bytes of VMEM (> {_VMEM_LIMIT});"
-                                  " this kernel keeps the whole padded width in one tile")
+    needed, target = _vmem_bytes(p, _Layout(p, config.block_rows), block_n), _targets.current("tpu")
+    if needed > target.vmem_budget:
+        raise NotImplementedError(
+            f"a step's tiles need {needed} bytes of VMEM, over {target.name}'s budget of "
+            f"{target.vmem_budget}; this kernel keeps the whole padded width in one tile")
 
 
 def _pad(x: jax.Array, pads: list[tuple[int, int]]) -> jax.Array:
@@ -229,10 +236,6 @@ def staged_input(x: jax.Array, p: Problem, config: Conv2dConfig | None = None) -
     return _staged_x(x, p, _Layout(p, resolve_config(p, config).block_rows))
 
 
-def _vmem_limit(p: Problem, layout: _Layout, block_n: int) -> int:
-    return max(32 * 2**20, min(_VMEM_LIMIT + 16 * 2**20, 2 * _vmem_bytes(p, layout, block_n)))
-
-
 def conv(x: jax.Array, w: jax.Array, p: Problem, *, config: Conv2dConfig | None, precision,
          interpret: bool | str) -> jax.Array:
     """The convolution of a problem that `check` accepted: (N, OH, OW, O) in p.out_dtype."""
@@ -272,7 +275,7 @@ def conv(x: jax.Array, w: jax.Array, p: Problem, *, config: Conv2dConfig | None,
         dimension_semantics=("parallel",) * 4,
         interpret=interpret,
         flops=flops_and_bytes(p)[0],
-        vmem_limit_bytes=_vmem_limit(p, layout, block_n),
+        vmem_limit_bytes=vmem_limit(_vmem_bytes(p, layout, block_n)),
         name="conv2d_depthwise_mosaic" if p.depthwise else "conv2d_mosaic",
     )(xs, ws)
     out = out[:, :, :p.oh, :p.ow]
@@ -389,7 +392,7 @@ def weight_grad(x: jax.Array, dy: jax.Array, p: Problem, *, precision, interpret
         dimension_semantics=semantics,
         interpret=interpret,
         flops=flops_and_bytes(p)[0],
-        vmem_limit_bytes=_vmem_limit(p, layout, block_n),
+        vmem_limit_bytes=vmem_limit(_vmem_bytes(p, layout, block_n)),
         name="conv2d_depthwise_weight_grad_mosaic" if p.depthwise
         else "conv2d_weight_grad_mosaic",
     )(xs, dys)
