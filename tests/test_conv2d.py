@@ -232,10 +232,10 @@ def _weight_grad_problem(x_shape, w_shape, dtype, **options):
 def test_triton_weight_gradient_pixel_splits(x_shape, w_shape, options):
     """Few dW tiles and many pixels: the pixels are split over programs whose float32 partial
     dW are summed afterwards; every pixel counted once."""
-    from kernels.conv2d import triton
+    from kernels.conv2d import triton_config
 
     p = _weight_grad_problem(x_shape, w_shape, jnp.float32, **options)
-    split = triton.weight_grad_split(p, triton.weight_grad_config(p))
+    split = triton_config.weight_grad_split(p, triton_config.weight_grad_config(p))
     assert split.splits > 1, split
     x, w = _inputs(x_shape, w_shape, jnp.float32)
     got = jax.grad(_loss("triton", **options), argnums=1)(x, w)
@@ -253,13 +253,13 @@ def test_triton_k_blocks(x_shape, w_shape, options, tap_major):
     """Tap-major K blocks whose last channel block is ragged (24 channels a group in blocks of
     32), and a depthwise dW whose 25 taps take two programs (13 + 12), against float64 truth:
     forward, dX and dW."""
-    from kernels.conv2d import triton
+    from kernels.conv2d import triton_config
 
     p = _weight_grad_problem(x_shape, w_shape, jnp.float32, **options)
-    config = (triton.resolve_config(p, None) if tap_major else
-              triton.weight_grad_config(p))
-    assert triton._tap_major(p) == tap_major
-    assert p.k % config.block_k and triton.num_k_blocks(p, config.block_k) > 1, config
+    config = (triton_config.resolve_config(p, None) if tap_major else
+              triton_config.weight_grad_config(p))
+    assert triton_config.tap_major(p) == tap_major
+    assert p.k % config.block_k and triton_config.num_k_blocks(p, config.block_k) > 1, config
     x, w = _inputs(x_shape, w_shape, jnp.float32)
     _check(x, w, conv2d(x, w, implementation="triton", **options), jnp.float32, **options)
     grads = jax.grad(_loss("triton", **options), argnums=(0, 1))(x, w)
@@ -307,13 +307,13 @@ def test_triton_weight_gradient_fills_an_h100(name):
     import math
 
     from kernels import _targets
-    from kernels.conv2d import triton
+    from kernels.conv2d import triton_config
 
     x_shape, w_shape, options = RESNET_WEIGHT_GRADIENTS[name]
     p = _weight_grad_problem(x_shape, w_shape, jnp.bfloat16, **options)
-    config = triton.weight_grad_config(p)
-    split = triton.weight_grad_split(p, config)
-    tiles = math.prod(triton._weight_grad_grid(p, config))
+    config = triton_config.weight_grad_config(p)
+    split = triton_config.weight_grad_split(p, config)
+    tiles = math.prod(triton_config.weight_grad_grid(p, config))
     h100 = _targets.TARGETS["sm_90"]
     assert tiles * split.splits >= h100.num_sms, (config, split)
     if tiles < h100.num_sms:

@@ -9,7 +9,7 @@ read as zero. So strides, dilations and every padding form (negative: a crop) co
 in HBM.
 
 K is walked in blocks that stay inside one tap when a group has 16 or more input channels
-(`_tap_major`): a block is (tap, channel slice), its tap is one scalar per step, and each patch
+(`tap_major`): a block is (tap, channel slice), its tap is one scalar per step, and each patch
 row is a run of consecutive channels of one input pixel. The compiler then issues 16-byte
 vector loads and pipelines them with `cp.async` like the weight tiles (the compile report's
 `load_bytes`); a block that spanned taps would need a division per element and scalar 2-byte
@@ -57,61 +57,21 @@ arrays of 2³¹ elements or more are declined.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kernels._blocks import (MIN_PIPELINED_STEPS, MIN_TRITON_DOT, Split, check_triton_config,
-                             fill_sms, int32_loop, max_splits, require_floating,
-                             require_int32_offsets, require_shared_memory, split_reduction,
-                             triton_block, triton_dot_shared_bytes)
+from kernels._blocks import Split, int32_loop
 from kernels._pallas import pl, triton_call, triton_load, triton_store
 from kernels.conv2d.common import Conv2dConfig, Problem, cost_estimate
+# How big the blocks are and what they cost; `check` is this module's, as each backend's is.
+from kernels.conv2d.triton_config import (check, forward_traffic, num_k_blocks, resolve_config,
+                                          tap_major, weight_grad_config, weight_grad_grid,
+                                          weight_grad_split, weight_grad_traffic)
 
-
-def _output_channels(p: Problem) -> int:
-    """Output channels one program's column blocks cover: all of them (depthwise) or a
-    group's."""
-    return p.o if p.depthwise else p.og
-
-
-def resolve_config(p: Problem, config: Conv2dConfig | None) -> Conv2dConfig:
-    """Fills unset fields: power-of-2 blocks >= 16 covering the dims up to a cap (64 for
-    float64, 128 otherwise; K slices of 64 for 16-bit data), the output tile shrunk until
-    every SM has one (`fill_sms`)."""
-    config = config or Conv2dConfig()
-    wide = p.compute_dtype.itemsize >= 8
-    max_mn = 64 if wide else 128
-    max_k = 32 if wide or p.compute_dtype.itemsize >= 4 else 64
-    def pick(value, default):
-        return default if value is None else value
-
-    block_m, block_n = fill_sms(
-        triton_block(p.m, max_mn), triton_block(_output_channels(p), max_mn),
-        lambda rows, cols: pl.cdiv(p.m, rows) * pl.cdiv(_output_channels(p), cols) * (
-            1 if p.depthwise else p.groups))
-    block_m, block_n = pick(config.block_m, block_m), pick(config.block_n, block_n)
-    block_k = pick(config.block_k, _default_block_k(p, max_k))
-    # The patch gather computes an offset per (pixel, k) element: 128-pixel tiles need 8 warps
-    # to hold it without spilling (4 warps spill on sm_80 and sm_90).
-    num_warps = pick(config.num_warps, 8 if block_m >= 128 or block_n >= 128 else 4)
-    return Conv2dConfig(block_m, block_n, block_k, config.block_rows, num_warps,
-                        pick(config.num_stages, 3))
-
-
-def check(p: Problem, config: Conv2dConfig | None) -> None:
-    """Declines non-float operands and int32-overflowing sizes; rejects bad configs."""
-    require_floating(x=p.x_dtype, w=p.w_dtype)
-    require_int32_offsets(x=p.n * p.h * p.w * p.c, output=p.m * p.o, w=p.k * p.o)
-    config = resolve_config(p, config)
-    check_triton_config(config, ("block_m", "block_n", "block_k"))
-    if not p.depthwise:
-        require_shared_memory(triton_dot_shared_bytes(
-            config.block_m, config.block_n, config.block_k,
-            max(p.x_dtype.itemsize, p.w_dtype.itemsize), config.num_stages))
+__all__ = ["check", "conv", "weight_grad"]
 
 
 def _source(p: Problem, out_pos, tap, axis: int):
@@ -162,24 +122,11 @@ class KBlock(NamedTuple):
     valid: jax.Array
 
 
-def _tap_major(p: Problem) -> bool:
-    """Whether K blocks stay inside one tap: channel runs of 16 or more (32 bytes of 16-bit
-    data) make each block's patch rows contiguous loads. Fewer channels (an RGB stem, small
-    groups) would leave most of a per-tap block as padding, so their blocks span taps."""
-    return p.cg >= MIN_TRITON_DOT
-
-
-def num_k_blocks(p: Problem, block_k: int) -> int:
-    if _tap_major(p):
-        return p.kh * p.kw * pl.cdiv(p.cg, block_k)
-    return pl.cdiv(p.k, block_k)
-
-
 def _k_block(p: Problem, block_k: int, index) -> KBlock:
     """K block `index` of `num_k_blocks`: tap-major blocks are (tap, channel block) pairs, so
     the per-element tap arithmetic becomes one scalar division per step."""
     lanes = jnp.arange(block_k, dtype=jnp.int32)
-    if _tap_major(p):
+    if tap_major(p):
         per_tap = pl.cdiv(p.cg, block_k)
         tap, first_channel = index // per_tap, (index % per_tap) * block_k
         channel = first_channel + lanes
@@ -187,15 +134,6 @@ def _k_block(p: Problem, block_k: int, index) -> KBlock:
     k = index * block_k + lanes
     return KBlock(index * block_k, lax.div(k, jnp.int32(p.cg)), lax.rem(k, jnp.int32(p.cg)),
                   k < p.k)
-
-
-def _default_block_k(p: Problem, cap: int) -> int:
-    """The K block: tap-major, the power of 2 in [16, cap] that pads a tap's channels least
-    (ties to the larger); else the power of 2 covering K, up to `cap`."""
-    if not _tap_major(p):
-        return triton_block(p.k, cap)
-    candidates = [b for b in (16, 32, 64, 128) if b <= cap]
-    return min(reversed(candidates), key=lambda b: pl.cdiv(p.cg, b) * b)
 
 
 def _patch_tile(x_ref, p: Problem, group, pixels, k: KBlock):
@@ -268,27 +206,6 @@ def _depthwise_kernel(x_ref, w_ref, out_ref, *, p: Problem, config: Conv2dConfig
     _store_2d(out_ref, acc, row_start, m_valid, col_start, cols_valid)
 
 
-def _patch_bytes(p: Problem) -> int:
-    """Bytes of every output pixel's patch (its taps' input channels): what a pass over the
-    implicit-GEMM operand loads, mostly from L1/L2 where neighbouring patches overlap."""
-    return p.m * p.kh * p.kw * p.c * p.x_dtype.itemsize
-
-
-def _patch_passes(p: Problem, config: Conv2dConfig) -> int:
-    """How often the patches are loaded: once per output-channel block of a group; depthwise,
-    once per output channel of an input channel (the depth multiplier)."""
-    return p.og if p.depthwise else pl.cdiv(p.og, config.block_n)
-
-
-def _forward_traffic(p: Problem, config: Conv2dConfig) -> int:
-    """Loads the forward's programs issue: the patches (`_patch_passes`), the weights once per
-    pixel block, the output written once."""
-    weight_bytes = p.kh * p.kw * p.cg * p.o * p.w_dtype.itemsize
-    return (_patch_bytes(p) * _patch_passes(p, config)
-            + weight_bytes * pl.cdiv(p.m, config.block_m)
-            + p.m * p.o * p.out_dtype.itemsize)
-
-
 def conv(x: jax.Array, w: jax.Array, p: Problem, *, config: Conv2dConfig | None, precision,
          interpret: bool | str) -> jax.Array:
     """The convolution of a problem that `check` accepted: (N, OH, OW, O) in p.out_dtype."""
@@ -306,7 +223,7 @@ def conv(x: jax.Array, w: jax.Array, p: Problem, *, config: Conv2dConfig | None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         interpret=interpret,
-        cost_estimate=cost_estimate(p, _forward_traffic(p, config)),
+        cost_estimate=cost_estimate(p, forward_traffic(p, config)),
         name="conv2d_depthwise_triton" if p.depthwise else "conv2d_triton",
     )(x.reshape(-1), w.reshape(p.k, p.o))
     return out.reshape(p.n, p.oh, p.ow, p.o)
@@ -369,67 +286,6 @@ def _depthwise_weight_grad_kernel(x_ref, dy_ref, dw_ref, *, p: Problem, config: 
                      acc.sum(axis=0).astype(dw_ref.dtype), mask=cols_valid & (tap < p.k))
 
 
-def _depthwise_weight_grad_config(p: Problem) -> Conv2dConfig:
-    """4 warps; a (block_m, 64) tile that gives each thread one 16-byte vector of input per tap;
-    block_k taps per program, as many as keep their float32 accumulators within ~96 registers
-    per thread (all 9 of a 3x3; a 7x7's 49 in 5 programs), so dY is read once per tap block
-    rather than once per tap."""
-    num_warps, block_n = 4, triton_block(p.o, 64)
-    per_thread = max(1, 16 // p.x_dtype.itemsize)
-    block_m = max(1, per_thread * 32 * num_warps // block_n)
-    max_taps = max(1, 96 // (per_thread * p.accumulator_dtype.itemsize // 4))
-    block_k = pl.cdiv(p.k, pl.cdiv(p.k, max_taps))
-    return Conv2dConfig(block_m, block_n, block_k, None, num_warps, 3)
-
-
-def weight_grad_config(p: Problem) -> Conv2dConfig:
-    """Blocks of the weight gradient: a (block_k, block_n) dW tile of up to 128x128 held in
-    registers (8 warps; 4 for 64x64 and smaller), shrunk until every SM has a tile
-    (`fill_sms`), and a pixel slice per reduction step sized so that the pipelined patch and
-    output-gradient tiles (num_stages of each) stay near 96 KiB of shared memory, inside both
-    A100's and H100's limits: 64 pixels of 16-bit data, 32 of 32-bit, 16 of 64-bit. Depthwise:
-    see `_depthwise_weight_grad_config`."""
-    if p.depthwise:
-        return _depthwise_weight_grad_config(p)
-    itemsize = p.compute_dtype.itemsize
-    block_k, block_n = fill_sms(
-        _default_block_k(p, 64 if itemsize >= 8 else 128),
-        triton_block(p.og, 64 if itemsize >= 8 else 128),
-        lambda rows, cols: math.prod(_weight_grad_grid(p, Conv2dConfig(block_k=rows,
-                                                                        block_n=cols))))
-    block_m = triton_block(p.m, {2: 64, 4: 32, 8: 16}.get(itemsize, 64))
-    num_warps = 8 if block_k * block_n > 64 * 64 else 4
-    return Conv2dConfig(block_m, block_n, block_k, None, num_warps, 3)
-
-
-def _weight_grad_grid(p: Problem, config: Conv2dConfig) -> tuple[int, int, int]:
-    """The grid of one pixel split: (K blocks, output-channel blocks, groups)."""
-    return (num_k_blocks(p, config.block_k), pl.cdiv(_output_channels(p), config.block_n),
-            1 if p.depthwise else p.groups)
-
-
-def weight_grad_split(p: Problem, config: Conv2dConfig) -> Split:
-    """Pixel splits: two waves of programs when the dW tiles alone leave SMs idle, unless
-    the float32 partial dW of each split would cost more than half the traffic of x and dy."""
-    operand_bytes = p.n * p.h * p.w * p.c * p.x_dtype.itemsize + p.m * p.o * p.out_dtype.itemsize
-    return split_reduction(math.prod(_weight_grad_grid(p, config)), pl.cdiv(p.m, config.block_m),
-                           min_steps=MIN_PIPELINED_STEPS,
-                           max_splits=max_splits(operand_bytes, p.k * p.o * 4))
-
-
-def _weight_grad_traffic(p: Problem, config: Conv2dConfig, dy_dtype, dw_dtype,
-                         splits: int) -> int:
-    """Loads the weight gradient's programs issue: the patches (`_patch_passes`), dY once per K
-    block (a depthwise program's block of taps), and dW written once (float32
-    partials per pixel split, which XLA then reads back, when split)."""
-    dw_bytes = p.kh * p.kw * p.cg * p.o
-    written = (dw_bytes * jnp.dtype(dw_dtype).itemsize if splits == 1
-               else 2 * splits * dw_bytes * 4)
-    return (_patch_bytes(p) * _patch_passes(p, config)
-            + p.m * p.o * jnp.dtype(dy_dtype).itemsize * num_k_blocks(p, config.block_k)
-            + written)
-
-
 def weight_grad(x: jax.Array, dy: jax.Array, p: Problem, *, precision, interpret: bool | str,
                 dtype: jnp.dtype) -> jax.Array:
     """dW (KH, KW, C/G, O) in `dtype` of problem `p` from its input and output gradient."""
@@ -441,7 +297,7 @@ def weight_grad(x: jax.Array, dy: jax.Array, p: Problem, *, precision, interpret
     else:
         kernel = functools.partial(_weight_grad_kernel, p=p, config=config, split=split,
                                    precision=precision)
-    rows, cols, groups = _weight_grad_grid(p, config)
+    rows, cols, groups = weight_grad_grid(p, config)
     out_dtype = dtype if split.splits == 1 else jnp.float32
     dw = triton_call(
         kernel,
@@ -450,7 +306,7 @@ def weight_grad(x: jax.Array, dy: jax.Array, p: Problem, *, precision, interpret
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         interpret=interpret,
-        cost_estimate=cost_estimate(p, _weight_grad_traffic(p, config, dy.dtype, dtype,
+        cost_estimate=cost_estimate(p, weight_grad_traffic(p, config, dy.dtype, dtype,
                                                             split.splits)),
         name="conv2d_depthwise_weight_grad_triton" if p.depthwise else "conv2d_weight_grad_triton",
     )(x.reshape(-1), dy.reshape(p.m, p.o))

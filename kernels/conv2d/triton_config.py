@@ -1,0 +1,169 @@
+"""How big the Triton conv2d kernels' blocks are, and what they cost (the kernels themselves
+are in `kernels/conv2d/triton.py`): each launch's config (`resolve_config` for the forward and
+the input gradient's phases, `weight_grad_config` for dW), the checks that decline a problem or
+reject a config, the K blocks of the implicit GEMM (`tap_major`, `num_k_blocks`), the weight
+gradient's pixel splits (`weight_grad_split`), and the loads each launch issues, which its cost
+estimate states (`forward_traffic`, `weight_grad_traffic`)."""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+
+from kernels._blocks import (MIN_PIPELINED_STEPS, MIN_TRITON_DOT, Split, check_triton_config,
+                             fill_sms, max_splits, require_floating, require_int32_offsets,
+                             require_shared_memory, split_reduction, triton_block,
+                             triton_dot_shared_bytes)
+from kernels._pallas import pl
+from kernels.conv2d.common import Conv2dConfig, Problem
+
+__all__ = ["resolve_config", "check", "output_channels", "tap_major", "num_k_blocks",
+           "forward_traffic", "weight_grad_config", "weight_grad_grid", "weight_grad_split",
+           "weight_grad_traffic"]
+
+
+def output_channels(p: Problem) -> int:
+    """Output channels one program's column blocks cover: all of them (depthwise) or a
+    group's."""
+    return p.o if p.depthwise else p.og
+
+
+def resolve_config(p: Problem, config: Conv2dConfig | None) -> Conv2dConfig:
+    """Fills unset fields: power-of-2 blocks >= 16 covering the dims up to a cap (64 for
+    float64, 128 otherwise; K slices of 64 for 16-bit data), the output tile shrunk until
+    every SM has one (`fill_sms`)."""
+    config = config or Conv2dConfig()
+    wide = p.compute_dtype.itemsize >= 8
+    max_mn = 64 if wide else 128
+    max_k = 32 if wide or p.compute_dtype.itemsize >= 4 else 64
+    def pick(value, default):
+        return default if value is None else value
+
+    block_m, block_n = fill_sms(
+        triton_block(p.m, max_mn), triton_block(output_channels(p), max_mn),
+        lambda rows, cols: pl.cdiv(p.m, rows) * pl.cdiv(output_channels(p), cols) * (
+            1 if p.depthwise else p.groups))
+    block_m, block_n = pick(config.block_m, block_m), pick(config.block_n, block_n)
+    block_k = pick(config.block_k, _default_block_k(p, max_k))
+    # The patch gather computes an offset per (pixel, k) element: 128-pixel tiles need 8 warps
+    # to hold it without spilling (4 warps spill on sm_80 and sm_90).
+    num_warps = pick(config.num_warps, 8 if block_m >= 128 or block_n >= 128 else 4)
+    return Conv2dConfig(block_m, block_n, block_k, config.block_rows, num_warps,
+                        pick(config.num_stages, 3))
+
+
+def check(p: Problem, config: Conv2dConfig | None) -> None:
+    """Declines non-float operands and int32-overflowing sizes; rejects bad configs."""
+    require_floating(x=p.x_dtype, w=p.w_dtype)
+    require_int32_offsets(x=p.n * p.h * p.w * p.c, output=p.m * p.o, w=p.k * p.o)
+    config = resolve_config(p, config)
+    check_triton_config(config, ("block_m", "block_n", "block_k"))
+    if not p.depthwise:
+        require_shared_memory(triton_dot_shared_bytes(
+            config.block_m, config.block_n, config.block_k,
+            max(p.x_dtype.itemsize, p.w_dtype.itemsize), config.num_stages))
+
+
+def tap_major(p: Problem) -> bool:
+    """Whether K blocks stay inside one tap: channel runs of 16 or more (32 bytes of 16-bit
+    data) make each block's patch rows contiguous loads. Fewer channels (an RGB stem, small
+    groups) would leave most of a per-tap block as padding, so their blocks span taps."""
+    return p.cg >= MIN_TRITON_DOT
+
+
+def num_k_blocks(p: Problem, block_k: int) -> int:
+    if tap_major(p):
+        return p.kh * p.kw * pl.cdiv(p.cg, block_k)
+    return pl.cdiv(p.k, block_k)
+
+
+def _default_block_k(p: Problem, cap: int) -> int:
+    """The K block: tap-major, the power of 2 in [16, cap] that pads a tap's channels least
+    (ties to the larger); else the power of 2 covering K, up to `cap`."""
+    if not tap_major(p):
+        return triton_block(p.k, cap)
+    candidates = [b for b in (16, 32, 64, 128) if b <= cap]
+    return min(reversed(candidates), key=lambda b: pl.cdiv(p.cg, b) * b)
+
+
+def _patch_bytes(p: Problem) -> int:
+    """Bytes of every output pixel's patch (its taps' input channels): what a pass over the
+    implicit-GEMM operand loads, mostly from L1/L2 where neighbouring patches overlap."""
+    return p.m * p.kh * p.kw * p.c * p.x_dtype.itemsize
+
+
+def _patch_passes(p: Problem, config: Conv2dConfig) -> int:
+    """How often the patches are loaded: once per output-channel block of a group; depthwise,
+    once per output channel of an input channel (the depth multiplier)."""
+    return p.og if p.depthwise else pl.cdiv(p.og, config.block_n)
+
+
+def forward_traffic(p: Problem, config: Conv2dConfig) -> int:
+    """Loads the forward's programs issue: the patches (`_patch_passes`), the weights once per
+    pixel block, the output written once."""
+    weight_bytes = p.kh * p.kw * p.cg * p.o * p.w_dtype.itemsize
+    return (_patch_bytes(p) * _patch_passes(p, config)
+            + weight_bytes * pl.cdiv(p.m, config.block_m)
+            + p.m * p.o * p.out_dtype.itemsize)
+
+
+def _depthwise_weight_grad_config(p: Problem) -> Conv2dConfig:
+    """4 warps; a (block_m, 64) tile that gives each thread one 16-byte vector of input per tap;
+    block_k taps per program, as many as keep their float32 accumulators within ~96 registers
+    per thread (all 9 of a 3x3; a 7x7's 49 in 5 programs), so dY is read once per tap block
+    rather than once per tap."""
+    num_warps, block_n = 4, triton_block(p.o, 64)
+    per_thread = max(1, 16 // p.x_dtype.itemsize)
+    block_m = max(1, per_thread * 32 * num_warps // block_n)
+    max_taps = max(1, 96 // (per_thread * p.accumulator_dtype.itemsize // 4))
+    block_k = pl.cdiv(p.k, pl.cdiv(p.k, max_taps))
+    return Conv2dConfig(block_m, block_n, block_k, None, num_warps, 3)
+
+
+def weight_grad_config(p: Problem) -> Conv2dConfig:
+    """Blocks of the weight gradient: a (block_k, block_n) dW tile of up to 128x128 held in
+    registers (8 warps; 4 for 64x64 and smaller), shrunk until every SM has a tile
+    (`fill_sms`), and a pixel slice per reduction step sized so that the pipelined patch and
+    output-gradient tiles (num_stages of each) stay near 96 KiB of shared memory, inside both
+    A100's and H100's limits: 64 pixels of 16-bit data, 32 of 32-bit, 16 of 64-bit. Depthwise:
+    see `_depthwise_weight_grad_config`."""
+    if p.depthwise:
+        return _depthwise_weight_grad_config(p)
+    itemsize = p.compute_dtype.itemsize
+    block_k, block_n = fill_sms(
+        _default_block_k(p, 64 if itemsize >= 8 else 128),
+        triton_block(p.og, 64 if itemsize >= 8 else 128),
+        lambda rows, cols: math.prod(weight_grad_grid(p, Conv2dConfig(block_k=rows,
+                                                                        block_n=cols))))
+    block_m = triton_block(p.m, {2: 64, 4: 32, 8: 16}.get(itemsize, 64))
+    num_warps = 8 if block_k * block_n > 64 * 64 else 4
+    return Conv2dConfig(block_m, block_n, block_k, None, num_warps, 3)
+
+
+def weight_grad_grid(p: Problem, config: Conv2dConfig) -> tuple[int, int, int]:
+    """The grid of one pixel split: (K blocks, output-channel blocks, groups)."""
+    return (num_k_blocks(p, config.block_k), pl.cdiv(output_channels(p), config.block_n),
+            1 if p.depthwise else p.groups)
+
+
+def weight_grad_split(p: Problem, config: Conv2dConfig) -> Split:
+    """Pixel splits: two waves of programs when the dW tiles alone leave SMs idle, unless
+    the float32 partial dW of each split would cost more than half the traffic of x and dy."""
+    operand_bytes = p.n * p.h * p.w * p.c * p.x_dtype.itemsize + p.m * p.o * p.out_dtype.itemsize
+    return split_reduction(math.prod(weight_grad_grid(p, config)), pl.cdiv(p.m, config.block_m),
+                           min_steps=MIN_PIPELINED_STEPS,
+                           max_splits=max_splits(operand_bytes, p.k * p.o * 4))
+
+
+def weight_grad_traffic(p: Problem, config: Conv2dConfig, dy_dtype, dw_dtype,
+                         splits: int) -> int:
+    """Loads the weight gradient's programs issue: the patches (`_patch_passes`), dY once per K
+    block (a depthwise program's block of taps), and dW written once (float32
+    partials per pixel split, which XLA then reads back, when split)."""
+    dw_bytes = p.kh * p.kw * p.cg * p.o
+    written = (dw_bytes * jnp.dtype(dw_dtype).itemsize if splits == 1
+               else 2 * splits * dw_bytes * 4)
+    return (_patch_bytes(p) * _patch_passes(p, config)
+            + p.m * p.o * jnp.dtype(dy_dtype).itemsize * num_k_blocks(p, config.block_k)
+            + written)
