@@ -1,5 +1,21 @@
 """conv2d as Pallas kernels lowered through Triton (GPU): implicit GEMM.
 
+Each kernel's loop nest, per program (blocks and splits: `triton_config.py`):
+
+    forward, GEMM path:   for kb in range(num_k_blocks):            # (tap, channel slice)
+                              acc += patches[i, kb] @ w[kb, j]      # patches gathered, masked
+                          out[i, j] = acc
+    forward, depthwise:   for tap in range(KH * KW):
+                              acc += x[pixels(i) + tap, channels(j)] * w[tap, j]
+                          out[i, j] = acc
+    dW, GEMM path:        for pb in pixel blocks of split s:
+                              acc += patches[pb, kb]^T @ dy[pb, j]
+                          dw[s, kb, j] = acc                        # partials summed by XLA
+    dW, depthwise:        for pb in pixel blocks of split s:
+                              for tap in taps(kb):                  # unrolled
+                                  acc[tap] += x[pixels(pb) + tap, j] * dy[pb, j]
+                          dw[s, tap, j] = sum over pixels of acc[tap]
+
 The convolution is the GEMM out[M, O] = patches[M, K] @ w[K, O] per group, with M = N·OH·OW
 output pixels and K = KH·KW·C_in/G (taps times input channels, channel fastest). The patch
 matrix is never built in HBM: each program gathers its tile of it straight from the NHWC input
