@@ -109,9 +109,10 @@ def gather(
     safe = jnp.asarray(bounded_indices(indices, n, mode))
     if safe.size == 0:
         return jnp.zeros(x.shape[:axis] + indices.shape + x.shape[axis + 1:], x.dtype)
-    if mode == "wrap" and out_sharding is None:
-        return jnp.take(x, safe, axis=axis, mode="wrap")
-    # wrap's safe indices are already in [0, n): clipping them changes nothing.
-    return x.at[(slice(None),) * axis + (safe,)].get(
-        mode="clip" if mode == "wrap" else mode, fill_value=fill_value,
-        out_sharding=out_sharding)
+    if mode == "wrap":
+        if out_sharding is None:
+            return jnp.take(x, safe, axis=axis, mode="wrap")
+        # jnp.take takes no out_sharding: wrap the indices here, then gather them in range.
+        safe, mode = jnp.remainder(safe, n), "promise_in_bounds"
+    return x.at[(slice(None),) * axis + (safe,)].get(mode=mode, fill_value=fill_value,
+                                                    out_sharding=out_sharding)
