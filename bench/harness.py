@@ -156,15 +156,13 @@ def measure(case: Case, implementations: Sequence[tuple[str, bool | str]],
         except Exception as error:  # noqa: BLE001 - a kernel that fails is a row, not a crash
             if name == "xla":
                 raise
-            rows.append(_failed_row(case, label(name, interpret), error))
+            # Kept in the JSON and the record, so the table never silently drops a kernel.
+            message = f"{type(error).__name__}: {error}".splitlines()[0][:300]
+            rows.append(_row(case, label(name, interpret), "failed", {"error": message}))
             continue
         if name == "xla":
             xla_seconds = seconds
-        rows.append({
-            "op": case.op, "shape": case.shape, "dtype": case.dtype,
-            "flops": case.flops, "bytes": case.bytes,
-            "implementation": label(name, interpret),
-            "kind": "interpreted" if interpret else "speed",
+        rows.append(_row(case, label(name, interpret), "interpreted" if interpret else "speed", {
             "median_ms": seconds * 1e3,
             # Interpreted rows are correctness rows, and a part does not do the op's work:
             # throughput, error and roofline figures would mislead there.
@@ -174,26 +172,24 @@ def measure(case: Case, implementations: Sequence[tuple[str, bool | str]],
             else case.flops / seconds / 1e12,
             "max_rel_err": None if part else max_relative_error(fn(*case.args), case.expected),
             **{f"floor_{d}_us": None if part else roofline_floor_us(case, d) for d in DEVICES},
-        })
+        }))
     for row in rows:
-        if "error" in row:
-            continue
         # On an interpreted row the ratio is what a model author testing on a CPU pays for
         # running the kernel's code instead of XLA (the goal: within 20x with the default
         # interpreter, at model-test sizes), not a speed figure of the kernel.
-        row["vs_xla"] = (row["median_ms"] / (xla_seconds * 1e3)
-                         if xla_seconds and row["implementation"] not in case.parts else None)
+        if row["median_ms"] is not None and xla_seconds and row["implementation"] not in case.parts:
+            row["vs_xla"] = row["median_ms"] / (xla_seconds * 1e3)
     return rows
 
 
-def _failed_row(case: Case, implementation: str, error: Exception) -> dict:
-    """A row for an implementation that failed to compile or run here: every figure '-', the
-    error kept (in the JSON and the record) so the table never silently drops a kernel."""
-    message = f"{type(error).__name__}: {error}".splitlines()[0][:300]
+def _row(case: Case, implementation: str, kind: str, figures: dict) -> dict:
+    """One row: the case, the implementation and its kind ("speed", "interpreted" or
+    "failed"), then `figures`; a figure not given is None ('-' in the table)."""
+    empty = {"median_ms": None, "GB/s": None, "TFLOP/s": None, "max_rel_err": None,
+             **{f"floor_{d}_us": None for d in DEVICES}, "vs_xla": None}
     return {"op": case.op, "shape": case.shape, "dtype": case.dtype, "flops": case.flops,
-            "bytes": case.bytes, "implementation": implementation, "kind": "failed",
-            "median_ms": None, "GB/s": None, "TFLOP/s": None, "max_rel_err": None,
-            **{f"floor_{d}_us": None for d in DEVICES}, "vs_xla": None, "error": message}
+            "bytes": case.bytes, "implementation": implementation, "kind": kind,
+            **empty, **figures}
 
 
 # (column, format, width): fixed widths, so each row prints as soon as it is measured.

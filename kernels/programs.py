@@ -41,9 +41,9 @@ from jax.sharding import AxisType, Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import kernels  # noqa: E402
-from kernels import _dispatch, _targets, defaults  # noqa: E402
+from kernels import _dispatch, _targets  # noqa: E402
 from kernels._pallas import MOSAIC_CALL_MARKER, TRITON_CALL_MARKER  # noqa: E402
-from kernels.compile import first_line  # noqa: E402
+from kernels.compile import first_line, implementation_for  # noqa: E402
 
 __all__ = ["ProgramReport", "Program", "PROGRAMS", "MESHES", "devices", "compile_program",
            "expects_kernels", "collectives"]
@@ -252,10 +252,6 @@ def expects_kernels(program: Program, target: str, mesh_kind: str,
     return not (implementation == "mosaic" and mesh_kind == "auto")
 
 
-def kernel_for(target: str) -> str:
-    return defaults.KERNEL_OF_PLATFORM[_targets.TARGETS[target].platform]
-
-
 def compile_ops(target: str, count: int = 4, meshes: Sequence[str] = MESHES,
                 implementations: Sequence[str | None] = (None,),
                 programs: Sequence[str] | None = None) -> list[ProgramReport]:
@@ -267,7 +263,7 @@ def compile_ops(target: str, count: int = 4, meshes: Sequence[str] = MESHES,
         for name in programs or PROGRAMS:
             program = PROGRAMS[name]
             for implementation in implementations:
-                chosen = kernel_for(target) if implementation == "kernel" else implementation
+                chosen = implementation_for(target) if implementation == "kernel" else implementation
                 reports.append(compile_program(
                     name, program.function(chosen), program.args(mesh, kind == "one"), mesh,
                     target=target, mesh_kind=kind, implementation=str(chosen)))

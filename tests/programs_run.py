@@ -31,6 +31,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from kernels import programs  # noqa: E402
+from kernels.compile import implementation_for  # noqa: E402
 
 
 def _digits_step(implementation, mesh):
@@ -78,7 +79,7 @@ def _sharded_training_step(implementation, mesh):
 def models(target: str) -> list[programs.ProgramReport]:
     count = 8 if target.startswith("sm_") else 4
     reports = []
-    for implementation in (None, programs.kernel_for(target)):
+    for implementation in (None, implementation_for(target)):
         for name, make, kinds in (("train_digits", _digits_step, ("auto",)),
                                   ("sharded_training", _sharded_training_step,
                                    ("auto", "explicit"))):

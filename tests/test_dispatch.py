@@ -11,7 +11,7 @@ import pytest
 
 from kernels import _dispatch, defaults
 from kernels.matmul import matmul
-from tests.support import x64
+from tests.support import MARKER, x64
 
 
 def test_default_on_this_cpu_is_xla(monkeypatch):
@@ -324,10 +324,10 @@ def test_export_for_a_platform_this_host_lacks(platform):
     mesh = AbstractMesh((4,), ("data",), axis_types=(AxisType.Explicit,),
                         abstract_device=_targets.abstract_device(target))
     x = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16, sharding=NamedSharding(mesh, P("data")))
-    marker = _pallas.TRITON_CALL_MARKER if platform == "cuda" else _pallas.MOSAIC_CALL_MARKER
+    kernel = defaults.KERNEL_OF_PLATFORM[target.platform]
+    marker = MARKER[kernel]
     # jax.export refuses custom calls without compatibility guarantees unless told (Triton's).
     checks = [jax.export.DisabledSafetyCheck.custom_call(marker)] if platform == "cuda" else []
-    kernel = "triton" if platform == "cuda" else "mosaic"
     default_is_kernel = defaults.default("layer_norm", platform)[0] == kernel
     for implementation, kernels_expected in ((None, 2 * default_is_kernel), (kernel, 2)):
         fn = jax.jit(jax.grad(lambda x, i=implementation: jnp.sum(

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from kernels import programs
+from kernels.compile import implementation_for
 
 HERE = Path(__file__).parent
 TARGETS = ("sm_90", "sm_80", "v5e", "v6e", "v4")
@@ -76,9 +77,9 @@ def test_example_training_steps_compile(target):
     reports = _reports("models", target)
     assert {(r["program"], r["mesh"], r["implementation"]) for r in reports} == {
         ("train_digits", "auto", "None"), ("sharded_training", "auto", "None"),
-        ("train_digits", "auto", programs.kernel_for(target)),
-        ("sharded_training", "auto", programs.kernel_for(target)),
-        ("sharded_training", "explicit", programs.kernel_for(target))}
+        ("train_digits", "auto", implementation_for(target)),
+        ("sharded_training", "auto", implementation_for(target)),
+        ("sharded_training", "explicit", implementation_for(target))}
     for r in reports:
         where = f"{r['program']} on {r['devices']} {target} ({r['mesh']}, {r['implementation']})"
         if r["implementation"] == "mosaic" and r["mesh"] == "auto":

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from kernels import defaults
 from kernels._targets import TARGETS, Target
 from kernels.compile.launches import pallas_calls
 from kernels.compile.mosaic import mosaic_report
@@ -33,5 +34,5 @@ def report(eqn, target: Target, timeout_s: float | None = DEFAULT_TIMEOUT_S) -> 
 
 
 def implementation_for(target: str) -> str:
-    """The implementation whose kernels run on `target`."""
-    return "triton" if TARGETS[target].platform == "gpu" else "mosaic"
+    """The implementation whose kernels run on `target` (a key of `TARGETS`)."""
+    return defaults.KERNEL_OF_PLATFORM[TARGETS[target].platform]
