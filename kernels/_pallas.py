@@ -38,13 +38,20 @@ TRITON_CALL_MARKER = "__gpu$xla.gpu.triton"
 MOSAIC_CALL_MARKER = "tpu_custom_call"
 
 
-# Whether the interpreted Triton kernel being traced has so few programs that its tiles are
-# best read and written as slices (set by `triton_call` around the kernel's trace).
-_SLICED_TILES: contextvars.ContextVar[bool] = contextvars.ContextVar("sliced_tiles",
-                                                                    default=False)
+# How the Triton kernel being traced reaches its tiles (set by `triton_call` around the trace):
+# "pointers" compiled (as written), else interpreted as "slices" (a kernel with so few
+# programs that its tiles are best read and written as slices) or "index_arrays".
+_TILE_ACCESS: contextvars.ContextVar[str] = contextvars.ContextVar("tile_access",
+                                                                  default="pointers")
 # Up to this many tile visits (programs times the tiles each walks) an interpreted kernel
 # accesses its tiles as slices.
 _SLICED_VISITS = 4
+
+
+def _tile_access(interpret: bool | str, tile_visits: int) -> str:
+    if not interpret:
+        return "pointers"
+    return "slices" if tile_visits <= _SLICED_VISITS else "index_arrays"
 
 
 def _as_index_arrays(ref: Any) -> Any:
@@ -59,7 +66,7 @@ def _as_index_arrays(ref: Any) -> Any:
     few tiles in all (the fast interpreter's schedule, `_targets.INTERPRETER`, at its best:
     one program over whole arrays) keeps its slices: O(array) a few times, at a copy's speed.
     """
-    if _SLICED_TILES.get():
+    if _TILE_ACCESS.get() != "index_arrays":
         return ref
     if not isinstance(ref, state_types.TransformedRef) or len(ref.transforms) != 1:
         return ref
@@ -81,15 +88,37 @@ def _as_index_arrays(ref: Any) -> Any:
     return ref.ref.at[tuple(indices)]
 
 
+def _masked_lanes_dropped(ref: Any, mask: jax.Array) -> Any:
+    """An interpreted store's `ref.at[int arrays]` with each masked-off lane's first index
+    moved past the array's end, where the interpreter's scatter drops it: the same writes as
+    the mask, without the gather of the old values and the select that a masked store
+    interprets as. None where `ref` is not indexed by int arrays on every dim."""
+    if not isinstance(ref, state_types.TransformedRef) or len(ref.transforms) != 1:
+        return None
+    (indexer,) = ref.transforms
+    if not isinstance(indexer, state_indexing.NDIndexer) or any(
+            isinstance(i, state_indexing.Slice) for i in indexer.indices):
+        return None
+    first, *rest = indexer.indices
+    shape = jnp.broadcast_shapes(*(jnp.shape(i) for i in indexer.indices), jnp.shape(mask))
+    first = jnp.where(mask, jnp.broadcast_to(first, shape), ref.ref.shape[0])
+    return ref.ref.at[(first, *rest)]
+
+
 def triton_load(ref: Any, **kwargs: Any) -> jax.Array:
     """`plt.load` of a tile (see `_as_index_arrays`)."""
     return plt.load(_as_index_arrays(ref), **kwargs)
 
 
-def triton_store(ref: Any, value: jax.Array, **kwargs: Any) -> None:
-    """`plt.store` of a tile (see `_as_index_arrays`), converted to the ref's dtype as Triton's
-    store converts to the pointer's element type."""
-    plt.store(_as_index_arrays(ref), value.astype(ref.dtype), **kwargs)
+def triton_store(ref: Any, value: jax.Array, *, mask: jax.Array | None = None) -> None:
+    """`plt.store` of a tile (see `_as_index_arrays` and `_masked_lanes_dropped`), converted
+    to the ref's dtype as Triton's store converts to the pointer's element type."""
+    ref, value = _as_index_arrays(ref), value.astype(ref.dtype)
+    if mask is not None and _TILE_ACCESS.get() == "index_arrays":
+        dropping = _masked_lanes_dropped(ref, mask)
+        if dropping is not None:
+            ref, mask = dropping, None
+    plt.store(ref, value, mask=mask)
 
 
 def mosaic_precision(precision: Any) -> Any:
@@ -162,8 +191,7 @@ def triton_call(
     def call(*args):
         shapes = _varying_like(out_shape, args)
         widen = interpret and _NARROW_CARRIES_CONVERT
-        sliced = _SLICED_TILES.set(
-            bool(interpret) and math.prod(grid) * steps_per_program <= _SLICED_VISITS)
+        access = _TILE_ACCESS.set(_tile_access(interpret, math.prod(grid) * steps_per_program))
         try:
             outs = pl.pallas_call(
                 kernel,
@@ -176,7 +204,7 @@ def triton_call(
                 name=name,
             )(*args)
         finally:
-            _SLICED_TILES.reset(sliced)
+            _TILE_ACCESS.reset(access)
         return jax.tree.map(lambda out, shape: out.astype(shape.dtype), outs, shapes)
 
     return call

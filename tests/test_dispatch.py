@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import jax
@@ -149,6 +150,37 @@ def test_interpreted_triton_kernel_updates_16_bit_outputs_in_place(dtype):
         converts = [line for line in text.splitlines()
                     if " convert(" in line and whole_output in line.split("=")[1].split(" ")[1]]
         assert not converts, (name, converts[:2])
+
+def _store_twice_kernel(x_ref, out_ref, *, rows: int):
+    """Writes x + 1 to its (4, 8) tile, then x + 2 on a checkerboard: both stores masked to
+    the array's rows (the last tile passes the edge)."""
+    from kernels._pallas import pl, triton_load, triton_store
+
+    tile_rows = pl.program_id(0) * 4 + jnp.arange(4)
+    in_array = (tile_rows < rows)[:, None]
+    checkerboard = (tile_rows[:, None] + jnp.arange(8)[None, :]) % 2 == 0
+    tile = out_ref.at[pl.ds(pl.program_id(0) * 4, 4), pl.ds(0, 8)]
+    x = triton_load(x_ref.at[pl.ds(pl.program_id(0) * 4, 4), pl.ds(0, 8)], mask=in_array,
+                    other=0.0)
+    triton_store(tile, x + 1, mask=in_array)
+    triton_store(tile, x + 2, mask=in_array & checkerboard)
+
+
+@pytest.mark.parametrize("interpret", [True, "strict"])
+def test_interpreted_triton_store_writes_only_its_unmasked_lanes(interpret):
+    """Eight programs: the interpreter reaches their tiles by int arrays and drops a masked
+    lane's write by moving it past the array (kernels._pallas._masked_lanes_dropped), not by a
+    gather and a select; a lane masked off inside the array must keep what it held."""
+    from kernels._pallas import triton_call
+
+    x = jnp.arange(30 * 8, dtype=jnp.float32).reshape(30, 8)
+    out = triton_call(functools.partial(_store_twice_kernel, rows=30),
+                      out_shape=jax.ShapeDtypeStruct((30, 8), jnp.float32), grid=(8,),
+                      num_warps=1, num_stages=1, interpret=interpret)(x)
+    rows, columns = np.indices((30, 8))
+    expected = np.where((rows + columns) % 2 == 0, np.asarray(x) + 2, np.asarray(x) + 1)
+    np.testing.assert_array_equal(out, expected)
+
 
 def test_environment_variable_replaces_the_default(monkeypatch):
     monkeypatch.setenv(_dispatch.ENV_VAR, "mosaic, xla")
