@@ -31,19 +31,16 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-# Compile-only GPUs on a machine without a driver (kernels.compile sets libtpu's variables).
-os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import AxisType, Mesh, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-import kernels  # noqa: E402
-from kernels import _dispatch, _targets  # noqa: E402
-from kernels._pallas import MOSAIC_CALL_MARKER, TRITON_CALL_MARKER  # noqa: E402
-from kernels.compile import first_line, implementation_for  # noqa: E402
+import kernels
+from kernels import _dispatch, _targets
+from kernels._pallas import MOSAIC_CALL_MARKER, TRITON_CALL_MARKER
+from kernels.compile import first_line, implementation_for
 
 __all__ = ["ProgramReport", "Program", "PROGRAMS", "MESHES", "devices", "compile_program",
            "expects_kernels", "collectives"]
@@ -89,9 +86,15 @@ def devices(target_name: str, count: int) -> tuple[Any, ...]:
     target = _targets.TARGETS[target_name]
     if target.platform == "gpu":
         _ptxas_on_path()
-        topology = topologies.get_topology_desc(
-            platform="cuda", topology=f"1x1x{count}",
-            target_config=_targets.gpu_target_config(target))
+        try:
+            topology = topologies.get_topology_desc(
+                platform="cuda", topology=f"1x1x{count}",
+                target_config=_targets.gpu_target_config(target))
+        except NotImplementedError as error:
+            raise RuntimeError(
+                f"no compile-only {target_name} devices: XLA's GPU compiler needs "
+                "jax[cuda12-local] installed and kernels.compile.use_compile_only_devices() "
+                "called before jax starts its backends") from error
     else:
         name, per_host = _TPU_TOPOLOGIES[(target_name, count)]
         extra = {k: v for k, v in target.topology if k != "topology_name"}

@@ -31,7 +31,9 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from kernels import programs  # noqa: E402
-from kernels.compile import implementation_for  # noqa: E402
+from kernels.compile import implementation_for, use_compile_only_devices  # noqa: E402
+
+use_compile_only_devices()
 
 
 def _digits_step(implementation, mesh):

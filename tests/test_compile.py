@@ -5,6 +5,8 @@ ones (`kernels.compile.CASES`). Oversized configs are declined before compiling.
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -165,6 +167,26 @@ def _huge_block_kernel(x_ref, o_ref):
 
 
 @pytest.mark.timeout(TIMEOUT_S)
+def test_compile_only_environment_is_set_by_entry_points_not_on_import(monkeypatch):
+    """Importing kernels.compile changes no variable; use_compile_only_devices() sets them,
+    and once jax has started (too late for them to take effect) names the one missing."""
+    import subprocess
+    import sys
+
+    from kernels.compile.environment import COMPILE_ONLY_VARIABLES, use_compile_only_devices
+
+    clean = {k: v for k, v in os.environ.items() if k not in COMPILE_ONLY_VARIABLES}
+    script = ("import os, kernels.compile, kernels.programs; "
+              f"print(sorted(set({sorted(COMPILE_ONLY_VARIABLES)}) & set(os.environ)))")
+    out = subprocess.run([sys.executable, "-c", script], env=clean, capture_output=True,
+                         text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "[]"
+    jax.devices()
+    monkeypatch.delenv("ALLOW_MULTIPLE_LIBTPU_LOAD")
+    with pytest.raises(RuntimeError, match="ALLOW_MULTIPLE_LIBTPU_LOAD would take no effect"):
+        use_compile_only_devices()
+
+
 def test_a_compiler_error_names_the_kernel_the_target_and_the_diagnostic():
     x = jax.ShapeDtypeStruct((8192, 4096), jnp.float32)  # one 128 MiB block, double-buffered
 

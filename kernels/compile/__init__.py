@@ -11,6 +11,8 @@ This package runs the real back ends, which work without the hardware, one modul
 - `report`: the verdict (`KernelReport`) and what both back ends share to reach it;
 - `api`: the entry points (`compile_kernels`, `report`);
 - `cases`: the shapes every kernel is compiled at (`CASES`);
+- `environment`: the variables the compilers need before jax starts (`use_compile_only_devices`,
+  which every entry point calls first; importing the package sets nothing);
 - `__main__`: the command line.
 
 Each kernel of the function is compiled alone, so a verdict names one kernel. Both back ends
@@ -28,21 +30,15 @@ line, kernel calls, collectives. That also needs `jax[cuda12-local]` (XLA's GPU 
 
 from __future__ import annotations
 
-import os
-
-# libtpu on a machine without a TPU: skip the cloud metadata query, and let several processes
-# (pytest-xdist workers) load the library at once. Set before anything here can load libtpu.
-os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-
-from kernels.compile.cases import CASES, Case  # noqa: E402
-from kernels.compile.launches import (distinct, find_pallas_calls, launch_key,  # noqa: E402
+from kernels.compile.cases import CASES, Case
+from kernels.compile.environment import use_compile_only_devices
+from kernels.compile.launches import (distinct, find_pallas_calls, launch_key,
                                       launches, pallas_calls)
-from kernels.compile.mosaic import planned_vmem  # noqa: E402
-from kernels.compile.api import compile_kernels, implementation_for, report  # noqa: E402
-from kernels.compile.report import (DEFAULT_TIMEOUT_S, KernelReport, first_line,  # noqa: E402
+from kernels.compile.mosaic import planned_vmem
+from kernels.compile.api import compile_kernels, implementation_for, report
+from kernels.compile.report import (DEFAULT_TIMEOUT_S, KernelReport, first_line,
                                     resources)
 
 __all__ = ["KernelReport", "compile_kernels", "report", "resources", "launches", "pallas_calls",
            "distinct", "launch_key", "find_pallas_calls", "first_line", "implementation_for",
-           "planned_vmem", "CASES", "Case", "DEFAULT_TIMEOUT_S"]
+           "planned_vmem", "CASES", "Case", "DEFAULT_TIMEOUT_S", "use_compile_only_devices"]

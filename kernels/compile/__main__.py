@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--implementations", default="default,kernel",
                         help="--programs: comma-separated: default, kernel, xla, triton, mosaic")
     args = parser.parse_args(argv)
+    package.use_compile_only_devices()
     ops, targets = args.ops.split(","), args.targets.split(",")
     for name, chosen, known in (("ops", ops, CASES), ("targets", targets, TARGETS)):
         unknown = [x for x in chosen if x not in known]
