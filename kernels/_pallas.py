@@ -250,7 +250,8 @@ def mosaic_call(
     def build(semantics: tuple[str, ...]) -> Callable[..., Any]:
         def call(*args):
             outs = _varying_like(out_shape, args)
-            moved = pipelined_bytes(grid_spec, args, jax.tree.leaves(outs))
+            moved = pipelined_bytes(grid_spec, args,
+                                    outs if isinstance(outs, (list, tuple)) else [outs])
             return pl.pallas_call(
                 kernel,
                 out_shape=outs,

@@ -72,7 +72,8 @@ def _spec_bytes(spec: Any, aval: Any, grid: tuple[int, ...],
 def pipelined_bytes(grid_spec: Any, args: Sequence[Any], outs: Sequence[Any]) -> int:
     """HBM bytes the BlockSpec pipeline of a Mosaic kernel moves: walking the grid in order, a
     block is copied in (or written back) only at the steps where its index changes. Operands
-    left in HBM or SMEM (manual DMAs) are not counted: the kernel states those itself."""
+    left in HBM or SMEM (manual DMAs) are not counted: the kernel states those itself; nor are
+    absent ones (None operands and outputs, which the kernel gets as None refs)."""
     grid = tuple(grid_spec.grid)
     num_prefetch = getattr(grid_spec, "num_scalar_prefetch", 0)
     prefetch = [np.zeros(a.shape, a.dtype) for a in args[:num_prefetch]]
@@ -82,6 +83,6 @@ def pipelined_bytes(grid_spec: Any, args: Sequence[Any], outs: Sequence[Any]) ->
     total = 0
     for spec, aval in zip([*grid_spec.in_specs, *out_specs], [*args[num_prefetch:], *outs]):
         space = str(getattr(spec, "memory_space", None)).lower()
-        if not any(name in space for name in ("any", "hbm", "smem")):
+        if aval is not None and not any(name in space for name in ("any", "hbm", "smem")):
             total += _spec_bytes(spec, aval, grid, prefetch)
     return total

@@ -294,20 +294,3 @@ def check_dtype(p: Problem, allowed: tuple) -> None:
             raise NotImplementedError("float64 is not supported on TPU")
         raise NotImplementedError(f"x has dtype {name}; the kernel takes "
                                   f"{', '.join(jnp.dtype(d).name for d in allowed)}")
-
-
-def unpack_refs(refs, has_scale: bool, has_offset: bool):
-    """Splits `refs` into (x, scale or None, offset or None, [the remaining refs])."""
-    x_ref, rest = refs[0], list(refs[1:])
-    scale_ref = rest.pop(0) if has_scale else None
-    offset_ref = rest.pop(0) if has_offset else None
-    return x_ref, scale_ref, offset_ref, rest
-
-
-def unpack_backward_refs(refs, stat_cotangents: bool):
-    """Splits a backward kernel's `refs` after x and scale into (mean, rstd, gy, gmean or
-    None, grstd or None, [the remaining refs]): the statistics' cotangents are passed only
-    when they are not zero (second-order gradients)."""
-    mean_ref, rstd_ref, gy_ref, *rest = refs
-    gmean_ref, grstd_ref = (rest.pop(0), rest.pop(0)) if stat_cotangents else (None, None)
-    return mean_ref, rstd_ref, gy_ref, gmean_ref, grstd_ref, rest

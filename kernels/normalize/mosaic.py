@@ -45,7 +45,7 @@ from kernels import _targets
 from kernels._blocks import LANES, sublanes, tile_limit
 from kernels._pallas import mosaic_call, pl, pltpu
 from kernels.normalize import common
-from kernels.normalize.common import NormalizeConfig, Problem, unpack_refs
+from kernels.normalize.common import NormalizeConfig, Problem
 
 _DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
 _MAX_BLOCK_REDUCED = 16384
@@ -237,9 +237,10 @@ def _zero_invalid(x: jax.Array, valid: jax.Array | None) -> jax.Array:
     return x if valid is None else jnp.where(valid, x, jnp.zeros_like(x))
 
 
-def _forward_kernel(*refs, p: Problem, s: _Schedule):
-    x_ref, scale_ref, offset_ref, rest = unpack_refs(refs, p.has_scale, p.has_offset)
-    y_ref, mean_ref, rstd_ref, *scratch = rest
+def _forward_kernel(x_ref, scale_ref, offset_ref, y_ref, mean_ref, rstd_ref, *moment_refs,
+                    p: Problem, s: _Schedule):
+    """scale/offset: None refs when absent; `moment_refs`: the (count, mean, M2) accumulators
+    of a two-phase schedule, none with one phase."""
     dtype = p.stat_dtype
     x = x_ref[...].astype(dtype)
     valid = s.reduced_valid(x.shape)
@@ -260,7 +261,7 @@ def _forward_kernel(*refs, p: Problem, s: _Schedule):
     if s.phases == 1:
         write(*common.mean_and_rstd(moments(), p))
         return
-    count_ref, mean_acc, m2_ref = scratch
+    count_ref, mean_acc, m2_ref = moment_refs
     phase, chunk = pl.program_id(2), pl.program_id(3)
 
     @pl.when((phase == 0) & (chunk == 0))
@@ -284,13 +285,13 @@ def forward(x: jax.Array, scale: jax.Array | None, offset: jax.Array | None, p: 
     s = _Schedule(p, resolve_config(p, config))
     stats = jax.ShapeDtypeStruct(s.kernel_stats_shape(), p.stat_dtype)
     stats_block = s._orient(s.block_groups, 1)
-    in_specs = [s.tile_spec()] + [s.param_spec()] * (p.has_scale + p.has_offset)
+    in_specs = [s.tile_spec(), s.param_spec() if p.has_scale else None,
+                s.param_spec() if p.has_offset else None]
     scratch = [pltpu.VMEM(stats_block, p.stat_dtype)] * 3 if s.phases == 2 else []
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=0, grid=s.grid, in_specs=in_specs,
         out_specs=[s.tile_spec(written=True), s.stats_spec(), s.stats_spec()],
         scratch_shapes=scratch)
-    args = [a for a in (x, scale, offset) if a is not None]
     y, mean, rstd = mosaic_call(
         functools.partial(_forward_kernel, p=p, s=s),
         out_shape=(jax.ShapeDtypeStruct(p.view_shape, p.dtype), stats, stats),
@@ -300,16 +301,14 @@ def forward(x: jax.Array, scale: jax.Array | None, offset: jax.Array | None, p: 
         flops=common.forward_flops_and_bytes(p)[0],
         transcendentals=p.outer * p.groups,
         name="normalize_forward_mosaic",
-    )(*args)
+    )(x, scale, offset)
     return y, s.from_kernel_stats(mean), s.from_kernel_stats(rstd)
 
 
-def _backward_kernel(*refs, p: Problem, s: _Schedule, stat_cotangents: bool):
-    x_ref, scale_ref, _, rest = unpack_refs(refs, p.has_scale, False)
-    mean_ref, rstd_ref, gy_ref, gmean_ref, grstd_ref, (dx_ref, *rest) = (
-        common.unpack_backward_refs(rest, stat_cotangents))
-    dscale_ref = rest.pop(0) if p.has_scale else None
-    doffset_ref = rest.pop(0) if p.has_offset else None
+def _backward_kernel(x_ref, scale_ref, mean_ref, rstd_ref, gy_ref, gmean_ref, grstd_ref, dx_ref,
+                     dscale_ref, doffset_ref, *sum_refs, p: Problem, s: _Schedule):
+    """gmean/grstd: None refs unless a second-order gradient; dscale/doffset: None without
+    parameters; `sum_refs`: the per-group sums accumulated by a two-phase schedule."""
     dtype = p.stat_dtype
     mean, rstd = s.load_stats(mean_ref), s.load_stats(rstd_ref)
     valid = s.reduced_valid(x_ref.shape)
@@ -339,7 +338,7 @@ def _backward_kernel(*refs, p: Problem, s: _Schedule, stat_cotangents: bool):
     if s.phases == 1:
         write(sums())
         return
-    gs_ref, gs_xhat_ref = rest
+    gs_ref, gs_xhat_ref = sum_refs
     phase, chunk = pl.program_id(2), pl.program_id(3)
 
     @pl.when((phase == 0) & (chunk == 0))
@@ -366,27 +365,24 @@ def backward(x, scale, mean, rstd, gy, gmean, grstd, p: Problem, *,
     partial = jax.ShapeDtypeStruct(partial_shape, p.stat_dtype)
     stats_block = s._orient(s.block_groups, 1)
     stat_cotangents = gmean is not None
-    in_specs = ([s.tile_spec()] + [s.param_spec()] * p.has_scale
-                + [s.stats_spec(), s.stats_spec(), s.tile_spec()]
-                + [s.stats_spec()] * (2 * stat_cotangents))
-    num_params = p.has_scale + p.has_offset
+    cotangent_spec = s.stats_spec() if stat_cotangents else None
+    in_specs = [s.tile_spec(), s.param_spec() if p.has_scale else None, s.stats_spec(),
+                s.stats_spec(), s.tile_spec(), cotangent_spec, cotangent_spec]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=0, grid=s.grid, in_specs=in_specs,
-        out_specs=[s.tile_spec(written=True)] + [s.partial_spec()] * num_params,
+        out_specs=[s.tile_spec(written=True), s.partial_spec() if p.has_scale else None,
+                   s.partial_spec() if p.has_offset else None],
         scratch_shapes=[pltpu.VMEM(stats_block, p.stat_dtype)] * 2 if s.phases == 2 else [])
     mean, rstd, gmean, grstd = map(s.to_kernel_stats, (mean, rstd, gmean, grstd))
-    args = [a for a in (x, scale, mean, rstd, gy, gmean, grstd) if a is not None]
-    outs = list(mosaic_call(
-        functools.partial(_backward_kernel, p=p, s=s, stat_cotangents=stat_cotangents),
-        out_shape=tuple([jax.ShapeDtypeStruct(p.view_shape, p.dtype)] + [partial] * num_params),
+    dx, dscale, doffset = mosaic_call(
+        functools.partial(_backward_kernel, p=p, s=s),
+        out_shape=(jax.ShapeDtypeStruct(p.view_shape, p.dtype),
+                   partial if p.has_scale else None, partial if p.has_offset else None),
         grid_spec=grid_spec,
         dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary"),
         interpret=interpret,
         flops=common.backward_flops_and_bytes(p, num_partials, stat_cotangents)[0],
         transcendentals=p.outer * p.groups,
         name="normalize_backward_mosaic",
-    )(*args))
-    dx = outs.pop(0)
-    dscale = jnp.sum(outs.pop(0), axis=0) if p.has_scale else None
-    doffset = jnp.sum(outs.pop(0), axis=0) if p.has_offset else None
-    return dx, dscale, doffset
+    )(x, scale, mean, rstd, gy, gmean, grstd)
+    return dx, *(None if d is None else jnp.sum(d, axis=0) for d in (dscale, doffset))

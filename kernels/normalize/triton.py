@@ -59,7 +59,7 @@ from kernels._blocks import (Split, check_triton_config, int32_loop, is_positive
                              is_power_of_2, next_power_of_2, split_reduction, tile_limit)
 from kernels._pallas import pl, triton_call, triton_load, triton_store
 from kernels.normalize import common
-from kernels.normalize.common import NormalizeConfig, Problem, unpack_refs
+from kernels.normalize.common import NormalizeConfig, Problem
 
 _DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
 _MAX_TILE = 4096  # elements per tile (per input): what 4-8 warps hold in registers comfortably.
@@ -229,9 +229,8 @@ def _write_y(tiles: _Tiles, refs, outer, chunk, x, mean, rstd, p: Problem) -> No
                                                    scale, offset))
 
 
-def _forward_kernel(*refs, p: Problem, config: NormalizeConfig, s: Schedule):
-    x_ref, scale_ref, offset_ref, (y_ref, mean_ref, rstd_ref) = unpack_refs(
-        refs, p.has_scale, p.has_offset)
+def _forward_kernel(x_ref, scale_ref, offset_ref, y_ref, mean_ref, rstd_ref, *, p: Problem,
+                    config: NormalizeConfig, s: Schedule):
     outer = pl.program_id(0)
     tiles = _Tiles(p, config, pl.program_id(1))
     write = functools.partial(_write_y, tiles, (scale_ref, offset_ref, y_ref), outer, p=p)
@@ -263,9 +262,8 @@ def _moments_kernel(x_ref, means_ref, m2s_ref, *, p: Problem, config: NormalizeC
     tiles.store_stats(m2s_ref, outer, moments.m2, split)
 
 
-def _normalize_kernel(*refs, p: Problem, config: NormalizeConfig):
-    x_ref, scale_ref, offset_ref, (mean_ref, rstd_ref, y_ref) = unpack_refs(
-        refs, p.has_scale, p.has_offset)
+def _normalize_kernel(x_ref, scale_ref, offset_ref, mean_ref, rstd_ref, y_ref, *, p: Problem,
+                      config: NormalizeConfig):
     outer, chunk = pl.program_id(0), pl.program_id(2)
     tiles = _Tiles(p, config, pl.program_id(1))
     _write_y(tiles, (scale_ref, offset_ref, y_ref), outer, chunk,
@@ -313,12 +311,11 @@ def forward(x: jax.Array, scale: jax.Array | None, offset: jax.Array | None, p: 
     s = schedule(p, config)
     stats = jax.ShapeDtypeStruct(p.stats_shape, p.stat_dtype)
     y = jax.ShapeDtypeStruct(p.view_shape, p.dtype)
-    params = [a for a in (scale, offset) if a is not None]
     cost = common.forward_flops_and_bytes(p)
     if s.splits == 1:
         return _call(functools.partial(_forward_kernel, p=p, config=config, s=s), p, config,
                      (p.outer, s.num_blocks), (y, stats, stats), cost,
-                     "normalize_forward_triton", interpret, s.num_chunks)(x, *params)
+                     "normalize_forward_triton", interpret, s.num_chunks)(x, scale, offset)
     means, m2s = _call(functools.partial(_moments_kernel, p=p, config=config, s=s), p, config,
                        (p.outer, s.num_blocks, s.splits), (_split_shape(p, s),) * 2,
                        _reads(p, 1, 4, s), "normalize_moments_triton", interpret,
@@ -327,7 +324,7 @@ def forward(x: jax.Array, scale: jax.Array | None, offset: jax.Array | None, p: 
     mean, rstd = common.mean_and_rstd(common.merge_split_moments(means, m2s, counts, p), p)
     y = _call(functools.partial(_normalize_kernel, p=p, config=config), p, config,
               (p.outer, s.num_blocks, s.num_chunks), y, cost, "normalize_forward_triton",
-              interpret)(x, *params, mean, rstd)
+              interpret)(x, scale, offset, mean, rstd)
     return y, mean, rstd
 
 
@@ -341,9 +338,8 @@ def _gradient_inputs(tiles: _Tiles, refs, outer, chunk, mean, rstd, p: Problem):
     return g, gs, common.normalized(x, mean, rstd, p)
 
 
-def _sums_kernel(*refs, p: Problem, config: NormalizeConfig, s: Schedule):
-    x_ref, scale_ref, _, (mean_ref, rstd_ref, gy_ref, gs_ref, gs_xhat_ref) = unpack_refs(
-        refs, p.has_scale, False)
+def _sums_kernel(x_ref, scale_ref, mean_ref, rstd_ref, gy_ref, gs_ref, gs_xhat_ref, *,
+                 p: Problem, config: NormalizeConfig, s: Schedule):
     outer, split = pl.program_id(0), pl.program_id(2)
     tiles = _Tiles(p, config, pl.program_id(1))
     mean, rstd = tiles.load_stats(mean_ref, outer), tiles.load_stats(rstd_ref, outer)
@@ -359,15 +355,11 @@ def _sums_kernel(*refs, p: Problem, config: NormalizeConfig, s: Schedule):
     tiles.store_stats(gs_xhat_ref, outer, sums.gs_xhat, split)
 
 
-def _backward_kernel(*refs, p: Problem, config: NormalizeConfig, s: Schedule, partials: int,
-                     stat_cotangents: bool):
-    x_ref, scale_ref, _, rest = unpack_refs(refs, p.has_scale, False)
-    mean_ref, rstd_ref, gy_ref, gmean_ref, grstd_ref, rest = common.unpack_backward_refs(
-        rest, stat_cotangents)
-    sums_refs = (rest.pop(0), rest.pop(0)) if s.num_chunks > 1 else None
-    dx_ref, *partial_refs = rest
-    dscale_ref = partial_refs.pop(0) if p.has_scale else None
-    doffset_ref = partial_refs.pop(0) if p.has_offset else None
+def _backward_kernel(x_ref, scale_ref, mean_ref, rstd_ref, gy_ref, gmean_ref, grstd_ref,
+                     gs_ref, gs_xhat_ref, dx_ref, dscale_ref, doffset_ref, *, p: Problem,
+                     config: NormalizeConfig, s: Schedule, partials: int):
+    """gmean/grstd: None unless a second-order gradient; gs/gs_xhat (the per-group sums from
+    `_sums_kernel`): None with one chunk per group; dscale/doffset: None without parameters."""
     outer, program, chunk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     group_axis = 1 - p.reduce_axis
 
@@ -380,10 +372,11 @@ def _backward_kernel(*refs, p: Problem, config: NormalizeConfig, s: Schedule, pa
         g, gs, xhat = _gradient_inputs(tiles, (x_ref, gy_ref, scale_ref), outer, chunk, mean,
                                        rstd, p)
         valid = tiles.mask(chunk)
-        if sums_refs is None:
+        if gs_ref is None:
             sums = common.row_sums(gs, xhat, valid, p)
         else:
-            sums = common.RowSums(*(tiles.load_stats(ref, outer) for ref in sums_refs))
+            sums = common.RowSums(tiles.load_stats(gs_ref, outer),
+                                  tiles.load_stats(gs_xhat_ref, outer))
         gmean, grstd = (None if ref is None else tiles.load_stats(ref, outer)
                         for ref in (gmean_ref, grstd_ref))
         dx = common.input_gradient(gs, xhat, rstd, sums, gmean, grstd, p)
@@ -410,24 +403,22 @@ def backward(x, scale, mean, rstd, gy, gmean, grstd, p: Problem, *,
     config = resolve_config(p, config)
     s = schedule(p, config)
     partials = num_partials(p, config, s)
-    args = [a for a in (x, scale, mean, rstd, gy, gmean, grstd) if a is not None]
+    sums = (None, None)
     if s.num_chunks > 1:  # the per-group sums dx needs come from a first pass
         split_sums = _call(
             functools.partial(_sums_kernel, p=p, config=config, s=s), p, config,
             (p.outer, s.num_blocks, s.splits), (_split_shape(p, s),) * 2, _reads(p, 2, 6, s),
             "normalize_sums_triton", interpret, s.per_split,
-        )(*[a for a in (x, scale, mean, rstd, gy) if a is not None])
-        args += [jnp.sum(a, axis=p.view_reduce_axis, keepdims=True) for a in split_sums]
+        )(x, scale, mean, rstd, gy)
+        sums = [jnp.sum(a, axis=p.view_reduce_axis, keepdims=True) for a in split_sums]
     partial = jax.ShapeDtypeStruct((p.outer * partials, p.reduced), p.stat_dtype)
-    out_shape = (jax.ShapeDtypeStruct(p.view_shape, p.dtype),) + (partial,) * (
-        p.has_scale + p.has_offset)
-    outs = list(_call(
-        functools.partial(_backward_kernel, p=p, config=config, s=s, partials=partials,
-                          stat_cotangents=gmean is not None), p,
+    out_shape = (jax.ShapeDtypeStruct(p.view_shape, p.dtype), partial if p.has_scale else None,
+                 partial if p.has_offset else None)
+    dx, dscale, doffset = _call(
+        functools.partial(_backward_kernel, p=p, config=config, s=s, partials=partials), p,
         config, (p.outer, partials, s.num_chunks), out_shape,
         common.backward_flops_and_bytes(p, p.outer * partials, gmean is not None),
-        "normalize_backward_triton", interpret, pl.cdiv(s.num_blocks, partials))(*args))
-    dx = outs.pop(0)
-    dscale = jnp.sum(outs.pop(0), axis=0).reshape(p.param_shape) if p.has_scale else None
-    doffset = jnp.sum(outs.pop(0), axis=0).reshape(p.param_shape) if p.has_offset else None
-    return dx, dscale, doffset
+        "normalize_backward_triton", interpret, pl.cdiv(s.num_blocks, partials),
+    )(x, scale, mean, rstd, gy, gmean, grstd, *sums)
+    return dx, *(None if d is None else jnp.sum(d, axis=0).reshape(p.param_shape)
+                 for d in (dscale, doffset))
