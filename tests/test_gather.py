@@ -359,7 +359,7 @@ def test_triton_scatter_add_work_per_program(num_ids):
 
     from kernels import _targets
     from kernels.compile import pallas_calls
-    from kernels.gather import triton as gather_triton
+    from kernels.gather import triton_config as gather_triton
     from kernels.gather.common import Problem
 
     p = Problem(1, 131072, 512, num_ids, jnp.dtype(jnp.bfloat16), "clip", None)
