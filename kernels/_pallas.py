@@ -31,8 +31,9 @@ from kernels import _targets
 from kernels._traffic import pipelined_bytes
 
 __all__ = ["pl", "pltpu", "triton_load", "triton_store", "triton_call", "mosaic_call",
-           "mosaic_precision", "vmem_limit", "varying_axes", "reset_tpu_interpret_state",
-           "TRITON_CALL_MARKER", "MOSAIC_CALL_MARKER", "on_target", "lower", "lowered_text"]
+           "mosaic_precision", "mapped_under_vmap", "vmem_limit", "varying_axes",
+           "reset_tpu_interpret_state", "TRITON_CALL_MARKER", "MOSAIC_CALL_MARKER", "on_target",
+           "lower", "lowered_text"]
 
 TRITON_CALL_MARKER = "__gpu$xla.gpu.triton"
 MOSAIC_CALL_MARKER = "tpu_custom_call"
@@ -269,6 +270,29 @@ def mosaic_call(
     if interpret == "strict":
         return _vmappable_tpu_interpret(build, semantics)
     return build(semantics)
+
+
+def mapped_under_vmap(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn(*arrays)` with a vmap rule that maps it over the batch with `lax.map`.
+
+    Pallas cannot add a batch dim to a kernel whose operands stay in HBM (`memory_space=ANY`):
+    under `vmap` the kernel runs once per batch element instead. Unbatched operands (a shared
+    table) are closed over, not broadcast.
+    """
+    wrapped = jax.custom_batching.custom_vmap(fn)
+
+    @wrapped.def_vmap
+    def _rule(axis_size, in_batched, *args):
+        del axis_size
+
+        def one(batched_slices):
+            slices = iter(batched_slices)
+            pairs = zip(args, in_batched, strict=True)
+            return wrapped(*[next(slices) if batched else a for a, batched in pairs])
+
+        return lax.map(one, [a for a, b in zip(args, in_batched, strict=True) if b]), True
+
+    return wrapped
 
 
 def _vmappable_tpu_interpret(build: Callable[[tuple[str, ...]], Callable[..., Any]],

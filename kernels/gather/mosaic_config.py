@@ -1,0 +1,77 @@
+"""How big the Mosaic gather and scatter-add kernels' blocks are (the kernels themselves are in
+`kernels/gather/mosaic.py`): the indices staged per SMEM block, the DMA ring's depth on a TPU
+and in the fast interpreter, the forward's batch slabs, the backward's accumulator block
+(`resolve_config`), and the checks that decline a problem or reject a config (`check`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from kernels import _targets
+from kernels._blocks import LANES, sublanes
+from kernels.gather.common import GatherConfig, Problem, check_int
+
+__all__ = ["INDEX_BLOCK", "RING", "ring_depth", "resolve_config", "check"]
+
+INDEX_BLOCK = 128             # indices staged into SMEM at once (1-D int32 tile: 128 words)
+RING = 8                      # row DMAs in flight in the word gather and the scatter-add
+_SLAB_BYTES = 1 << 20        # target bytes of one forward DMA when the batch is split
+_MAX_BLOCK_COLUMNS = 1024
+_ACCUMULATOR_BYTES = 2 << 20  # float32 accumulator per backward step
+
+
+def ring_depth() -> int:
+    """DMAs in flight: `RING` on a TPU and in the "strict" interpreter; one in the fast
+    interpreter, where a DMA is a copy made at once and a deeper ring only costs copies of it
+    (`_targets.INTERPRETER`)."""
+    return _targets.device_or_interpreter("tpu", RING, 1)
+
+
+def _default_block_columns(columns: int) -> int:
+    if columns <= _MAX_BLOCK_COLUMNS or columns % LANES:
+        return columns
+    return max(c for c in range(LANES, _MAX_BLOCK_COLUMNS + 1, LANES) if columns % c == 0)
+
+
+def resolve_config(p: Problem, config: GatherConfig | None) -> GatherConfig:
+    config = config or GatherConfig()
+    slab_bytes = max(1, p.columns * p.itemsize)
+    block_columns = config.block_columns or _default_block_columns(p.columns)
+    rows_that_fit = max(1, _ACCUMULATOR_BYTES // (4 * block_columns))
+    tile = sublanes(p.dtype)
+    block_rows = config.block_rows or (
+        p.n if p.n <= rows_that_fit else max(tile, rows_that_fit // tile * tile))
+    return dataclasses.replace(
+        config,
+        block_indices=config.block_indices or INDEX_BLOCK,
+        block_batch=config.block_batch or max(1, _SLAB_BYTES // slab_bytes),
+        block_columns=block_columns, block_rows=block_rows)
+
+
+def check(p: Problem, config: GatherConfig | None) -> None:
+    """Declines 64-bit tables (TPUs have no 64-bit types); rejects blocks that break TPU
+    tiling."""
+    if p.itemsize == 8:
+        raise NotImplementedError(f"{jnp.dtype(p.dtype).name} is not supported on TPU")
+    if p.batch * p.num_indices * p.columns == 0:
+        return  # an empty result: no kernel runs
+    for field in ("block_indices", "block_columns", "block_batch", "block_rows"):
+        check_int(config or GatherConfig(), field)
+    config = resolve_config(p, config)
+    if config.block_indices != INDEX_BLOCK:
+        raise ValueError(f"config.block_indices={config.block_indices} must be {INDEX_BLOCK} "
+                         "for mosaic: indices are staged into SMEM one 128-word tile at a time")
+    if p.columns % config.block_columns:
+        raise ValueError(f"config.block_columns={config.block_columns} must divide the row "
+                         f"length {p.columns} for mosaic")
+    if config.block_columns % LANES and config.block_columns != p.columns:
+        raise ValueError(f"config.block_columns={config.block_columns} breaks TPU tiling for "
+                         f"mosaic: it must be a multiple of {LANES} or equal the row length "
+                         f"{p.columns}")
+    tile = sublanes(p.dtype)
+    if config.block_rows % tile and config.block_rows != p.n:
+        raise ValueError(f"config.block_rows={config.block_rows} breaks TPU tiling for mosaic: "
+                         f"it must be a multiple of {tile} for {jnp.dtype(p.dtype).name} or "
+                         f"equal the table's {p.n} rows")
