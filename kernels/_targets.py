@@ -61,8 +61,16 @@ class Target:
     @property
     def vmem_budget(self) -> int:
         """The most VMEM one kernel step may plan for: physical VMEM less an eighth left to
-        the compiler's own temporaries (values a kernel computes live in VMEM too)."""
+        the compiler's own temporaries (values a kernel computes live in VMEM too). A step
+        over it is declined; one over `scoped_vmem` raises the limit (`_pallas.vmem_limit`)."""
         return self.vmem - self.vmem // 8
+
+    @property
+    def default_blocks_vmem(self) -> int:
+        """What a Mosaic kernel's default blocks plan a step: half the compiler's default
+        scoped limit, so defaults compile without raising it (the other half is left to the
+        compiler's temporaries). A caller's config may plan up to `vmem_budget`."""
+        return self.scoped_vmem // 2
 
 
 TARGETS = {

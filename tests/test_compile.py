@@ -143,6 +143,26 @@ def test_conv2d_mosaic_tiles_are_budgeted_by_the_targets_vmem():
     assert report.vmem_limit > _targets.TARGETS["v5e"].scoped_vmem
 
 
+@pytest.mark.timeout(TIMEOUT_S)
+def test_gather_mosaic_steps_are_budgeted_by_the_targets_vmem():
+    """The same VMEM policy for gather: a bfloat16 table of 32768 columns puts about 33 MiB in
+    a forward step (its (128, columns) rows scratch and output blocks), which failed to compile
+    for a v5e at the default scoped limit ("CompileTimeScopedVmemOom"); it now compiles there
+    with the limit raised, and is declined for a v4, whose VMEM cannot hold it."""
+    x = jax.ShapeDtypeStruct((1024, 32768), jnp.bfloat16)
+    ids = jax.ShapeDtypeStruct((256,), jnp.int32)
+
+    def forward(x, ids):
+        return kernels.gather(x, ids, implementation="mosaic", interpret=False)
+
+    with on_target(_targets.TARGETS["v4"]), pytest.raises(
+            NotImplementedError, match="gather kernel's step needs .* VMEM .* over v4's budget"):
+        jax.eval_shape(forward, x, ids)
+    (report,) = compile_kernels(forward, x, ids, target="v5e")
+    assert report.fits, report.error
+    assert report.vmem_limit > _targets.TARGETS["v5e"].scoped_vmem
+
+
 def test_blocks_are_chosen_for_the_target_the_call_runs_on():
     x = jax.ShapeDtypeStruct((4096, 8192), jnp.bfloat16)
     assert _targets.current("gpu") is _targets.DEFAULT["gpu"]  # no GPU here: H100's budget

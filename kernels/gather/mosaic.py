@@ -93,10 +93,11 @@ import numpy as np
 from jax import lax
 
 from kernels._blocks import LANES
-from kernels._pallas import mapped_under_vmap, mosaic_call, pl, pltpu
+from kernels._pallas import mapped_under_vmap, mosaic_call, pl, pltpu, vmem_limit
 from kernels.gather.common import (GatherConfig, Problem, ScatterPlan, gather_bytes,
                                    normalize_row, scatter_bytes)
-from kernels.gather.mosaic_config import INDEX_BLOCK, RING, check, resolve_config, ring_depth
+from kernels.gather.mosaic_config import (INDEX_BLOCK, RING, check, gather_vmem_bytes,
+                                          resolve_config, ring_depth, scatter_vmem_bytes)
 from kernels.gather.mosaic_words import (BITS, row_of_word, rows_per_word_of, start_row_copy,
                                          word_operands, word_rows)
 
@@ -259,6 +260,7 @@ def gather(x: jax.Array, indices: jax.Array, p: Problem, *, config: GatherConfig
         dimension_semantics=("parallel", "parallel"),
         interpret=interpret,
         unpipelined_bytes=dma_bytes,
+        vmem_limit_bytes=vmem_limit(gather_vmem_bytes(p)),
         name="gather_mosaic",
     )
     out = mapped_under_vmap(call)(_padded_to_blocks(indices), *operands)
@@ -330,6 +332,7 @@ def scatter_add(g: jax.Array, plan: ScatterPlan, p: Problem, *, config: GatherCo
         grid_spec=grid_spec,
         dimension_semantics=("parallel", "parallel", "parallel"),
         interpret=interpret,
+        vmem_limit_bytes=vmem_limit(scatter_vmem_bytes(p, config)),
         flops=p.batch * p.num_indices * p.columns,
         # The cotangent's word-rows, order and targets by the kernel's DMAs; the table
         # gradient by the pipeline.

@@ -10,16 +10,16 @@ import dataclasses
 import jax.numpy as jnp
 
 from kernels import _targets
-from kernels._blocks import LANES, sublanes
+from kernels._blocks import LANES, sublanes, tile_limit
 from kernels.gather.common import GatherConfig, Problem, check_int
 
-__all__ = ["INDEX_BLOCK", "RING", "ring_depth", "resolve_config", "check"]
+__all__ = ["INDEX_BLOCK", "RING", "ring_depth", "resolve_config", "check", "gather_vmem_bytes",
+           "scatter_vmem_bytes"]
 
 INDEX_BLOCK = 128             # indices staged into SMEM at once (1-D int32 tile: 128 words)
 RING = 8                      # row DMAs in flight in the word gather and the scatter-add
 _SLAB_BYTES = 1 << 20        # target bytes of one forward DMA when the batch is split
 _MAX_BLOCK_COLUMNS = 1024
-_ACCUMULATOR_BYTES = 2 << 20  # float32 accumulator per backward step
 
 
 def ring_depth() -> int:
@@ -35,11 +35,35 @@ def _default_block_columns(columns: int) -> int:
     return max(c for c in range(LANES, _MAX_BLOCK_COLUMNS + 1, LANES) if columns % c == 0)
 
 
+def gather_vmem_bytes(p: Problem) -> int:
+    """VMEM a forward step plans: none for 32-bit tables (HBM-to-HBM DMAs); else the (128,
+    columns) int32 rows scratch, the double-buffered output block and the ring of word-rows."""
+    if p.itemsize == 4:
+        return 0
+    return p.columns * (INDEX_BLOCK * (4 + 2 * p.itemsize) + RING * 4)
+
+
+def _scatter_row_bytes(p: Problem, block_columns: int) -> int:
+    """A backward block row: its float32 accumulator row and double-buffered output rows."""
+    return block_columns * (4 + 2 * p.itemsize)
+
+
+def scatter_vmem_bytes(p: Problem, config: GatherConfig) -> int:
+    """VMEM a backward step plans: its block's rows and the ring of cotangent word-rows."""
+    return (config.block_rows * _scatter_row_bytes(p, config.block_columns)
+            + RING * config.block_columns * 4)
+
+
 def resolve_config(p: Problem, config: GatherConfig | None) -> GatherConfig:
+    """The backward's blocks: rows of up to 1024 columns, as many as the target's
+    `default_blocks_vmem` holds (in the fast interpreter, `tile_limit`'s elements)."""
     config = config or GatherConfig()
     slab_bytes = max(1, p.columns * p.itemsize)
     block_columns = config.block_columns or _default_block_columns(p.columns)
-    rows_that_fit = max(1, _ACCUMULATOR_BYTES // (4 * block_columns))
+    rows_in_vmem = _targets.current("tpu").default_blocks_vmem // _scatter_row_bytes(
+        p, block_columns)
+    rows_that_fit = max(1, tile_limit(rows_in_vmem * block_columns, platform="tpu")
+                        // block_columns)
     tile = sublanes(p.dtype)
     block_rows = config.block_rows or (
         p.n if p.n <= rows_that_fit else max(tile, rows_that_fit // tile * tile))
@@ -51,8 +75,8 @@ def resolve_config(p: Problem, config: GatherConfig | None) -> GatherConfig:
 
 
 def check(p: Problem, config: GatherConfig | None) -> None:
-    """Declines 64-bit tables (TPUs have no 64-bit types); rejects blocks that break TPU
-    tiling."""
+    """Declines 64-bit tables (TPUs have no 64-bit types) and steps over the target's VMEM
+    budget; rejects blocks that break TPU tiling."""
     if p.itemsize == 8:
         raise NotImplementedError(f"{jnp.dtype(p.dtype).name} is not supported on TPU")
     if p.batch * p.num_indices * p.columns == 0:
@@ -75,3 +99,10 @@ def check(p: Problem, config: GatherConfig | None) -> None:
         raise ValueError(f"config.block_rows={config.block_rows} breaks TPU tiling for mosaic: "
                          f"it must be a multiple of {tile} for {jnp.dtype(p.dtype).name} or "
                          f"equal the table's {p.n} rows")
+    target = _targets.current("tpu")
+    for kernel, needed in (("gather", gather_vmem_bytes(p)),
+                           ("scatter-add", scatter_vmem_bytes(p, config))):
+        if needed > target.vmem_budget:
+            raise NotImplementedError(
+                f"the {kernel} kernel's step needs about {needed} bytes of VMEM for rows of "
+                f"{p.columns} columns, over {target.name}'s budget of {target.vmem_budget}")

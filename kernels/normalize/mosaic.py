@@ -43,7 +43,7 @@ from jax import lax
 
 from kernels import _targets
 from kernels._blocks import LANES, sublanes, tile_limit
-from kernels._pallas import mosaic_call, pl, pltpu
+from kernels._pallas import mosaic_call, pl, pltpu, vmem_limit
 from kernels.normalize import common
 from kernels.normalize.common import NormalizeConfig, Problem
 
@@ -84,7 +84,7 @@ def vmem_bytes(p: Problem, config: NormalizeConfig) -> int:
 
 
 def resolve_config(p: Problem, config: NormalizeConfig | None) -> NormalizeConfig:
-    """Blocks of at most half the target's scoped VMEM (and _TARGET_BLOCK elements; in the fast
+    """Blocks within the target's `default_blocks_vmem` (and _TARGET_BLOCK elements; in the fast
     interpreter, `tile_limit`'s): the whole group when it fits (<= 16384), else chunks; as many
     groups as fit beside it. In the columns layout the lane dim (groups) cannot go below 128,
     so a long reduced axis is chunked instead (the two-phase schedule) rather than overflowing
@@ -92,7 +92,7 @@ def resolve_config(p: Problem, config: NormalizeConfig | None) -> NormalizeConfi
     config = config or NormalizeConfig()
     tiling = _tiling(p)
     budget = min(tile_limit(_TARGET_BLOCK, platform="tpu"),
-                 _targets.current("tpu").scoped_vmem // 2 // _step_bytes_per_element(p))
+                 _targets.current("tpu").default_blocks_vmem // _step_bytes_per_element(p))
     block_reduced = config.block_reduced
     if block_reduced is None:
         block_reduced = _fit(p.reduced, tile_limit(_MAX_BLOCK_REDUCED, platform="tpu"),
@@ -112,7 +112,7 @@ def resolve_config(p: Problem, config: NormalizeConfig | None) -> NormalizeConfi
 
 
 def check(p: Problem, config: NormalizeConfig | None) -> None:
-    """Declines float64 (no float64 on TPU) and blocks over the target's scoped VMEM; rejects
+    """Declines float64 (no float64 on TPU) and blocks over the target's VMEM budget; rejects
     blocks that break TPU tiling."""
     common.check_dtype(p, _DTYPES)
     if p.size == 0:
@@ -126,10 +126,10 @@ def check(p: Problem, config: NormalizeConfig | None) -> None:
                              f"a multiple of {multiple} or equal the array dim {dim}")
     target = _targets.current("tpu")
     needed = vmem_bytes(p, config)
-    if needed > target.scoped_vmem:
+    if needed > target.vmem_budget:
         raise NotImplementedError(
             f"blocks of {config.block_groups}x{config.block_reduced} need about {needed} bytes "
-            f"of VMEM a step, over {target.name}'s {target.scoped_vmem}-byte scoped VMEM budget")
+            f"of VMEM a step, over {target.name}'s budget of {target.vmem_budget}")
 
 
 class _Schedule:
@@ -282,7 +282,8 @@ def _forward_kernel(x_ref, scale_ref, offset_ref, y_ref, mean_ref, rstd_ref, *mo
 def forward(x: jax.Array, scale: jax.Array | None, offset: jax.Array | None, p: Problem, *,
             config: NormalizeConfig | None, interpret: bool | str):
     """(y, mean, rstd) for the view-shaped `x` of a problem that `check` accepted."""
-    s = _Schedule(p, resolve_config(p, config))
+    config = resolve_config(p, config)
+    s = _Schedule(p, config)
     stats = jax.ShapeDtypeStruct(s.kernel_stats_shape(), p.stat_dtype)
     stats_block = s._orient(s.block_groups, 1)
     in_specs = [s.tile_spec(), s.param_spec() if p.has_scale else None,
@@ -298,6 +299,7 @@ def forward(x: jax.Array, scale: jax.Array | None, offset: jax.Array | None, p: 
         grid_spec=grid_spec,
         dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary"),
         interpret=interpret,
+        vmem_limit_bytes=vmem_limit(vmem_bytes(p, config)),
         flops=common.forward_flops_and_bytes(p)[0],
         transcendentals=p.outer * p.groups,
         name="normalize_forward_mosaic",
@@ -359,7 +361,8 @@ def _backward_kernel(x_ref, scale_ref, mean_ref, rstd_ref, gy_ref, gmean_ref, gr
 def backward(x, scale, mean, rstd, gy, gmean, grstd, p: Problem, *,
              config: NormalizeConfig | None, interpret: bool | str):
     """(dx, dscale or None, doffset or None); dscale/doffset in `p.param_shape`."""
-    s = _Schedule(p, resolve_config(p, config))
+    config = resolve_config(p, config)
+    s = _Schedule(p, config)
     num_partials = p.outer * s.num_blocks
     partial_shape = (num_partials, *p.param_shape)
     partial = jax.ShapeDtypeStruct(partial_shape, p.stat_dtype)
@@ -381,6 +384,7 @@ def backward(x, scale, mean, rstd, gy, gmean, grstd, p: Problem, *,
         grid_spec=grid_spec,
         dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary"),
         interpret=interpret,
+        vmem_limit_bytes=vmem_limit(vmem_bytes(p, config)),
         flops=common.backward_flops_and_bytes(p, num_partials, stat_cotangents)[0],
         transcendentals=p.outer * p.groups,
         name="normalize_backward_mosaic",
