@@ -1,5 +1,20 @@
 """normalize as Pallas kernels lowered through Triton (GPU): forward and backward.
 
+Each kernel's loop nest, per program (tiles and schedule: `triton_config.py`); x[o, b, c] is
+the tile of slab o, group block b and chunk c of the reduced axis:
+
+    forward (fused), program (o, b):
+        mean, rstd = merge(moments(x[o, b, c]) for c in chunks)  # one chunk: in registers
+        for c in chunks: y[o, b, c] = affine((x[o, b, c] - mean) * rstd)
+    moments (split), program (o, b, s):  mean and M2 of the chunks of split s; XLA merges
+    normalize (split), program (o, b, c):  y[o, b, c] = affine((x[o, b, c] - mean) * rstd)
+    sums (long groups), program (o, b, s):  sum(dy·scale) and sum(dy·scale·x̂) over split s
+    backward, program (o, q, c):
+        for b in (q, q + partials, ...):
+            dx[o, b, c] = input_gradient(x[o, b, c], dy[o, b, c], the group sums)
+            dscale_acc += column sums of dy·x̂;  doffset_acc += column sums of dy
+        dscale_partial[o·partials + q, c], doffset_partial[o·partials + q, c] = the accs
+
 Every kernel works on the 3-D view of `common` (rows `(1, groups, reduced)` or columns
 `(outer, reduced, groups)`) with 2-D tiles of `block_groups` groups by `block_reduced` elements
 (`(block_groups, block_reduced)` for rows, `(block_reduced, block_groups)` for columns); a group
@@ -48,91 +63,19 @@ GPU has SMs when the problem has that many tiles.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kernels import _targets
-from kernels._blocks import (Split, check_triton_config, int32_loop, is_positive_int,
-                             is_power_of_2, next_power_of_2, split_reduction, tile_limit)
+from kernels._blocks import Split, int32_loop
 from kernels._pallas import pl, triton_call, triton_load, triton_store
 from kernels.normalize import common
 from kernels.normalize.common import NormalizeConfig, Problem
+from kernels.normalize.triton_config import (Schedule, check, num_partials, reduction_traffic,
+                                             resolve_config, schedule)
 
-_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
-_MAX_TILE = 4096  # elements per tile (per input): what 4-8 warps hold in registers comfortably.
-# The fast interpreter's tile: an XLA gather of more elements at once runs slower per element
-# on a CPU (measured: a 20000x64 standardization 7x faster in (4096, 64) tiles than in one).
-_INTERPRETED_TILE = 1 << 18
-
-
-def _or(value, default):
-    return default if value is None else value
-
-
-def resolve_config(p: Problem, config: NormalizeConfig | None) -> NormalizeConfig:
-    """Power-of-2 tiles of at most _MAX_TILE elements (half that for float64).
-
-    Rows: the whole group in one chunk when it fits, then as many groups as fit. Columns: 32
-    groups (a 128-byte contiguous run per reduced element, coalesced) then as many reduced
-    elements as fit. `num_partials` stays None unless given: `num_partials()` picks it.
-    """
-    config = config or NormalizeConfig()
-    max_tile = tile_limit(_MAX_TILE, _INTERPRETED_TILE) // (
-        2 if jnp.dtype(p.dtype).itemsize == 8 else 1)
-    if p.rows:
-        block_reduced = _or(config.block_reduced, min(next_power_of_2(p.reduced), max_tile))
-        block_groups = _or(config.block_groups, min(
-            next_power_of_2(p.groups), max(1, max_tile // max(1, block_reduced))))
-    else:
-        block_groups = _or(config.block_groups, min(next_power_of_2(p.groups),
-                                                    tile_limit(32, _INTERPRETED_TILE)))
-        block_reduced = _or(config.block_reduced, min(
-            next_power_of_2(p.reduced), max(1, max_tile // max(1, block_groups))))
-    tile = block_groups * block_reduced if is_power_of_2(block_groups * block_reduced) else 0
-    num_warps = _or(config.num_warps, 8 if tile >= 4096 else 4 if tile >= 1024 else 1)
-    return NormalizeConfig(block_groups, block_reduced, config.num_partials, num_warps,
-                           _or(config.num_stages, 2))
-
-
-def check(p: Problem, config: NormalizeConfig | None) -> None:
-    """Declines dtypes other than float16/bfloat16/float32/float64; rejects a config Triton
-    cannot compile."""
-    common.check_dtype(p, _DTYPES)
-    if p.size == 0:
-        return  # nothing to launch: the wrapper returns the empty result itself
-    config = resolve_config(p, config)
-    check_triton_config(config, ("block_reduced", "block_groups"), min_block=1)
-    if config.num_partials is not None and not is_positive_int(config.num_partials):
-        raise ValueError(f"config.num_partials must be a positive int, got "
-                         f"{config.num_partials!r}")
-
-
-class Schedule(NamedTuple):
-    """How a problem's tiles become programs (see "Programs vs the GPU" above)."""
-
-    num_blocks: int  # group blocks per slab
-    num_chunks: int  # chunks per group
-    splits: int  # reduction programs per group block; 1 = the forward runs fused
-    per_split: int  # chunks each reduction program folds (the last split may have fewer)
-
-
-def schedule(p: Problem, config: NormalizeConfig) -> Schedule:
-    """Splits only when the group blocks would not give every SM one program: a fused pass
-    reads x once from HBM, the two phases twice, so one wave of fused programs wins."""
-    num_blocks = pl.cdiv(p.groups, config.block_groups)
-    num_chunks = pl.cdiv(p.reduced, config.block_reduced)
-    split = split_reduction(p.outer * num_blocks, num_chunks)
-    return Schedule(num_blocks, num_chunks, split.splits, split.per_split)
-
-
-def num_partials(p: Problem, config: NormalizeConfig, s: Schedule) -> int:
-    """Backward programs per slab and chunk (= partial dscale/doffset rows per slab): enough
-    for two waves with the slabs and chunks, or `config.num_partials`, at most one per block."""
-    wanted = pl.cdiv(_targets.current("gpu").min_programs, p.outer * s.num_chunks)
-    return min(s.num_blocks, _or(config.num_partials, wanted))
+__all__ = ["forward", "backward", "check", "resolve_config", "schedule"]
 
 
 class _Tiles:
@@ -296,14 +239,6 @@ def _call(kernel, p: Problem, config: NormalizeConfig, grid, out_shape, flops_an
                        steps_per_program=steps)
 
 
-def _reads(p: Problem, arrays: int, flops_per_element: int, s: Schedule):
-    """(flops, bytes) of a reduction pass: `arrays` view-sized reads and two per-split
-    outputs."""
-    item, stat = jnp.dtype(p.dtype).itemsize, jnp.dtype(p.stat_dtype).itemsize
-    return (flops_per_element * p.size,
-            arrays * p.size * item + 2 * p.outer * p.groups * s.splits * stat)
-
-
 def forward(x: jax.Array, scale: jax.Array | None, offset: jax.Array | None, p: Problem, *,
             config: NormalizeConfig | None, interpret: bool | str):
     """(y, mean, rstd) for the view-shaped `x` of a problem that `check` accepted."""
@@ -318,7 +253,7 @@ def forward(x: jax.Array, scale: jax.Array | None, offset: jax.Array | None, p: 
                      "normalize_forward_triton", interpret, s.num_chunks)(x, scale, offset)
     means, m2s = _call(functools.partial(_moments_kernel, p=p, config=config, s=s), p, config,
                        (p.outer, s.num_blocks, s.splits), (_split_shape(p, s),) * 2,
-                       _reads(p, 1, 4, s), "normalize_moments_triton", interpret,
+                       reduction_traffic(p, 1, 4, s), "normalize_moments_triton", interpret,
                        s.per_split)(x)
     counts = _split_counts(p, config, s)
     mean, rstd = common.mean_and_rstd(common.merge_split_moments(means, m2s, counts, p), p)
@@ -407,7 +342,7 @@ def backward(x, scale, mean, rstd, gy, gmean, grstd, p: Problem, *,
     if s.num_chunks > 1:  # the per-group sums dx needs come from a first pass
         split_sums = _call(
             functools.partial(_sums_kernel, p=p, config=config, s=s), p, config,
-            (p.outer, s.num_blocks, s.splits), (_split_shape(p, s),) * 2, _reads(p, 2, 6, s),
+            (p.outer, s.num_blocks, s.splits), (_split_shape(p, s),) * 2, reduction_traffic(p, 2, 6, s),
             "normalize_sums_triton", interpret, s.per_split,
         )(x, scale, mean, rstd, gy)
         sums = [jnp.sum(a, axis=p.view_reduce_axis, keepdims=True) for a in split_sums]

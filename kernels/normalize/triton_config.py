@@ -1,0 +1,102 @@
+"""How big the Triton normalize kernels' tiles are and how they become programs (the kernels
+themselves are in `kernels/normalize/triton.py`): the config (`resolve_config`), the checks
+that decline a problem or reject a config (`check`), the schedule (`schedule`: group blocks,
+chunks, and the reduction splits that fill the GPU), the backward's partial rows
+(`num_partials`) and a reduction pass's traffic for its cost estimate."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax.numpy as jnp
+
+from kernels import _targets
+from kernels._blocks import (check_triton_config, is_positive_int, is_power_of_2,
+                             next_power_of_2, split_reduction, tile_limit)
+from kernels._pallas import pl
+from kernels.normalize import common
+from kernels.normalize.common import NormalizeConfig, Problem
+
+__all__ = ["resolve_config", "check", "Schedule", "schedule", "num_partials",
+           "reduction_traffic"]
+
+_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
+_MAX_TILE = 4096  # elements per tile (per input): what 4-8 warps hold in registers comfortably.
+# The fast interpreter's tile: an XLA gather of more elements at once runs slower per element
+# on a CPU (measured: a 20000x64 standardization 7x faster in (4096, 64) tiles than in one).
+_INTERPRETED_TILE = 1 << 18
+
+
+def _or(value, default):
+    return default if value is None else value
+
+
+def resolve_config(p: Problem, config: NormalizeConfig | None) -> NormalizeConfig:
+    """Power-of-2 tiles of at most _MAX_TILE elements (half that for float64).
+
+    Rows: the whole group in one chunk when it fits, then as many groups as fit. Columns: 32
+    groups (a 128-byte contiguous run per reduced element, coalesced) then as many reduced
+    elements as fit. `num_partials` stays None unless given: `num_partials()` picks it.
+    """
+    config = config or NormalizeConfig()
+    max_tile = tile_limit(_MAX_TILE, _INTERPRETED_TILE) // (
+        2 if jnp.dtype(p.dtype).itemsize == 8 else 1)
+    if p.rows:
+        block_reduced = _or(config.block_reduced, min(next_power_of_2(p.reduced), max_tile))
+        block_groups = _or(config.block_groups, min(
+            next_power_of_2(p.groups), max(1, max_tile // max(1, block_reduced))))
+    else:
+        block_groups = _or(config.block_groups, min(next_power_of_2(p.groups),
+                                                    tile_limit(32, _INTERPRETED_TILE)))
+        block_reduced = _or(config.block_reduced, min(
+            next_power_of_2(p.reduced), max(1, max_tile // max(1, block_groups))))
+    tile = block_groups * block_reduced if is_power_of_2(block_groups * block_reduced) else 0
+    num_warps = _or(config.num_warps, 8 if tile >= 4096 else 4 if tile >= 1024 else 1)
+    return NormalizeConfig(block_groups, block_reduced, config.num_partials, num_warps,
+                           _or(config.num_stages, 2))
+
+
+def check(p: Problem, config: NormalizeConfig | None) -> None:
+    """Declines dtypes other than float16/bfloat16/float32/float64; rejects a config Triton
+    cannot compile."""
+    common.check_dtype(p, _DTYPES)
+    if p.size == 0:
+        return  # nothing to launch: the wrapper returns the empty result itself
+    config = resolve_config(p, config)
+    check_triton_config(config, ("block_reduced", "block_groups"), min_block=1)
+    if config.num_partials is not None and not is_positive_int(config.num_partials):
+        raise ValueError(f"config.num_partials must be a positive int, got "
+                         f"{config.num_partials!r}")
+
+
+class Schedule(NamedTuple):
+    """How a problem's tiles become programs (see "Programs vs the GPU" above)."""
+
+    num_blocks: int  # group blocks per slab
+    num_chunks: int  # chunks per group
+    splits: int  # reduction programs per group block; 1 = the forward runs fused
+    per_split: int  # chunks each reduction program folds (the last split may have fewer)
+
+
+def schedule(p: Problem, config: NormalizeConfig) -> Schedule:
+    """Splits only when the group blocks would not give every SM one program: a fused pass
+    reads x once from HBM, the two phases twice, so one wave of fused programs wins."""
+    num_blocks = pl.cdiv(p.groups, config.block_groups)
+    num_chunks = pl.cdiv(p.reduced, config.block_reduced)
+    split = split_reduction(p.outer * num_blocks, num_chunks)
+    return Schedule(num_blocks, num_chunks, split.splits, split.per_split)
+
+
+def num_partials(p: Problem, config: NormalizeConfig, s: Schedule) -> int:
+    """Backward programs per slab and chunk (= partial dscale/doffset rows per slab): enough
+    for two waves with the slabs and chunks, or `config.num_partials`, at most one per block."""
+    wanted = pl.cdiv(_targets.current("gpu").min_programs, p.outer * s.num_chunks)
+    return min(s.num_blocks, _or(config.num_partials, wanted))
+
+
+def reduction_traffic(p: Problem, arrays: int, flops_per_element: int, s: Schedule):
+    """(flops, bytes) of a reduction pass: `arrays` view-sized reads and two per-split
+    outputs."""
+    item, stat = jnp.dtype(p.dtype).itemsize, jnp.dtype(p.stat_dtype).itemsize
+    return (flops_per_element * p.size,
+            arrays * p.size * item + 2 * p.outer * p.groups * s.splits * stat)
