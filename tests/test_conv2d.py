@@ -14,7 +14,7 @@ import pytest
 from jax.test_util import check_grads
 
 import reference
-from kernels.conv2d import Conv2dConfig, conv2d, mosaic
+from kernels.conv2d import Conv2dConfig, conv2d, mosaic, mosaic_config
 from tests.support import (KERNELS, SUPPORTS_FLOAT64, as_f64, assert_close, assert_lowers, random,
                            x64, weighted_sum)
 
@@ -573,7 +573,7 @@ def test_triton_explicit_config_many_blocks():
 def test_mosaic_many_blocks(monkeypatch, options, w_shape):
     # Row blocks of 2 output rows, so input tiles overlap by the halo, and the weight
     # gradient reduces over several row blocks and batch elements.
-    monkeypatch.setattr(mosaic, "_TARGET_PIXELS", 16)
+    monkeypatch.setattr(mosaic_config, "_TARGET_PIXELS", 16)
     x, w = _inputs((2, 6, 7, 3), w_shape, jnp.float32)
     out = conv2d(x, w, implementation="mosaic", **options)
     _check(x, w, out, jnp.float32, **options)

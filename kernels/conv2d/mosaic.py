@@ -1,5 +1,14 @@
 """conv2d as Pallas kernels lowered through Mosaic (TPU): shifted windows over a VMEM tile.
 
+Each kernel's loop nest, per grid step (blocks and the staged geometry: `mosaic_config.py`);
+x_tile is the step's input rows plus the halo, window(tap) a static slice of it:
+
+    conv, step (n, g, j, r):                  # GEMM path; depthwise: window * w[tap] on the VPU
+        out[n, r, :, j] = sum(window(tap) @ w[g, tap, :, j] for tap in taps)   # float32 acc
+    weight_grad, step (g, j, n, r):           # (n, r): the reduction over pixels, "arbitrary"
+        acc[tap] += window(tap)ᵀ @ dy[n, r, :, j] for tap in taps          # VMEM accumulator
+        at the last (n, r):  dw[g, :, :, :, j] = acc
+
 Staging (in the wrapper, one XLA copy of the input)
 ---------------------------------------------------
 This first version pads in the wrapper: `lax.pad` applies the padding (negative: a crop) and
@@ -43,106 +52,23 @@ The whole input tile of a step must fit VMEM with double buffering, within the t
 to what the step needs); a problem whose tile would not (very wide images with many channels)
 is declined. (libtpu clamps a limit above the physical VMEM rather than refusing it, so the
 former fixed 48 MiB cap let a v4 step that needed 22 MiB through to a compile error. The
-estimate, `_vmem_bytes`, counts float32 accumulators beside the blocks and is conservative:
+estimate, `vmem_bytes`, counts float32 accumulators beside the blocks and is conservative:
 a v4 step it puts at 23.6 MiB plans 13.2 MiB of blocks and compiles, but is declined.)
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kernels import _targets
-from kernels._blocks import LANES, require_floating, sublanes
 from kernels._pallas import mosaic_call, mosaic_precision, pl, pltpu, vmem_limit
 from kernels.conv2d.common import Conv2dConfig, Problem, flops_and_bytes
+from kernels.conv2d.mosaic_config import Layout, check, resolve_config, vmem_bytes
 
-_MAX_CHANNEL_BLOCK = 512
-_TARGET_PIXELS = 512  # rows of the per-tap matmul a step aims for
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
-class _Layout:
-    """The staged arrays' geometry for one problem and block_rows."""
-
-    def __init__(self, p: Problem, block_rows: int):
-        g = p.geometry
-        self.phases = g.stride[0] * g.stride[1]
-        self.halo = tuple(((k - 1) * d) // s for k, d, s in
-                          zip((p.kh, p.kw), g.rhs_dilation, g.stride))
-        tile = max(sublanes(p.x_dtype), sublanes(p.out_dtype), sublanes(p.w_dtype))
-        self.block_rows = block_rows
-        self.num_row_blocks = pl.cdiv(p.oh, block_rows)
-        self.out_rows = self.num_row_blocks * block_rows
-        self.out_cols = _round_up(p.ow, tile)
-        self.rows = self.out_rows + self.halo[0]
-        self.cols = self.out_cols + self.halo[1]
-        self.tile_rows = block_rows + self.halo[0]
-
-
-def _channel_block(channels: int) -> int:
-    """All channels, or the largest multiple of 128 (<= 512) dividing them."""
-    if channels <= _MAX_CHANNEL_BLOCK or channels % LANES:
-        return channels
-    return next(b for b in (512, 384, 256, 128) if channels % b == 0)
-
-
-def _lane_channels(p: Problem) -> int:
-    """The channel count a step blocks: per group (GEMM path) or the input channels
-    (depthwise path, whose channel multiplier is a grid axis)."""
-    return p.c if p.depthwise else p.og
-
-
-def resolve_config(p: Problem, config: Conv2dConfig | None) -> Conv2dConfig:
-    """Fills block_n (channels per step) and block_rows (about 512 output pixels a step)."""
-    config = config or Conv2dConfig()
-    out_cols = _round_up(max(p.ow, 1), 16)
-    block_rows = config.block_rows
-    if block_rows is None:
-        block_rows = max(1, min(max(p.oh, 1), _TARGET_PIXELS // out_cols))
-    block_n = config.block_n
-    if block_n is None:
-        block_n = _channel_block(_lane_channels(p))
-    return dataclasses.replace(config, block_rows=block_rows, block_n=block_n)
-
-
-def _vmem_bytes(p: Problem, layout: _Layout, block_n: int) -> int:
-    """Double-buffered input tile, weights and output block, plus the float32 accumulator."""
-    channels = block_n if p.depthwise else p.cg
-    x_tile = layout.phases * layout.tile_rows * layout.cols * channels * p.x_dtype.itemsize
-    weights = p.kh * p.kw * (1 if p.depthwise else p.cg) * block_n * p.w_dtype.itemsize
-    out = layout.block_rows * layout.out_cols * block_n
-    return 2 * (x_tile + weights + out * p.out_dtype.itemsize) + 4 * (out + weights)
-
-
-def check(p: Problem, config: Conv2dConfig | None) -> None:
-    """Declines float64, non-float operands and tiles that do not fit VMEM; rejects configs
-    that break TPU tiling."""
-    require_floating(x=p.x_dtype, w=p.w_dtype)
-    if jnp.float64 in (p.x_dtype, p.w_dtype, p.out_dtype):
-        raise NotImplementedError("float64 is not supported on TPU")
-    config = resolve_config(p, config)
-    channels = _lane_channels(p)
-    block_n = config.block_n
-    if (not isinstance(block_n, int) or block_n < 1
-            or (block_n != channels and (block_n % LANES or channels % block_n))):
-        raise ValueError(f"config.block_n={block_n!r} breaks TPU tiling for mosaic: it must equal "
-                         f"the {channels} output channels per group or be a multiple of 128 that "
-                         "divides them")
-    if not isinstance(config.block_rows, int) or config.block_rows < 1:
-        raise ValueError(f"config.block_rows must be a positive int, got {config.block_rows!r}")
-    needed, target = _vmem_bytes(p, _Layout(p, config.block_rows), block_n), _targets.current("tpu")
-    if needed > target.vmem_budget:
-        raise NotImplementedError(
-            f"a step's tiles need {needed} bytes of VMEM, over {target.name}'s budget of "
-            f"{target.vmem_budget}; this kernel keeps the whole padded width in one tile")
+__all__ = ["conv", "weight_grad", "staged_input", "check", "resolve_config"]
 
 
 def _pad(x: jax.Array, pads: list[tuple[int, int]]) -> jax.Array:
@@ -154,7 +80,7 @@ def _pad(x: jax.Array, pads: list[tuple[int, int]]) -> jax.Array:
     return lax.slice(grown, starts, limits)
 
 
-def _stage_input(x: jax.Array, p: Problem, layout: _Layout) -> jax.Array:
+def _stage_input(x: jax.Array, p: Problem, layout: Layout) -> jax.Array:
     """(N, H, W, C) -> (N, sh·sw, rows, cols, G, C/G): padded and split into phases."""
     (sh, sw), padding = p.geometry.stride, p.geometry.padding
     pads = [(0, 0), (padding[0][0], layout.rows * sh - p.h - padding[0][0]),
@@ -164,7 +90,7 @@ def _stage_input(x: jax.Array, p: Problem, layout: _Layout) -> jax.Array:
         p.n, layout.phases, layout.rows, layout.cols, p.groups, p.cg)
 
 
-def _window(x_ref, p: Problem, layout: _Layout, kh: int, kw: int, lead: tuple) -> jax.Array:
+def _window(x_ref, p: Problem, layout: Layout, kh: int, kw: int, lead: tuple) -> jax.Array:
     """The (block_rows, out_cols, channels) input window that tap (kh, kw) multiplies."""
     (sh, sw), (dh, dw) = p.geometry.stride, p.geometry.rhs_dilation
     phase = (kh * dh % sh) * sw + kw * dw % sw
@@ -182,7 +108,7 @@ def _dot(a, b, p: Problem, precision, transpose_a: bool = False):
                            precision=precision, preferred_element_type=jnp.float32)
 
 
-def _conv_kernel(x_ref, w_ref, out_ref, *, p: Problem, layout: _Layout, precision):
+def _conv_kernel(x_ref, w_ref, out_ref, *, p: Problem, layout: Layout, precision):
     pixels = layout.block_rows * layout.out_cols
     acc = None
     for kh, kw in _taps(p):
@@ -192,7 +118,7 @@ def _conv_kernel(x_ref, w_ref, out_ref, *, p: Problem, layout: _Layout, precisio
     out_ref[...] = acc.reshape(out_ref.shape).astype(out_ref.dtype)
 
 
-def _depthwise_kernel(x_ref, w_ref, out_ref, *, p: Problem, layout: _Layout):
+def _depthwise_kernel(x_ref, w_ref, out_ref, *, p: Problem, layout: Layout):
     acc = None
     for tap, (kh, kw) in enumerate(_taps(p)):
         window = _window(x_ref, p, layout, kh, kw, (0,)).astype(jnp.float32)
@@ -201,7 +127,7 @@ def _depthwise_kernel(x_ref, w_ref, out_ref, *, p: Problem, layout: _Layout):
     out_ref[...] = acc.astype(out_ref.dtype)
 
 
-def _input_spec(p: Problem, layout: _Layout, channels: int, index):
+def _input_spec(p: Problem, layout: Layout, channels: int, index):
     """Element-indexed input tile: block_rows output rows plus the halo, so tiles overlap.
 
     `index(grid indices) -> (n, g, row_block, channel_block)`."""
@@ -223,7 +149,7 @@ def _input_spec(p: Problem, layout: _Layout, channels: int, index):
     return pl.BlockSpec(tuple(pl.Element(b) for b in block), index_map)
 
 
-def _staged_x(x: jax.Array, p: Problem, layout: _Layout) -> jax.Array:
+def _staged_x(x: jax.Array, p: Problem, layout: Layout) -> jax.Array:
     staged = _stage_input(x, p, layout)
     if p.depthwise:  # channels (one per group) in the lanes
         return staged.reshape(*staged.shape[:4], p.c)
@@ -233,14 +159,14 @@ def _staged_x(x: jax.Array, p: Problem, layout: _Layout) -> jax.Array:
 def staged_input(x: jax.Array, p: Problem, config: Conv2dConfig | None = None) -> jax.Array:
     """The wrapper's one XLA copy of the input (padded, dilated, phase-split) that `conv`
     feeds the kernel; the bench times it alone to show what padding in the wrapper costs."""
-    return _staged_x(x, p, _Layout(p, resolve_config(p, config).block_rows))
+    return _staged_x(x, p, Layout(p, resolve_config(p, config).block_rows))
 
 
 def conv(x: jax.Array, w: jax.Array, p: Problem, *, config: Conv2dConfig | None, precision,
          interpret: bool | str) -> jax.Array:
     """The convolution of a problem that `check` accepted: (N, OH, OW, O) in p.out_dtype."""
     config = resolve_config(p, config)
-    layout = _Layout(p, config.block_rows)
+    layout = Layout(p, config.block_rows)
     block_n = config.block_n
     xs = _staged_x(x, p, layout)
     if p.depthwise:
@@ -275,7 +201,7 @@ def conv(x: jax.Array, w: jax.Array, p: Problem, *, config: Conv2dConfig | None,
         dimension_semantics=("parallel",) * 4,
         interpret=interpret,
         flops=flops_and_bytes(p)[0],
-        vmem_limit_bytes=vmem_limit(_vmem_bytes(p, layout, block_n)),
+        vmem_limit_bytes=vmem_limit(vmem_bytes(p, layout, block_n)),
         name="conv2d_depthwise_mosaic" if p.depthwise else "conv2d_mosaic",
     )(xs, ws)
     out = out[:, :, :p.oh, :p.ow]
@@ -285,7 +211,7 @@ def conv(x: jax.Array, w: jax.Array, p: Problem, *, config: Conv2dConfig | None,
     return out.transpose(0, 2, 3, 1, 4).reshape(p.n, p.oh, p.ow, p.o)
 
 
-def _outside_output(shape: tuple[int, ...], p: Problem, layout: _Layout) -> jax.Array | None:
+def _outside_output(shape: tuple[int, ...], p: Problem, layout: Layout) -> jax.Array | None:
     """Mask of window positions that belong to padded output pixels (row >= OH, col >= OW)."""
     if layout.out_rows == p.oh and layout.out_cols == p.ow:
         return None
@@ -307,7 +233,7 @@ def _reduction_bounds():
     return first, last
 
 
-def _weight_grad_kernel(x_ref, dy_ref, dw_ref, acc_ref, *, p: Problem, layout: _Layout,
+def _weight_grad_kernel(x_ref, dy_ref, dw_ref, acc_ref, *, p: Problem, layout: Layout,
                         precision):
     first, last = _reduction_bounds()
 
@@ -327,7 +253,7 @@ def _weight_grad_kernel(x_ref, dy_ref, dw_ref, acc_ref, *, p: Problem, layout: _
 
 
 def _depthwise_weight_grad_kernel(x_ref, dy_ref, dw_ref, acc_ref, *, p: Problem,
-                                  layout: _Layout):
+                                  layout: Layout):
     first, last = _reduction_bounds()
 
     @pl.when(first)
@@ -348,7 +274,7 @@ def weight_grad(x: jax.Array, dy: jax.Array, p: Problem, *, precision, interpret
                 dtype: jnp.dtype) -> jax.Array:
     """dW (KH, KW, C/G, O) in `dtype` of problem `p` from its input and output gradient."""
     config = resolve_config(p, None)
-    layout = _Layout(p, config.block_rows)
+    layout = Layout(p, config.block_rows)
     block_n = config.block_n
     xs = _staged_x(x, p, layout)
     pad = ((0, 0), (0, layout.out_rows - p.oh), (0, layout.out_cols - p.ow), (0, 0))
@@ -392,7 +318,7 @@ def weight_grad(x: jax.Array, dy: jax.Array, p: Problem, *, precision, interpret
         dimension_semantics=semantics,
         interpret=interpret,
         flops=flops_and_bytes(p)[0],
-        vmem_limit_bytes=vmem_limit(_vmem_bytes(p, layout, block_n)),
+        vmem_limit_bytes=vmem_limit(vmem_bytes(p, layout, block_n)),
         name="conv2d_depthwise_weight_grad_mosaic" if p.depthwise
         else "conv2d_weight_grad_mosaic",
     )(xs, dys)
