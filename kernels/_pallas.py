@@ -176,16 +176,20 @@ def triton_call(
     num_warps: int,
     num_stages: int,
     interpret: bool | str,
-    cost_estimate: pl.CostEstimate | None = None,
+    flops: int = 0,
+    transcendentals: int = 0,
+    bytes_accessed: int = 0,
     name: str | None = None,
     steps_per_program: int = 1,
 ) -> Callable[..., Any]:
     """`pl.pallas_call` for a Triton kernel.
 
     Always passes Triton compiler params: without them Pallas (jax >= 0.9) routes a GPU kernel
-    to Mosaic GPU. `steps_per_program`: the tiles of an array one program walks in turn (its
-    loop's trip count), which decides how an interpreted kernel accesses them
-    (`_as_index_arrays`).
+    to Mosaic GPU. Its cost estimate states `flops`, `transcendentals` and `bytes_accessed`, the
+    bytes the launch's loads and stores move (the convention `mosaic_call` shares, where the
+    pipeline's bytes are counted for the kernel). `steps_per_program`: the tiles of an array one
+    program walks in turn (its loop's trip count), which decides how an interpreted kernel
+    accesses them (`_as_index_arrays`).
     """
     specs = {} if in_specs is None else {"in_specs": in_specs, "out_specs": out_specs}
 
@@ -201,7 +205,8 @@ def triton_call(
                 **specs,
                 compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
                 interpret=bool(interpret),
-                cost_estimate=cost_estimate,
+                cost_estimate=pl.CostEstimate(flops=flops, transcendentals=transcendentals,
+                                              bytes_accessed=bytes_accessed),
                 name=name,
             )(*args)
         finally:

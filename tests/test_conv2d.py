@@ -14,7 +14,7 @@ import pytest
 from jax.test_util import check_grads
 
 import reference
-from kernels.conv2d import Conv2dConfig, conv2d, mosaic, mosaic_config
+from kernels.conv2d import Conv2dConfig, conv2d, mosaic_config
 from tests.support import (KERNELS, SUPPORTS_FLOAT64, as_f64, assert_close, assert_lowers, random,
                            x64, weighted_sum)
 

@@ -18,7 +18,6 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 
-from kernels._pallas import pl
 from reference.conv2d import Geometry, output_size
 
 
@@ -136,12 +135,6 @@ def flops_and_bytes(p: Problem) -> tuple[int, int]:
               + p.kh * p.kw * p.cg * p.o * p.w_dtype.itemsize
               + p.m * p.o * p.out_dtype.itemsize)
     return flops, nbytes
-
-
-def cost_estimate(p: Problem, moved_bytes: int) -> pl.CostEstimate:
-    """The op's flops and `moved_bytes`, the traffic the launch's schedule issues."""
-    return pl.CostEstimate(flops=flops_and_bytes(p)[0], transcendentals=0,
-                           bytes_accessed=moved_bytes)
 
 
 class Phase(NamedTuple):

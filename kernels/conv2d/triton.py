@@ -81,7 +81,7 @@ from jax import lax
 
 from kernels._blocks import Split, int32_loop
 from kernels._pallas import pl, triton_call, triton_load, triton_store
-from kernels.conv2d.common import Conv2dConfig, Problem, cost_estimate
+from kernels.conv2d.common import Conv2dConfig, Problem, flops_and_bytes
 # How big the blocks are and what they cost; `check` is this module's, as each backend's is.
 from kernels.conv2d.triton_config import (check, forward_traffic, num_k_blocks, resolve_config,
                                           tap_major, weight_grad_config, weight_grad_grid,
@@ -239,7 +239,8 @@ def conv(x: jax.Array, w: jax.Array, p: Problem, *, config: Conv2dConfig | None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         interpret=interpret,
-        cost_estimate=cost_estimate(p, forward_traffic(p, config)),
+        flops=flops_and_bytes(p)[0],
+        bytes_accessed=forward_traffic(p, config),
         name="conv2d_depthwise_triton" if p.depthwise else "conv2d_triton",
     )(x.reshape(-1), w.reshape(p.k, p.o))
     return out.reshape(p.n, p.oh, p.ow, p.o)
@@ -322,8 +323,8 @@ def weight_grad(x: jax.Array, dy: jax.Array, p: Problem, *, precision, interpret
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         interpret=interpret,
-        cost_estimate=cost_estimate(p, weight_grad_traffic(p, config, dy.dtype, dtype,
-                                                            split.splits)),
+        flops=flops_and_bytes(p)[0],
+        bytes_accessed=weight_grad_traffic(p, config, dy.dtype, dtype, split.splits),
         name="conv2d_depthwise_weight_grad_triton" if p.depthwise else "conv2d_weight_grad_triton",
     )(x.reshape(-1), dy.reshape(p.m, p.o))
     if split.splits > 1:  # XLA's reduction: a fixed order, the same sum on every run

@@ -27,7 +27,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels._pallas import pl
 
 FORWARD_MODE = {None: "clip", "promise_in_bounds": "clip", "clip": "clip", "drop": "fill",
                 "fill": "fill", "wrap": "wrap"}
@@ -119,17 +118,6 @@ def scatter_bytes(p: Problem) -> int:
     indices, their order and the segment starts read once."""
     return ((p.batch * p.num_indices + p.batch * p.n) * p.columns * p.itemsize
             + 8 * p.num_indices + 4 * (p.n + 1))
-
-
-def gather_cost(p: Problem) -> pl.CostEstimate:
-    return pl.CostEstimate(flops=0, transcendentals=0, bytes_accessed=gather_bytes(p))
-
-
-def scatter_cost(p: Problem, partial_bytes: int = 0) -> pl.CostEstimate:
-    """The scatter-add's flops and minimum bytes, plus `partial_bytes` of partial sums a
-    kernel writes and reads back."""
-    return pl.CostEstimate(flops=p.batch * p.num_indices * p.columns, transcendentals=0,
-                           bytes_accessed=scatter_bytes(p) + partial_bytes)
 
 
 def normalize_row(index: jax.Array, n: int, mode: str) -> tuple[jax.Array, jax.Array]:

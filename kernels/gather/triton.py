@@ -76,8 +76,8 @@ from jax import lax
 
 from kernels._pallas import pl, triton_call, triton_load, triton_store
 from kernels.gather.common import (GatherConfig, Problem, ScatterPlan, accumulator_dtype,
-                                   gather_cost, normalize_row, scatter_cost)
-from kernels.gather.triton_config import (Pieces, RowsSchedule, check, pieces, pieces_cost,
+                                   gather_bytes, normalize_row, scatter_bytes)
+from kernels.gather.triton_config import (Pieces, RowsSchedule, check, pieces, pieces_bytes,
                                           resolve_config, rows_schedule, segment_rows)
 
 __all__ = ["gather", "scatter_add", "check", "resolve_config", "piece_table"]
@@ -123,7 +123,7 @@ def gather(x: jax.Array, indices: jax.Array, p: Problem, *, config: GatherConfig
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         interpret=interpret,
-        cost_estimate=gather_cost(p),
+        bytes_accessed=gather_bytes(p),
         name="gather_triton",
     )(indices, x)
 
@@ -250,7 +250,8 @@ def scatter_add(g: jax.Array, plan: ScatterPlan, p: Problem, *, config: GatherCo
             num_warps=4,
             num_stages=config.num_stages,
             interpret=interpret,
-            cost_estimate=pieces_cost(p, partial_bytes),
+            flops=p.batch * p.num_indices * p.columns,
+            bytes_accessed=pieces_bytes(p, partial_bytes),
             name="scatter_add_pieces_triton",
         )(plan.order, table.bounds, g)
     schedule = rows_schedule(config.block_columns)
@@ -270,6 +271,7 @@ def scatter_add(g: jax.Array, plan: ScatterPlan, p: Problem, *, config: GatherCo
         num_warps=4,
         num_stages=config.num_stages,
         interpret=interpret,
-        cost_estimate=scatter_cost(p, partial_bytes),
+        flops=p.batch * p.num_indices * p.columns,
+        bytes_accessed=scatter_bytes(p) + partial_bytes,
         name="scatter_add_triton",
     )(plan.order, plan.row_starts, table.row_pieces, g, partials)

@@ -3,7 +3,7 @@ bounded by (the kernels themselves are in `kernels/gather/triton.py`): the forwa
 (`resolve_config`) and the checks that decline a problem or reject a config (`check`); the
 backward's rows schedule (`rows_schedule`: the device's, and the fast interpreter's), its
 pieces (`pieces`: how a hot row's work is cut so no program's loop grows with the ids) and the
-longest loop they leave (`longest_loop`); and the pieces launch's cost estimate."""
+longest loop they leave (`longest_loop`); and the bytes the pieces launch moves."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from kernels._pallas import pl
 from kernels.gather.common import GatherConfig, Problem, check_int
 
 __all__ = ["resolve_config", "check", "segment_rows", "RowsSchedule", "rows_schedule", "Pieces",
-           "pieces", "longest_loop", "pieces_cost"]
+           "pieces", "longest_loop", "pieces_bytes"]
 
 _MAX_BLOCK_INDICES = 64
 _MAX_BLOCK_COLUMNS = 512
@@ -115,9 +115,8 @@ def longest_loop(p: Problem, config: GatherConfig | None = None) -> int:
     return pl.cdiv(length, rows_per_step) + pl.cdiv(count, rows_per_step)
 
 
-def pieces_cost(p: Problem, partial_bytes: int) -> pl.CostEstimate:
+def pieces_bytes(p: Problem, partial_bytes: int) -> int:
     """At most every cotangent row read once (those past their row's first piece), the
     partials written once."""
     cotangent_bytes = p.batch * p.num_indices * p.columns * p.itemsize
-    return pl.CostEstimate(flops=p.batch * p.num_indices * p.columns, transcendentals=0,
-                           bytes_accessed=cotangent_bytes + 4 * p.num_indices + partial_bytes)
+    return cotangent_bytes + 4 * p.num_indices + partial_bytes

@@ -194,15 +194,14 @@ def _matmul_kernel(a_ref, b_ref, out_ref, *, p: Problem, config: MatmulConfig, p
                  mask=_tile_mask(rows, cols))
 
 
-def _cost_estimate(p: Problem, config: MatmulConfig, partial_bytes: int) -> pl.CostEstimate:
+def _moved_bytes(p: Problem, config: MatmulConfig, partial_bytes: int) -> int:
     """Each tile program of each output batch streams its (block_m, K) panel of A and (K,
     block_n) panel of B (the grouped order serves most re-reads from L2) and writes its
     output tile, or, split, `partial_bytes` of float32 partials that XLA reads back."""
     panels = (p.m * p.k * jnp.dtype(p.a_dtype).itemsize * pl.cdiv(p.n, config.block_n)
               + p.k * p.n * jnp.dtype(p.b_dtype).itemsize * pl.cdiv(p.m, config.block_m))
     written = partial_bytes or p.num_batches * p.m * p.n * jnp.dtype(p.out_dtype).itemsize
-    return pl.CostEstimate(flops=flops_and_bytes(p)[0], transcendentals=0,
-                           bytes_accessed=p.num_batches * panels + written)
+    return p.num_batches * panels + written
 
 
 def matmul(a: jax.Array, b: jax.Array, p: Problem, *, config: MatmulConfig | None, precision,
@@ -221,7 +220,8 @@ def matmul(a: jax.Array, b: jax.Array, p: Problem, *, config: MatmulConfig | Non
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         interpret=interpret,
-        cost_estimate=_cost_estimate(p, config, partial_bytes),
+        flops=flops_and_bytes(p)[0],
+        bytes_accessed=_moved_bytes(p, config, partial_bytes),
         name="matmul_triton" if splits == 1 else "matmul_split_k_triton",
     )(a.reshape(math.prod(p.a_batch), *a.shape[-2:]),
       b.reshape(math.prod(p.b_batch), *b.shape[-2:]))

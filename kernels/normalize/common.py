@@ -32,7 +32,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kernels._pallas import pl
 from reference.normalize import statistics_dtype
 
 
@@ -274,12 +273,6 @@ def backward_flops_and_bytes(p: Problem, num_partials: int,
     partials = (p.has_scale + p.has_offset) * num_partials * p.reduced * stat
     stats = (4 if stat_cotangents else 2) * p.outer * p.groups * stat
     return 12 * p.size, 3 * p.size * item + p.has_scale * p.reduced * stat + stats + partials
-
-
-def cost_estimate(flops_and_bytes: tuple[int, int], p: Problem) -> pl.CostEstimate:
-    flops, nbytes = flops_and_bytes
-    return pl.CostEstimate(flops=flops, transcendentals=p.outer * p.groups,
-                           bytes_accessed=nbytes)
 
 
 def minimum_bytes(p: Problem) -> int:

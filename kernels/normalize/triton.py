@@ -233,9 +233,10 @@ def _split_counts(p: Problem, config: NormalizeConfig, s: Schedule) -> jax.Array
 def _call(kernel, p: Problem, config: NormalizeConfig, grid, out_shape, flops_and_bytes, name,
           interpret, steps=1):
     """`steps`: the tiles one program walks in turn."""
+    flops, nbytes = flops_and_bytes
     return triton_call(kernel, out_shape=out_shape, grid=grid, num_warps=config.num_warps,
-                       num_stages=config.num_stages, interpret=interpret,
-                       cost_estimate=common.cost_estimate(flops_and_bytes, p), name=name,
+                       num_stages=config.num_stages, interpret=interpret, flops=flops,
+                       transcendentals=p.outer * p.groups, bytes_accessed=nbytes, name=name,
                        steps_per_program=steps)
 
 
