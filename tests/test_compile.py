@@ -122,43 +122,32 @@ def test_large_mosaic_config_within_budget_raises_the_vmem_limit_and_compiles():
     assert report.vmem_limit > _targets.TARGETS["v5e"].scoped_vmem
 
 
-@pytest.mark.timeout(TIMEOUT_S)
-def test_conv2d_mosaic_tiles_are_budgeted_by_the_targets_vmem():
-    """One VMEM policy for every Mosaic kernel (`Target.vmem_budget`): a conv step whose
-    tiles need about 33 MiB is declined for a v4, whose 16 MiB of VMEM it cannot fit (libtpu
-    clamps a higher `vmem_limit_bytes` to the physical VMEM, so under the old fixed 48 MiB cap
-    the kernel was accepted and then failed to compile: "Used 22.25M of 16.00M vmem"), and
-    compiles for a v5e with its scoped limit raised."""
-    x = jax.ShapeDtypeStruct((1, 16, 2048, 256), jnp.float32)
-    w = jax.ShapeDtypeStruct((3, 3, 256, 256), jnp.float32)
-
-    def forward(x, w):
-        return kernels.conv2d(x, w, implementation="mosaic", interpret=False)
-
-    with on_target(_targets.TARGETS["v4"]), pytest.raises(
-            NotImplementedError, match="tiles need .* VMEM, over v4's budget"):
-        jax.eval_shape(forward, x, w)
-    (report,) = compile_kernels(forward, x, w, target="v5e")
-    assert report.fits, report.error
-    assert report.vmem_limit > _targets.TARGETS["v5e"].scoped_vmem
+# One VMEM policy for every Mosaic kernel (`Target.vmem_budget`): a step over a v4's 16 MiB is
+# declined there, and compiles for a v5e with its scoped limit raised.
+# conv2d: tiles of about 33 MiB; libtpu clamps a higher `vmem_limit_bytes` to the physical
+# VMEM, so under the old fixed 48 MiB cap the kernel was accepted for a v4 and then failed to
+# compile ("Used 22.25M of 16.00M vmem").
+# gather: a bfloat16 table of 32768 columns puts about 33 MiB in a forward step (its (128,
+# columns) rows scratch and output blocks), which failed to compile for a v5e at the default
+# scoped limit ("CompileTimeScopedVmemOom").
+_OVER_A_V4 = {
+    "conv2d": (lambda x, w: kernels.conv2d(x, w, implementation="mosaic", interpret=False),
+               [((1, 16, 2048, 256), jnp.float32), ((3, 3, 256, 256), jnp.float32)],
+               "tiles need .* VMEM, over v4's budget"),
+    "gather": (lambda x, ids: kernels.gather(x, ids, implementation="mosaic", interpret=False),
+               [((1024, 32768), jnp.bfloat16), ((256,), jnp.int32)],
+               "gather kernel's step needs .* VMEM .* over v4's budget"),
+}
 
 
 @pytest.mark.timeout(TIMEOUT_S)
-def test_gather_mosaic_steps_are_budgeted_by_the_targets_vmem():
-    """The same VMEM policy for gather: a bfloat16 table of 32768 columns puts about 33 MiB in
-    a forward step (its (128, columns) rows scratch and output blocks), which failed to compile
-    for a v5e at the default scoped limit ("CompileTimeScopedVmemOom"); it now compiles there
-    with the limit raised, and is declined for a v4, whose VMEM cannot hold it."""
-    x = jax.ShapeDtypeStruct((1024, 32768), jnp.bfloat16)
-    ids = jax.ShapeDtypeStruct((256,), jnp.int32)
-
-    def forward(x, ids):
-        return kernels.gather(x, ids, implementation="mosaic", interpret=False)
-
-    with on_target(_targets.TARGETS["v4"]), pytest.raises(
-            NotImplementedError, match="gather kernel's step needs .* VMEM .* over v4's budget"):
-        jax.eval_shape(forward, x, ids)
-    (report,) = compile_kernels(forward, x, ids, target="v5e")
+@pytest.mark.parametrize("op", sorted(_OVER_A_V4))
+def test_mosaic_steps_are_budgeted_by_the_targets_vmem(op):
+    forward, shapes, declined = _OVER_A_V4[op]
+    args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]
+    with on_target(_targets.TARGETS["v4"]), pytest.raises(NotImplementedError, match=declined):
+        jax.eval_shape(forward, *args)
+    (report,) = compile_kernels(forward, *args, target="v5e")
     assert report.fits, report.error
     assert report.vmem_limit > _targets.TARGETS["v5e"].scoped_vmem
 
