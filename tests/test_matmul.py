@@ -136,9 +136,9 @@ def test_no_retrace_on_repeated_calls(implementation):
 @pytest.mark.parametrize("impl", KERNELS)
 def test_repeated_eager_calls_trace_the_kernel_once(impl, monkeypatch):
     """Eager callers (tests of model code on a CPU) get jit's cache, not a re-trace per call."""
-    from kernels.matmul import _KERNELS
+    from kernels.matmul import OP
 
-    module = _KERNELS[impl]
+    module = OP.module(impl)
     traces = []
     kernel = module.matmul
     monkeypatch.setattr(module, "matmul", lambda *a, **k: traces.append(1) or kernel(*a, **k))
@@ -230,16 +230,7 @@ def test_bad_input(implementation, a, b, error, match):
         matmul(a, b, implementation=implementation)
 
 
-def test_bad_implementation_and_interpret():
-    a = jnp.ones((3, 3))
-    with pytest.raises(ValueError, match="implementation must be one of"):
-        matmul(a, a, implementation="cuda")
-    with pytest.raises(ValueError, match="implementation must be one of"):
-        matmul(a, a, implementation=("triton", "nope"))
-    with pytest.raises(TypeError, match="interpret must be"):
-        matmul(a, a, implementation="triton", interpret="yes")
-    with pytest.raises(TypeError, match="config must be a MatmulConfig"):
-        matmul(a, a, config={"block_m": 16})
+# A bad implementation, interpret or config type: tests/test_contract.py, for every op.
 
 
 @pytest.mark.parametrize("impl,config,match", [

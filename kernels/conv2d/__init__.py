@@ -30,19 +30,18 @@ import numpy as np
 from jax import lax
 
 from kernels import _dispatch, partition
+from kernels._op import Op
 from kernels.conv2d import mosaic, sharding, triton
 from kernels.conv2d.common import (Conv2dConfig, Phase, Problem, make_problem,
                                    subpixel_phases)
-from kernels.matmul import mosaic as matmul_mosaic
-from kernels.matmul import triton as matmul_triton
+from kernels.matmul import OP as MATMUL
 from kernels.matmul.common import make_problem as matmul_problem
 from reference.conv2d import Geometry, conv2d as reference_conv2d, dilated_size
 from reference.conv2d import geometry as make_geometry
 
 __all__ = ["conv2d", "Conv2dConfig"]
 
-_KERNELS = {"triton": triton, "mosaic": mosaic}
-_MATMUL_KERNELS = {"triton": matmul_triton, "mosaic": matmul_mosaic}
+OP = Op("conv2d", reference_conv2d, {"triton": triton, "mosaic": mosaic}, Conv2dConfig)
 
 
 class _Static(NamedTuple):
@@ -69,14 +68,14 @@ def _check(kernel: str, p: Problem, config: Conv2dConfig | None) -> None:
     if _is_pointwise(p, config):
         a = jax.ShapeDtypeStruct((p.m, p.c), p.x_dtype)
         b = jax.ShapeDtypeStruct((p.c, p.o), p.w_dtype)
-        _MATMUL_KERNELS[kernel].check(matmul_problem(a, b, False, False, p.out_dtype), None)
+        MATMUL.module(kernel).check(matmul_problem(a, b, False, False, p.out_dtype), None)
     else:
-        _KERNELS[kernel].check(p, config)
+        OP.module(kernel).check(p, config)
 
 
 def _matmul(a: jax.Array, b: jax.Array, transpose_a: bool, s: _Static,
             out_dtype: jnp.dtype) -> jax.Array:
-    kernel = _MATMUL_KERNELS[s.implementation]
+    kernel = MATMUL.module(s.implementation)
     p = matmul_problem(a, b, transpose_a, False, out_dtype)
     return kernel.matmul(a, b, p, config=None, precision=s.precision, interpret=s.interpret)
 
@@ -88,7 +87,7 @@ def _run_whole(x: jax.Array, w: jax.Array, s: _Static) -> jax.Array:
     if _is_pointwise(p, s.config):
         out = _matmul(x.reshape(p.m, p.c), w.reshape(p.c, p.o), False, s, p.out_dtype)
         return out.reshape(p.n, p.oh, p.ow, p.o)
-    return _KERNELS[s.implementation].conv(x, w, p, config=s.config, precision=s.precision,
+    return OP.module(s.implementation).conv(x, w, p, config=s.config, precision=s.precision,
                                            interpret=s.interpret)
 
 
@@ -199,7 +198,7 @@ def _weight_gradient_whole(x, dy, statics: tuple[_Static, tuple[int, int]]) -> j
     if _is_pointwise(p, None):  # dW = xᵀ @ dy over the pixels
         dw = _matmul(x.reshape(p.m, p.c), dy.reshape(p.m, p.o), True, s, s.out_dtype)
         return dw.reshape(shape)
-    return _KERNELS[s.implementation].weight_grad(x, dy, p, precision=s.precision,
+    return OP.module(s.implementation).weight_grad(x, dy, p, precision=s.precision,
                                                   interpret=s.interpret, dtype=s.out_dtype)
 
 
@@ -235,8 +234,7 @@ def _validate_arrays(x: Any, w: Any, config: Any) -> None:
         dtype = a.dtype if hasattr(a, "dtype") else np.asarray(a).dtype
         if not (jnp.issubdtype(dtype, jnp.number) or dtype == jnp.bool_):
             raise TypeError(f"conv2d: {name} must have a numeric dtype, got {dtype}")
-    if config is not None and not isinstance(config, Conv2dConfig):
-        raise TypeError(f"conv2d: config must be a Conv2dConfig or None, got {config!r}")
+    OP.check_config(config)
 
 
 def conv2d(
@@ -278,7 +276,7 @@ def conv2d(
     hwio = (2, 3, 1, 0) if data_format == "NCHW" else (0, 1, 2, 3)
     problem = make_problem(tuple(x.shape[d] for d in nhwc), tuple(w.shape[d] for d in hwio),
                            x.dtype, w.dtype, geometry, out_dtype)
-    checks = {kernel: functools.partial(_check, kernel, problem, config) for kernel in _KERNELS}
+    checks = {kernel: functools.partial(_check, kernel, problem, config) for kernel in OP.kernels}
 
     def call(name, interpret, x, w):
         if name == "xla":

@@ -20,6 +20,7 @@ from reference.gather import (bounded_indices, check_arguments, default_fill_val
                               host_indices)
 from reference.gather import gather as reference_gather
 from kernels import _dispatch, partition
+from kernels._op import Op
 from kernels.gather import mosaic, sharding, triton
 from kernels.gather.common import (FORWARD_MODE, SCATTER_MODE, TRANSPOSED_MODE, GatherConfig,
                                    Problem, fill_bits, fill_scalar, scatter_plan,
@@ -27,7 +28,7 @@ from kernels.gather.common import (FORWARD_MODE, SCATTER_MODE, TRANSPOSED_MODE, 
 
 __all__ = ["gather", "GatherConfig"]
 
-_KERNELS = {"triton": triton, "mosaic": mosaic}
+OP = Op("gather", reference_gather, {"triton": triton, "mosaic": mosaic}, GatherConfig)
 
 
 class _Static(NamedTuple):
@@ -42,13 +43,13 @@ class _Static(NamedTuple):
 
 
 def _gather_whole(x3: jax.Array, indices: jax.Array, s: _Static) -> jax.Array:
-    return _KERNELS[s.implementation].gather(x3, indices, s.problem, config=s.config,
+    return OP.module(s.implementation).gather(x3, indices, s.problem, config=s.config,
                                              interpret=s.interpret)
 
 
 def _scatter_add_whole(g: jax.Array, indices: jax.Array, s: _Static) -> jax.Array:
     plan = scatter_plan(indices, s.problem.n, s.scatter_mode)
-    return _KERNELS[s.implementation].scatter_add(g, plan, s.problem, config=s.config,
+    return OP.module(s.implementation).scatter_add(g, plan, s.problem, config=s.config,
                                                   interpret=s.interpret)
 
 
@@ -109,8 +110,7 @@ def _validate(x: jax.Array, indices: jax.Array, axis: Any, mode: Any,
               config: GatherConfig | None) -> int:
     if not (jnp.issubdtype(x.dtype, jnp.number) or x.dtype == jnp.bool_):
         raise TypeError(f"gather: x must have a numeric or boolean dtype, got {x.dtype}")
-    if config is not None and not isinstance(config, GatherConfig):
-        raise TypeError(f"gather: config must be a GatherConfig or None, got {config!r}")
+    OP.check_config(config)
     return check_arguments(x, indices, axis, mode)
 
 
@@ -150,7 +150,7 @@ def gather(
         fill = fill_bits(fill_scalar(fill_bits(value, x.dtype), x.dtype), kernel_dtype)
     problem = Problem(batch, n, columns, indices.size, kernel_dtype, FORWARD_MODE[mode], fill)
     checks = {kernel: functools.partial(_check, module, problem, config, x.dtype)
-              for kernel, module in _KERNELS.items()}
+              for kernel, module in OP.kernels.items()}
     # Host indices stay NumPy constants: as operands they would be narrowed to 32 bits.
     host = None if isinstance(indices, jax.Array) else indices
 

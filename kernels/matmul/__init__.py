@@ -19,12 +19,13 @@ from jax import lax
 
 import reference
 from kernels import _dispatch, partition
+from kernels._op import Op
 from kernels.matmul import mosaic, sharding, triton
 from kernels.matmul.common import MatmulConfig, make_problem
 
 __all__ = ["matmul", "MatmulConfig"]
 
-_KERNELS = {"triton": triton, "mosaic": mosaic}
+OP = Op("matmul", reference.matmul, {"triton": triton, "mosaic": mosaic}, MatmulConfig)
 
 
 class _Static(NamedTuple):
@@ -43,7 +44,7 @@ def _run_whole(a: jax.Array, b: jax.Array, s: _Static) -> jax.Array:
     p = make_problem(a, b, s.transpose_a, s.transpose_b, s.out_dtype)
     if p.is_empty:
         return jnp.zeros((*p.out_batch, p.m, p.n), p.out_dtype)
-    return _KERNELS[s.implementation].matmul(a, b, p, config=s.config, precision=s.precision,
+    return OP.module(s.implementation).matmul(a, b, p, config=s.config, precision=s.precision,
                                              interpret=s.interpret)
 
 
@@ -117,8 +118,7 @@ def _validated(a: jax.Array, b: jax.Array,
     except ValueError:
         raise ValueError(f"matmul: batch dims of a {a.shape[:-2]} and b {b.shape[:-2]} do not "
                          "broadcast") from None
-    if config is not None and not isinstance(config, MatmulConfig):
-        raise TypeError(f"matmul: config must be a MatmulConfig or None, got {config!r}")
+    OP.check_config(config)
     return a, b
 
 
@@ -162,8 +162,7 @@ def matmul(
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(a, b))
     a2, b2 = jax.eval_shape(lambda a, b: _as_batched_matrices(a, b)[:2], a, b)
     problem = make_problem(a2, b2, False, False, out_dtype)
-    checks = {kernel: functools.partial(module.check, problem, config)
-              for kernel, module in _KERNELS.items()}
+    checks = OP.checks(problem, config)
 
     def call(name, interpret, a, b):
         if name == "xla":

@@ -20,6 +20,7 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 from kernels import _dispatch, partition
+from kernels._op import Op
 from kernels.normalize import common, mosaic, sharding, triton
 from kernels.normalize.common import NormalizeConfig, Problem
 from reference.normalize import Axis, check_arguments
@@ -27,7 +28,8 @@ from reference.normalize import normalize as reference_normalize
 
 __all__ = ["normalize", "layer_norm", "rms_norm", "NormalizeConfig"]
 
-_KERNELS = {"triton": triton, "mosaic": mosaic}
+OP = Op("normalize", reference_normalize, {"triton": triton, "mosaic": mosaic},
+        NormalizeConfig)
 
 
 class _Static(NamedTuple):
@@ -40,12 +42,12 @@ class _Static(NamedTuple):
 
 
 def _forward_whole(x, scale, offset, s: _Static):
-    return _KERNELS[s.implementation].forward(x, scale, offset, s.problem, config=s.config,
+    return OP.module(s.implementation).forward(x, scale, offset, s.problem, config=s.config,
                                               interpret=s.interpret)
 
 
 def _backward_whole(x, scale, mean, rstd, gy, gmean, grstd, s: _Static):
-    return _KERNELS[s.implementation].backward(x, scale, mean, rstd, gy, gmean, grstd,
+    return OP.module(s.implementation).backward(x, scale, mean, rstd, gy, gmean, grstd,
                                                s.problem, config=s.config,
                                                interpret=s.interpret)
 
@@ -118,8 +120,7 @@ _backward.defvjp(_backward_fwd, _backward_bwd)
 def _validate_options(subtract_mean: bool, config: NormalizeConfig | None, op: str) -> None:
     if not isinstance(subtract_mean, (bool, np.bool_)):
         raise TypeError(f"{op}: subtract_mean must be True or False, got {subtract_mean!r}")
-    if config is not None and not isinstance(config, NormalizeConfig):
-        raise TypeError(f"{op}: config must be a NormalizeConfig or None, got {config!r}")
+    OP.check_config(config, op)
 
 
 def _normalize(x, scale, offset, axis, epsilon, subtract_mean, implementation, interpret,
@@ -132,8 +133,7 @@ def _normalize(x, scale, offset, axis, epsilon, subtract_mean, implementation, i
     perm, (outer, groups, reduced, rows) = common.plan(x.shape, axes)
     problem = Problem(outer, groups, reduced, rows, jnp.dtype(x.dtype), bool(subtract_mean),
                       epsilon, scale is not None, offset is not None)
-    checks = {kernel: functools.partial(module.check, problem, config)
-              for kernel, module in _KERNELS.items()}
+    checks = OP.checks(problem, config)
 
     def call(name, interpret, x, scale, offset):
         if name == "xla" or x.size == 0:
