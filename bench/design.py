@@ -152,10 +152,10 @@ def grouped(design_rows: list[dict]) -> str:
     """The launches grouped per op and case, each case a small table of its launches per
     target (the default view)."""
     blocks = []
-    for (op, case), launches in _groups(design_rows, ("op", "case")).items():
+    for (op, case), case_rows in _groups(design_rows, ("op", "case")).items():
         cells = [[DEVICE_NAMES[r["target"]] if i == 0 else "", r["launch"], *_figures(r)[:-1],
                   "-" if r["resources"].startswith("not compiled") else r["resources"]]
-                 for target_rows in _groups(launches, ("target",)).values()
+                 for target_rows in _groups(case_rows, ("target",)).values()
                  for i, r in enumerate(target_rows)]
         table_text = aligned(["target", "launch", *_FIGURE_COLUMNS], cells)
         blocks.append(f"{op}: {case}\n" + "\n".join("  " + line
