@@ -1,5 +1,13 @@
 """Matmul as a Pallas kernel lowered through Triton (GPU).
 
+The kernel's loop nest, per program (tiles and split-K: `triton_config.py`):
+
+    program (tile t, batch i, split s):              # t -> (rows, cols) in grouped order
+        acc = 0                                      # float32 (float64 for float64)
+        for kb in s's range of cdiv(K, block_k):     # all of them unless split-K
+            acc += a[i, rows, kb] @ b[i, kb, cols]   # masked loads: past the edges read 0
+        out[s, i, rows, cols] = acc                  # split-K: partial sums XLA adds
+
 Block schedule
 --------------
 grid = (cdiv(M, block_m) * cdiv(N, block_n), num_batches). Program (t, i) owns the output tile
@@ -46,78 +54,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from kernels._blocks import (MIN_PIPELINED_STEPS, Split, check_triton_config, fill_sms, int32_loop,
-                             is_positive_int, is_power_of_2, max_splits, require_floating,
-                             require_shared_memory, split_reduction, triton_block,
-                             triton_dot_shared_bytes)
+from kernels._blocks import int32_loop
 from kernels._pallas import pl, triton_call, triton_load, triton_store
 from kernels.matmul.common import MatmulConfig, Problem, batch_index, dot, flops_and_bytes
+from kernels.matmul.triton_config import check, k_split, moved_bytes, resolve_config
 
-
-def _largest_blocks(p: Problem) -> tuple[int, int]:
-    """(output tile side, K slice) caps: float64 tiles take twice the registers; 16-bit tiles
-    afford a deeper K slice."""
-    itemsize = jnp.dtype(p.compute_dtype).itemsize
-    if itemsize >= 8:
-        return 64, 32
-    return 128, 64 if itemsize <= 2 else 32
-
-
-def _num_tiles(p: Problem, block_m: int, block_n: int) -> int:
-    return pl.cdiv(p.m, block_m) * pl.cdiv(p.n, block_n) * p.num_batches
-
-
-def _split_k(p: Problem, block_m: int, block_n: int, block_k: int, asked: int | None) -> int:
-    """Programs per output tile: `asked`, less any split that would get no K block, or, when
-    None, from the shape ("Configs by shape")."""
-    num_k_blocks = pl.cdiv(p.k, block_k)
-    if asked is not None:
-        return pl.cdiv(num_k_blocks, pl.cdiv(num_k_blocks, asked))
-    partial_bytes = p.num_batches * p.m * p.n * 4
-    return split_reduction(_num_tiles(p, block_m, block_n), num_k_blocks,
-                           min_steps=MIN_PIPELINED_STEPS,
-                           max_splits=max_splits(flops_and_bytes(p)[1], partial_bytes)).splits
-
-
-def resolve_config(p: Problem, config: MatmulConfig | None) -> MatmulConfig:
-    """Fills unset fields from the shape class (module docstring, "Configs by shape")."""
-    config = config or MatmulConfig()
-    max_block, max_k = _largest_blocks(p)
-    block_m, block_n = fill_sms(triton_block(p.m, max_block), triton_block(p.n, max_block),
-                                lambda rows, cols: _num_tiles(p, rows, cols))
-    block_m = block_m if config.block_m is None else config.block_m
-    block_n = block_n if config.block_n is None else config.block_n
-    block_k = triton_block(p.k, max_k) if config.block_k is None else config.block_k
-    split_k = config.split_k
-    blocks_valid = all(is_power_of_2(b) for b in (block_m, block_n, block_k))
-    if blocks_valid and (split_k is None or is_positive_int(split_k)):  # else check() rejects
-        split_k = _split_k(p, block_m, block_n, block_k, split_k)
-    # A transposed A tile is relaid out in registers before the MMA: at 4 warps a 64x64 tile
-    # with a 64-deep 16-bit K slice spills on sm_80 (128 registers), at 8 it takes 74.
-    num_warps = config.num_warps or (8 if block_m * block_n >= 128 * 128 or p.transpose_a
-                                     else 4)
-    return MatmulConfig(block_m, block_n, block_k, config.group_m, num_warps,
-                        config.num_stages or 3, split_k)
-
-
-def _split(p: Problem, config: MatmulConfig) -> Split:
-    num_k_blocks = pl.cdiv(p.k, config.block_k)
-    return Split(config.split_k, pl.cdiv(num_k_blocks, config.split_k))
-
-
-def check(p: Problem, config: MatmulConfig | None) -> None:
-    """Declines non-float operands and blocks over the GPU's shared memory; rejects a config
-    that Triton cannot compile."""
-    require_floating(a=p.a_dtype, b=p.b_dtype)
-    config = resolve_config(p, config)
-    check_triton_config(config, ("block_m", "block_n", "block_k"))
-    itemsize = max(jnp.dtype(p.a_dtype).itemsize, jnp.dtype(p.b_dtype).itemsize)
-    require_shared_memory(triton_dot_shared_bytes(config.block_m, config.block_n, config.block_k,
-                                                  itemsize, config.num_stages))
-    for field in ("group_m", "split_k"):
-        if not is_positive_int(getattr(config, field)):
-            raise ValueError(f"config.{field} must be a positive int, got "
-                             f"{getattr(config, field)!r}")
+__all__ = ["matmul", "check", "resolve_config"]
 
 
 def _grouped_tile(tile: jax.Array, num_tile_rows: int, num_tile_cols: int,
@@ -186,22 +128,12 @@ def _matmul_kernel(a_ref, b_ref, out_ref, *, p: Problem, config: MatmulConfig, p
 
     num_k_blocks = pl.cdiv(p.k, block_k)
     split = pl.program_id(2)  # partial sums of this split's K range, stored at [split, batch]
-    first, count = _split(p, config).range_of(split, num_k_blocks)
+    first, count = k_split(p, config).range_of(split, num_k_blocks)
     out_index = split * p.num_batches + batch
     acc = int32_loop(count, lambda i, acc: step(first + i, acc),
                      jnp.zeros((block_m, block_n), p.accumulator_dtype))
     triton_store(_tile(out_ref, out_index, rows, cols), acc.astype(out_ref.dtype),
                  mask=_tile_mask(rows, cols))
-
-
-def _moved_bytes(p: Problem, config: MatmulConfig, partial_bytes: int) -> int:
-    """Each tile program of each output batch streams its (block_m, K) panel of A and (K,
-    block_n) panel of B (the grouped order serves most re-reads from L2) and writes its
-    output tile, or, split, `partial_bytes` of float32 partials that XLA reads back."""
-    panels = (p.m * p.k * jnp.dtype(p.a_dtype).itemsize * pl.cdiv(p.n, config.block_n)
-              + p.k * p.n * jnp.dtype(p.b_dtype).itemsize * pl.cdiv(p.m, config.block_m))
-    written = partial_bytes or p.num_batches * p.m * p.n * jnp.dtype(p.out_dtype).itemsize
-    return p.num_batches * panels + written
 
 
 def matmul(a: jax.Array, b: jax.Array, p: Problem, *, config: MatmulConfig | None, precision,
@@ -221,7 +153,7 @@ def matmul(a: jax.Array, b: jax.Array, p: Problem, *, config: MatmulConfig | Non
         num_stages=config.num_stages,
         interpret=interpret,
         flops=flops_and_bytes(p)[0],
-        bytes_accessed=_moved_bytes(p, config, partial_bytes),
+        bytes_accessed=moved_bytes(p, config, partial_bytes),
         name="matmul_triton" if splits == 1 else "matmul_split_k_triton",
     )(a.reshape(math.prod(p.a_batch), *a.shape[-2:]),
       b.reshape(math.prod(p.b_batch), *b.shape[-2:]))
