@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -126,3 +127,14 @@ def walked_pipeline_bytes(eqn) -> int:
         total += copied_bytes(np.array(steps), dims, mapping.array_aval.shape,
                               mapping.array_aval.dtype.itemsize)
     return total
+
+
+@dataclasses.dataclass(frozen=True)
+class Contract:
+    """An op's part in the shared contract tests (tests/test_contract.py), defined beside its
+    own helpers in tests/test_<op>.py."""
+
+    call: Callable[[str], Callable[..., Any]]  # implementation -> the op as a function of arrays
+    example: Callable[[], tuple]  # inputs for the jit and eager calls
+    repeated: Callable[[int], tuple]  # seed -> float32 inputs, one shape for every seed
+    check: Callable[..., None]  # check(out, *inputs): against float64 truth

@@ -1,12 +1,16 @@
 """What every op owes, checked once over the ops' registrations (`kernels.ops.OPS`): the pieces
-an op is made of (CONTRIBUTING.md, "Adding an op") and the errors its public function raises
-for a bad implementation, interpret or config. Each op's own behaviour (jit, vmap, gradients,
-its bad inputs) is in its own test file."""
+an op is made of (CONTRIBUTING.md, "Adding an op"); the errors its public function raises for
+a bad implementation, interpret or config; and, for every implementation, the same values under
+jit and eagerly, no retrace on repeated calls, and vmap over every operand, each checked
+against float64 truth by the op's `CONTRACT` (tests/test_<op>.py, beside its own helpers). Each
+op's particular behaviour (its vmap variants, gradients, bad inputs) is in its own file."""
 
 from __future__ import annotations
 
 import inspect
 
+import chex
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -15,6 +19,15 @@ from bench.__main__ import BENCHES
 from kernels import defaults, programs
 from kernels.compile import CASES
 from kernels.ops import OPS
+from tests.support import IMPLEMENTATIONS
+from tests.test_conv2d import CONTRACT as CONV2D
+from tests.test_gather import CONTRACT as GATHER
+from tests.test_matmul import CONTRACT as MATMUL
+from tests.test_normalize import CONTRACT as NORMALIZE
+
+CONTRACTS = {"matmul": MATMUL, "conv2d": CONV2D, "normalize": NORMALIZE, "gather": GATHER}
+# As in the op files: kernels run "strict" (Mosaic in TPU interpret mode) on these small inputs.
+pytestmark = pytest.mark.usefixtures("strict_interpret")
 
 BACKENDS = ("triton", "mosaic")
 # One small call per op, taking the options under test as keywords.
@@ -27,7 +40,7 @@ CALLS = {
 
 
 def test_every_public_op_is_registered():
-    assert sorted(OPS) == sorted(CALLS)
+    assert sorted(OPS) == sorted(CALLS) == sorted(CONTRACTS)
     for name, op in OPS.items():
         assert op.name == name
         assert getattr(kernels, op.config_type.__name__) is op.config_type
@@ -60,3 +73,35 @@ def test_bad_implementation_interpret_and_config_name_the_op(name):
         call(implementation="triton", interpret="yes")
     with pytest.raises(TypeError, match=f"{name}: config must be a {config_type} or None"):
         call(config={"block_m": 16})
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("name", sorted(OPS))
+@pytest.mark.parametrize("jitted", [True, False], ids=["jit", "no_jit"])
+def test_jit_and_no_jit(name, implementation, jitted):
+    contract = CONTRACTS[name]
+    inputs = contract.example()
+    op = contract.call(implementation)
+    contract.check((jax.jit(op) if jitted else op)(*inputs), *inputs)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_no_retrace_on_repeated_calls(name, implementation):
+    contract = CONTRACTS[name]
+    chex.clear_trace_counter()  # each call's lambda is one code object for every parameter
+    traced = jax.jit(chex.assert_max_traces(contract.call(implementation), n=1))
+    for seed in range(3):
+        inputs = contract.repeated(seed)
+        contract.check(traced(*inputs), *inputs)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_vmap_over_every_operand(name, implementation):
+    contract = CONTRACTS[name]
+    examples = [contract.repeated(seed) for seed in (3, 4)]
+    stacked = [jnp.stack(operands) for operands in zip(*examples)]
+    out = jax.vmap(contract.call(implementation))(*stacked)
+    for k, inputs in enumerate(examples):
+        contract.check(out[k], *inputs)

@@ -15,8 +15,8 @@ from jax.test_util import check_grads
 
 import reference
 from kernels.conv2d import Conv2dConfig, conv2d, mosaic_config
-from tests.support import (KERNELS, SUPPORTS_FLOAT64, as_f64, assert_close, assert_lowers, random,
-                           x64, weighted_sum)
+from tests.support import (Contract, KERNELS, SUPPORTS_FLOAT64, as_f64, assert_close,
+                           assert_lowers, random, weighted_sum, x64)
 
 # Kernels interpreted by default run strict here (TPU interpret mode for Mosaic), on small grids.
 pytestmark = pytest.mark.usefixtures("strict_interpret")
@@ -158,12 +158,6 @@ def test_nan_and_inf_propagate(implementation):
         np.testing.assert_array_equal(np.isinf(out), np.isinf(want))
 
 
-def test_jit_and_no_jit(implementation, variant):
-    x, w = _inputs((1, 7, 9, 3), (3, 3, 3, 4), jnp.bfloat16)
-    out = variant(lambda x, w: conv2d(x, w, stride=2, implementation=implementation))(x, w)
-    _check(x, w, out, jnp.bfloat16, stride=2)
-
-
 def test_vmap(implementation):
     x, w = random((2, 1, 5, 6, 3), jnp.float32, 1), random((2, 3, 3, 3, 4), jnp.float32, 2)
     out = jax.vmap(lambda x: conv2d(x, w[0], implementation=implementation))(x)
@@ -173,13 +167,12 @@ def test_vmap(implementation):
         _check(x[i], w[i], out[i], jnp.float32)
 
 
-def test_no_retrace_on_repeated_calls(implementation):
-    chex.clear_trace_counter()
-    traced = jax.jit(chex.assert_max_traces(
-        lambda x, w: conv2d(x, w, implementation=implementation), n=1))
-    for seed in range(3):
-        x, w = _inputs((1, 5, 6, 3), (3, 3, 3, 2), jnp.float32, seed=seed)
-        _check(x, w, traced(x, w), jnp.float32)
+# jit and eager, no retrace, vmap of every operand: tests/test_contract.py, from this contract.
+CONTRACT = Contract(
+    call=lambda impl: lambda x, w: conv2d(x, w, stride=2, implementation=impl),
+    example=lambda: _inputs((1, 7, 9, 3), (3, 3, 3, 4), jnp.bfloat16),
+    repeated=lambda seed: _inputs((1, 5, 6, 3), (3, 3, 3, 2), jnp.float32, seed=seed),
+    check=lambda out, x, w: _check(x, w, out, x.dtype, stride=2))
 
 
 def _loss(implementation, **options):

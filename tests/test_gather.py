@@ -19,7 +19,7 @@ from jax.test_util import check_grads
 from reference.gather import default_fill_value
 from reference.gather import gather as reference_gather
 from kernels.gather import GatherConfig, gather
-from tests.support import (KERNELS, SUPPORTS_FLOAT64, as_f64, assert_close,
+from tests.support import (Contract, KERNELS, SUPPORTS_FLOAT64, as_f64, assert_close,
                            assert_lowers, random, x64)
 
 # Kernels interpreted by default run strict here (TPU interpret mode for Mosaic), on small grids.
@@ -541,12 +541,14 @@ def test_integer_table_has_float0_gradient(implementation):
 # ---------------------------------------------------------------- transformations
 
 
-def test_jit_and_no_jit(implementation, variant):
-    x = random((9, 5), jnp.float32, seed=24)
-    indices = jnp.asarray([[8, -1], [9, 0]], jnp.int32)
-    fn = variant(lambda x, i: gather(x, i, axis=0, mode="fill",
-                                     implementation=implementation))
-    assert_exact(fn(x, indices), expected_gather(x, indices, 0, "fill"))
+# jit and eager, no retrace, vmap of every operand: tests/test_contract.py, from this contract.
+CONTRACT = Contract(
+    call=lambda impl: lambda x, i: gather(x, i, axis=0, mode="fill", implementation=impl),
+    example=lambda: (random((9, 5), jnp.float32, seed=24),
+                     jnp.asarray([[8, -1], [9, 0]], jnp.int32)),
+    repeated=lambda seed: (random((6, 4), jnp.float32, seed),
+                           jnp.asarray([seed, -1 - seed, 6 + seed], jnp.int32)),
+    check=lambda out, x, i: assert_exact(out, expected_gather(x, i, 0, "fill")))
 
 
 def test_vmap(implementation):

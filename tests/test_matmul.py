@@ -11,9 +11,9 @@ from jax.test_util import check_grads
 
 import reference
 from kernels.matmul import MatmulConfig, matmul
-from tests.support import (FLOAT_DTYPES, KERNELS, SUPPORTS_FLOAT64, as_f64, assert_close,
-                           assert_lowers, random, tolerance, walked_pipeline_bytes, x64,
-                           weighted_sum)
+from tests.support import (FLOAT_DTYPES, KERNELS, SUPPORTS_FLOAT64, Contract, as_f64,
+                           assert_close, assert_lowers, random, tolerance, walked_pipeline_bytes,
+                           weighted_sum, x64)
 
 # Kernels interpreted by default run strict here (TPU interpret mode for Mosaic), on small grids.
 pytestmark = pytest.mark.usefixtures("strict_interpret")
@@ -110,12 +110,6 @@ def test_nan_and_inf_propagate(implementation):
     np.testing.assert_array_equal(np.isinf(out), np.isinf(want))
 
 
-def test_jit_and_no_jit(implementation, variant):
-    a, b = random((37, 130), jnp.bfloat16, 1), random((130, 18), jnp.bfloat16, 2)
-    out = variant(lambda a, b: matmul(a, b, implementation=implementation))(a, b)
-    _check_against_ground_truth(a, b, out)
-
-
 def test_vmap(implementation):
     a, b = random((4, 17, 40), jnp.float32, 1), random((4, 40, 9), jnp.float32, 2)
     out = jax.vmap(lambda a, b: matmul(a, b, implementation=implementation))(a, b)
@@ -124,13 +118,13 @@ def test_vmap(implementation):
     _check_against_ground_truth(a, b[0], out)
 
 
-def test_no_retrace_on_repeated_calls(implementation):
-    chex.clear_trace_counter()
-    traced = jax.jit(chex.assert_max_traces(
-        lambda a, b: matmul(a, b, implementation=implementation), n=1))
-    for seed in range(3):
-        a, b = random((12, 20), jnp.float32, seed), random((20, 7), jnp.float32, seed + 1)
-        _check_against_ground_truth(a, b, traced(a, b))
+# jit and eager, no retrace, vmap of every operand: tests/test_contract.py, from this contract.
+CONTRACT = Contract(
+    call=lambda impl: lambda a, b: matmul(a, b, implementation=impl),
+    example=lambda: (random((37, 130), jnp.bfloat16, 1), random((130, 18), jnp.bfloat16, 2)),
+    repeated=lambda seed: (random((12, 20), jnp.float32, seed),
+                           random((20, 7), jnp.float32, seed + 1)),
+    check=lambda out, a, b: _check_against_ground_truth(a, b, out))
 
 
 @pytest.mark.parametrize("impl", KERNELS)

@@ -14,8 +14,8 @@ from kernels.normalize import NormalizeConfig, layer_norm, normalize, rms_norm
 from reference.normalize import layer_norm as reference_layer_norm
 from reference.normalize import normalize as reference_normalize
 from reference.normalize import rms_norm as reference_rms_norm
-from tests.support import (FLOAT_DTYPES, KERNELS, SUPPORTS_FLOAT64, as_f64, assert_close,
-                           assert_lowers, random, tolerance, x64, weighted_sum)
+from tests.support import (FLOAT_DTYPES, KERNELS, SUPPORTS_FLOAT64, Contract, as_f64,
+                           assert_close, assert_lowers, random, tolerance, weighted_sum, x64)
 
 # Kernels interpreted by default run strict here (TPU interpret mode for Mosaic), on small grids.
 pytestmark = pytest.mark.usefixtures("strict_interpret")
@@ -421,13 +421,6 @@ def test_reference_is_the_tutorials_standardization():
                  jnp.float32, reduction_length=500)
 
 
-def test_jit_and_no_jit(implementation, variant):
-    x, scale, offset = _inputs((37, 130), -1, jnp.bfloat16, seed=13)
-    y = variant(lambda x, s, o: normalize(x, s, o, implementation=implementation))(
-        x, scale, offset)
-    _check(y, x, scale, offset, axis=-1)
-
-
 def test_vmap(implementation):
     x, scale, offset = _inputs((4, 17, 40), -1, jnp.float32, seed=14)
     fn = lambda x, s, o: normalize(x, s, o, implementation=implementation)
@@ -438,13 +431,12 @@ def test_vmap(implementation):
     _check(y, x, None, None, axis=0)
 
 
-def test_no_retrace_on_repeated_calls(implementation):
-    chex.clear_trace_counter()  # the lambda below is one code object for every parameter
-    traced = jax.jit(chex.assert_max_traces(
-        lambda x: normalize(x, implementation=implementation), n=1))
-    for seed in range(3):
-        x = random((12, 20), jnp.float32, seed)
-        _check(traced(x), x, None, None, axis=-1)
+# jit and eager, no retrace, vmap of every operand: tests/test_contract.py, from this contract.
+CONTRACT = Contract(
+    call=lambda impl: lambda x, s=None, o=None: normalize(x, s, o, implementation=impl),
+    example=lambda: _inputs((37, 130), -1, jnp.bfloat16, seed=13),
+    repeated=lambda seed: (random((12, 20), jnp.float32, seed),),
+    check=lambda y, x, s=None, o=None: _check(y, x, s, o, axis=-1))
 
 
 def test_bitwise_identical_on_repeated_runs(implementation):

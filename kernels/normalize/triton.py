@@ -343,7 +343,8 @@ def backward(x, scale, mean, rstd, gy, gmean, grstd, p: Problem, *,
     if s.num_chunks > 1:  # the per-group sums dx needs come from a first pass
         split_sums = _call(
             functools.partial(_sums_kernel, p=p, config=config, s=s), p, config,
-            (p.outer, s.num_blocks, s.splits), (_split_shape(p, s),) * 2, reduction_traffic(p, 2, 6, s),
+            (p.outer, s.num_blocks, s.splits), (_split_shape(p, s),) * 2,
+            reduction_traffic(p, 2, 6, s),
             "normalize_sums_triton", interpret, s.per_split,
         )(x, scale, mean, rstd, gy)
         sums = [jnp.sum(a, axis=p.view_reduce_axis, keepdims=True) for a in split_sums]
