@@ -1,4 +1,5 @@
-"""What each op registers: its meaning, its kernels, and how a call is checked against them.
+"""What each op registers: its meaning, its kernels, its partition rules, and how a call is
+checked against them.
 
 Every op builds one `Op` in `kernels/<op>/__init__.py` (`OP`), and `kernels.ops.OPS` lists
 them. The op's wrapper takes the kernel module of the chosen implementation from it
@@ -25,6 +26,7 @@ class Op:
     reference: Callable[..., Any]  # the meaning (reference/<op>.py), which `xla` runs
     kernels: Mapping[str, ModuleType]  # "triton" / "mosaic" -> module: check, resolve_config
     config_type: type  # the op's config dataclass
+    sharding: ModuleType  # kernels/<op>/sharding.py: a rule and factors per partitioned launch
 
     def module(self, implementation: str) -> ModuleType:
         return self.kernels[implementation]

@@ -55,6 +55,10 @@ def test_every_op_has_every_piece(name):
         for piece in ("check", "resolve_config"):
             assert callable(getattr(module, piece, None)), f"{name}/{backend} lacks {piece}"
         assert inspect.getdoc(module).count("\n") > 10, f"{name}/{backend}: no schedule docstring"
+    rules = [n for n, f in vars(op.sharding).items() if n.endswith("rule") and callable(f)]
+    assert rules, "partition rules (kernels/<op>/sharding.py)"
+    for rule in rules:
+        assert callable(getattr(op.sharding, rule[:-len("rule")] + "factors", None)), rule
     assert CASES[name], "compile cases (kernels.compile.CASES)"
     assert any(p.op == name for p in programs.PROGRAMS.values()), "a whole program"
     assert name in BENCHES, "a bench module"

@@ -41,7 +41,8 @@ from reference.conv2d import geometry as make_geometry
 
 __all__ = ["conv2d", "Conv2dConfig"]
 
-OP = Op("conv2d", reference_conv2d, {"triton": triton, "mosaic": mosaic}, Conv2dConfig)
+OP = Op("conv2d", reference_conv2d, {"triton": triton, "mosaic": mosaic}, Conv2dConfig,
+        sharding)
 
 
 class _Static(NamedTuple):

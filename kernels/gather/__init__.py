@@ -28,7 +28,8 @@ from kernels.gather.common import (FORWARD_MODE, SCATTER_MODE, TRANSPOSED_MODE, 
 
 __all__ = ["gather", "GatherConfig"]
 
-OP = Op("gather", reference_gather, {"triton": triton, "mosaic": mosaic}, GatherConfig)
+OP = Op("gather", reference_gather, {"triton": triton, "mosaic": mosaic}, GatherConfig,
+        sharding)
 
 
 class _Static(NamedTuple):

@@ -25,7 +25,7 @@ from kernels.matmul.common import MatmulConfig, make_problem
 
 __all__ = ["matmul", "MatmulConfig"]
 
-OP = Op("matmul", reference.matmul, {"triton": triton, "mosaic": mosaic}, MatmulConfig)
+OP = Op("matmul", reference.matmul, {"triton": triton, "mosaic": mosaic}, MatmulConfig, sharding)
 
 
 class _Static(NamedTuple):

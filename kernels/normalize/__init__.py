@@ -29,7 +29,7 @@ from reference.normalize import normalize as reference_normalize
 __all__ = ["normalize", "layer_norm", "rms_norm", "NormalizeConfig"]
 
 OP = Op("normalize", reference_normalize, {"triton": triton, "mosaic": mosaic},
-        NormalizeConfig)
+        NormalizeConfig, sharding)
 
 
 class _Static(NamedTuple):
