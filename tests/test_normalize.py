@@ -52,12 +52,12 @@ def _check(y, x, scale, offset, **kwargs):
     assert_close(y, expected, x.dtype, reduction_length=_group_size(x.shape, kwargs["axis"]))
 
 
-# (shape, axis): not multiples of any block; long rows that loop over chunks (65536); the
-# tutorial's axis-0 standardization; several axes, negative axes, non-contiguous axes (the one
-# layout that transposes).
-CASES = [((1, 1), -1), ((3, 7), -1), ((129, 1000), -1), ((4, 33, 4096), -1), ((2, 65536), -1),
-         ((10000, 100), 0), ((3, 5, 33), (1, 2)), ((6, 20, 7), -2), ((4, 9, 6), (0, 2)),
-         ((2, 3, 4, 5), (-3, -2))]
+# (shape, axis): not multiples of any block; a row that is one 8192-element Triton chunk (5000);
+# long rows that loop over chunks (65536); the tutorial's axis-0 standardization; several axes,
+# negative axes, non-contiguous axes (the one layout that transposes).
+CASES = [((1, 1), -1), ((3, 7), -1), ((129, 1000), -1), ((4, 33, 4096), -1), ((3, 5000), -1),
+         ((2, 65536), -1), ((10000, 100), 0), ((3, 5, 33), (1, 2)), ((6, 20, 7), -2),
+         ((4, 9, 6), (0, 2)), ((2, 3, 4, 5), (-3, -2))]
 
 
 @pytest.mark.parametrize("shape,axis", CASES, ids=str)
@@ -210,6 +210,23 @@ def test_triton_programs_fill_an_h100(op, shape, dtype, axis):
                         for v in backward.outvars[1:])
     necessary = 3 * np.prod(shape) * jnp.dtype(dtype).itemsize  # x and dy read, dx written
     assert partial_bytes <= 0.05 * necessary
+
+
+@pytest.mark.parametrize("shape,dtype", [((4096, 8192), jnp.bfloat16), ((4096, 8192), jnp.float32),
+                                         ((4096, 5000), jnp.float32)], ids=str)
+def test_triton_backward_reads_a_row_of_up_to_8192_once(shape, dtype):
+    """Issue 25, item 4: a row of up to 8192 elements is one chunk on 16 warps, so the backward
+    is one kernel that reads x and dy once (3 passes: x, dy, dx), not a sums pass re-reading
+    both first (5 passes, 4096-element chunks before). `test_compile` compiles it for sm_90
+    and sm_80 without spills (110-127 registers a thread)."""
+    calls = _triton_kernels("layer_norm", shape, dtype, -1)
+    backward = [eqn for eqn in calls if eqn.params["name"] != "normalize_forward_triton"]
+    assert [eqn.params["name"] for eqn in backward] == ["normalize_backward_triton"]
+    partial_bytes = sum(np.prod(v.aval.shape) * v.aval.dtype.itemsize
+                        for v in backward[0].outvars[1:])
+    passes = 3 * np.prod(shape) * jnp.dtype(dtype).itemsize  # x and dy read, dx written
+    moved = sum(eqn.params["cost_estimate"].bytes_accessed for eqn in backward)
+    assert moved <= passes + partial_bytes + (1 << 20)  # + statistics and scale
 
 
 @pytest.mark.parametrize("target", ["v5e", "v6e", "v4"])
