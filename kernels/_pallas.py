@@ -55,6 +55,14 @@ def _tile_access(interpret: bool | str, tile_visits: int) -> str:
     return "slices" if tile_visits <= _SLICED_VISITS else "index_arrays"
 
 
+def _tile_indexer(ref: Any) -> Any:
+    """The one `NDIndexer` that `ref.at[...]` applied to its array, else None."""
+    if not isinstance(ref, state_types.TransformedRef) or len(ref.transforms) != 1:
+        return None
+    (indexer,) = ref.transforms
+    return indexer if isinstance(indexer, state_indexing.NDIndexer) else None
+
+
 def _as_index_arrays(ref: Any) -> Any:
     """`ref.at[...]` of slices (and scalars) as the same tile indexed by int arrays.
 
@@ -67,12 +75,8 @@ def _as_index_arrays(ref: Any) -> Any:
     few tiles in all (the fast interpreter's schedule, `_targets.INTERPRETER`, at its best:
     one program over whole arrays) keeps its slices: O(array) a few times, at a copy's speed.
     """
-    if _TILE_ACCESS.get() != "index_arrays":
-        return ref
-    if not isinstance(ref, state_types.TransformedRef) or len(ref.transforms) != 1:
-        return ref
-    (indexer,) = ref.transforms
-    if not isinstance(indexer, state_indexing.NDIndexer) or any(
+    indexer = _tile_indexer(ref)
+    if _TILE_ACCESS.get() != "index_arrays" or indexer is None or any(
             not isinstance(i, state_indexing.Slice) and jnp.ndim(i) for i in indexer.indices):
         return ref
     slices = [i for i in indexer.indices if isinstance(i, state_indexing.Slice)]
@@ -94,11 +98,8 @@ def _masked_lanes_dropped(ref: Any, mask: jax.Array) -> Any:
     moved past the array's end, where the interpreter's scatter drops it: the same writes as
     the mask, without the gather of the old values and the select that a masked store
     interprets as. None where `ref` is not indexed by int arrays on every dim."""
-    if not isinstance(ref, state_types.TransformedRef) or len(ref.transforms) != 1:
-        return None
-    (indexer,) = ref.transforms
-    if not isinstance(indexer, state_indexing.NDIndexer) or any(
-            isinstance(i, state_indexing.Slice) for i in indexer.indices):
+    indexer = _tile_indexer(ref)
+    if indexer is None or any(isinstance(i, state_indexing.Slice) for i in indexer.indices):
         return None
     first, *rest = indexer.indices
     shape = jnp.broadcast_shapes(*(jnp.shape(i) for i in indexer.indices), jnp.shape(mask))
