@@ -58,6 +58,16 @@ def cases(impl: str):
         "normalize/rms-normalized-axis": (
             lambda x, s: kernels.rms_norm(x, s, implementation=impl),
             [((16, 64), P(None, "model")), ((64,), P("model"))]),
+        # The fused residual add (both outputs, summed to one array), per shard of rows and
+        # with the normalized axis sharded (the moments merged over the mesh).
+        "normalize/residual-rows": (
+            lambda x, r, s, o: sum(kernels.layer_norm(x, s, o, residual=r,
+                                                      implementation=impl)),
+            [((64, 40), P("data", None)), ((64, 40), P("data", None)), ((40,), P()),
+             ((40,), P())]),
+        "normalize/residual-normalized-axis": (
+            lambda x, r, s: sum(kernels.rms_norm(x, s, residual=r, implementation=impl)),
+            [((16, 64), P(None, "model")), ((16, 64), P(None, "model")), ((64,), P("model"))]),
         "normalize/standardize-axis0": (
             lambda x: kernels.normalize(x, axis=0, epsilon=0.0, implementation=impl),
             [((64, 24), P("model", "data"))]),

@@ -284,3 +284,41 @@ def test_train_digits_example_tracks_flax(tmp_path):
     path = tmp_path / "curves.png"
     train_digits.save_curves(str(path), {"ours": ours_history, "flax": their_history})
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("api", ["nnx", "linen"])
+@pytest.mark.parametrize("name", ["LayerNorm", "RMSNorm"])
+def test_norm_layers_fuse_the_residual_add(api, name):
+    """`layer(x, residual=r)` is `(layer(x + r), x + r)` (the pre-norm transformer's step) from
+    one fused kernel: Flax's layer on the exact sum in float64 for the output and the gradients
+    of x, r and the parameters; the sum is XLA's own `x + r`."""
+    x, r = random((2, 3, 16), jnp.float32, 20), random((2, 3, 16), jnp.float32, 21)
+    if api == "nnx":
+        theirs, ours = _nnx_pair(name, implementation="triton")
+        their_graphdef, params = nnx.split(theirs)
+        our_graphdef = nnx.graphdef(ours)
+        apply = lambda p, x, r: nnx.merge(our_graphdef, p)(x, residual=r)  # noqa: E731
+        flax_apply = _nnx_apply(their_graphdef)
+    else:
+        theirs, ours = _linen_pair(name, implementation="triton")
+        params = theirs.init(jax.random.key(0), x)
+        apply = lambda p, x, r: ours.apply(p, x, residual=r)  # noqa: E731
+        flax_apply = theirs.apply
+
+    def loss(y, total):
+        return jnp.sum(jnp.sin(y)) + jnp.sum(jnp.cos(total))
+
+    (y, total), grads = jax.jit(lambda p, x, r: (apply(p, x, r), jax.grad(
+        lambda p, x, r: loss(*apply(p, x, r)), argnums=(0, 1, 2))(p, x, r)))(params, x, r)
+    np.testing.assert_array_equal(np.asarray(total), np.asarray(x + r))
+    with x64():
+        wide = jax.tree.map(lambda a: a.astype(jnp.float64), (params, x, r))
+
+        def flax_loss(p, x, r):
+            return loss(flax_apply(p, x + r), x + r)
+
+        want_y = flax_apply(wide[0], wide[1] + wide[2])
+        want_grads = jax.grad(flax_loss, argnums=(0, 1, 2))(*wide)
+    _assert_same(y, want_y, y.dtype, 16)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+        _assert_same(got, want, got.dtype, 4 * 16)

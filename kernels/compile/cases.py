@@ -58,16 +58,26 @@ def _conv_case(x_shape, w_shape, dtype, **options) -> Case:
                                                   **options))
 
 
-def _normalize_case(op: str, shape, dtype, axis=-1, params=True, **options) -> Case:
+def _normalize_case(op: str, shape, dtype, axis=-1, params=True, residual=False,
+                    **options) -> Case:
+    """`residual`: the fused residual add, both outputs used (so its backward adds the sum's
+    cotangent)."""
     axes = (axis,) if isinstance(axis, int) else axis
     param_shape = tuple(shape[a] for a in sorted(a % len(shape) for a in axes))
     fn = getattr(kernels, op)
     count = {"normalize": 2, "layer_norm": 2, "rms_norm": 1}[op] if params else 0
-    args = (_spec(shape, dtype),) + (_spec(param_shape, jnp.float32),) * count
-    return Case("normalize", f"{op} {'x'.join(map(str, shape))} {jnp.dtype(dtype).name} "
-                f"axis={axis}", args,
-                lambda impl, x, *p: fn(x, *p, axis=axis, implementation=impl, interpret=False,
-                                       **options))
+    args = (_spec(shape, dtype),) * (1 + residual) + (_spec(param_shape, jnp.float32),) * count
+    extra = f", out_dtype={jnp.dtype(options['out_dtype']).name}" if "out_dtype" in options else ""
+
+    def call(impl, x, *rest):
+        if not residual:
+            return fn(x, *rest, axis=axis, implementation=impl, interpret=False, **options)
+        y, total = fn(x, *rest[1:], residual=rest[0], axis=axis, implementation=impl,
+                      interpret=False, **options)
+        return y.astype(jnp.float32) + total.astype(jnp.float32)
+
+    return Case("normalize", f"{op}{' + residual' * residual} {'x'.join(map(str, shape))} "
+                f"{jnp.dtype(dtype).name} axis={axis}{extra}", args, call)
 
 
 def _gather_case(table_shape, num_ids, dtype, axis=0, mode=None) -> Case:
@@ -124,6 +134,14 @@ def _cases() -> dict[str, list[Case]]:
             _design(_normalize_case("normalize", (32, 56, 56, 256), bf16, axis=(0, 1, 2))),
             _normalize_case("normalize", (8, 64, 4096), f32, axis=(0, 2)),
             _normalize_case("layer_norm", (7, 129), f32),
+            # The fused residual add (issue 25): a transformer's pre-norm, a row of 8192 in one
+            # chunk (its backward also reads dsum), the columns layout, and the fused cast.
+            _design(_normalize_case("layer_norm", (8192, 1024), bf16, residual=True)),
+            _normalize_case("rms_norm", (4096, 8192), bf16, residual=True),
+            _normalize_case("layer_norm", (4096, 6000), f32, residual=True),
+            _normalize_case("normalize", (4096, 8192), bf16, axis=0, residual=True),
+            _normalize_case("rms_norm", (8192, 1024), f32, out_dtype=bf16),
+            _normalize_case("layer_norm", (7, 129), f32, residual=True),
         ],
         "gather": [
             _design(_gather_case((32000, 4096), 8192, bf16)),

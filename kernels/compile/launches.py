@@ -14,7 +14,7 @@ from jax.extend import core as jax_core
 from kernels._pallas import on_target
 from kernels._targets import Target
 
-__all__ = ["find_pallas_calls", "launches", "launch_key", "pallas_calls", "distinct", "operands",
+__all__ = ["equations", "find_pallas_calls", "launches", "launch_key", "pallas_calls", "distinct", "operands",
            "bind"]
 
 
@@ -27,17 +27,21 @@ def _sub_jaxprs(value: Any):
             yield v
 
 
-def find_pallas_calls(jaxpr, found: list | None = None) -> list:
-    """The `pallas_call` equations of `jaxpr` and of every jaxpr nested in it, in order."""
-    found = [] if found is None else found
+def equations(jaxpr):
+    """Every equation of `jaxpr` and of the jaxprs nested in it, in order, without looking
+    inside a `pallas_call` (a kernel's body is not the program's)."""
     for eqn in jaxpr.eqns:
+        yield eqn
         if eqn.primitive.name == "pallas_call":
-            found.append(eqn)
             continue
         for value in eqn.params.values():
             for sub in _sub_jaxprs(value):
-                find_pallas_calls(sub, found)
-    return found
+                yield from equations(sub)
+
+
+def find_pallas_calls(jaxpr) -> list:
+    """The `pallas_call` equations of `jaxpr` and of every jaxpr nested in it, in order."""
+    return [eqn for eqn in equations(jaxpr) if eqn.primitive.name == "pallas_call"]
 
 
 def operands(eqn) -> str:

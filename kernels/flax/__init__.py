@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import kernels
+from reference.normalize import statistics_dtype
 
 Implementation = str | tuple[str, ...] | None
 
@@ -141,10 +142,12 @@ def normalize(x: jax.Array, scale: jax.Array | None, bias: jax.Array | None, *,
               reduction_axes: int | Sequence[int], feature_axes: int | Sequence[int],
               epsilon: float, subtract_mean: bool, out_dtype: Any, layer: str,
               implementation: Implementation, interpret: bool | str | None,
-              axis_name: Any = None, mask: Any = None) -> jax.Array:
+              axis_name: Any = None, mask: Any = None, residual: jax.Array | None = None
+              ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Flax's LayerNorm (`subtract_mean`) or RMSNorm of `x` with its feature-shaped `scale` and
     `bias`, by `kernels.normalize`: computed in the wider of x's dtype and `out_dtype`
-    (statistics in float32), returned in `out_dtype`, as Flax does."""
+    (statistics in float32), returned in `out_dtype`, as Flax does. With `residual`: the
+    layer of `x + residual`, and that sum (`kernels.normalize`'s fused residual add)."""
     if axis_name is not None:
         raise NotImplementedError(f"kernels.flax {layer}: axis_name (statistics across devices) "
                                   "is not supported")
@@ -156,12 +159,22 @@ def normalize(x: jax.Array, scale: jax.Array | None, bias: jax.Array | None, *,
             f"kernels.flax {layer}: feature_axes {feature_axes} must be among reduction_axes "
             f"{reduction_axes}")
     compute_dtype = jnp.promote_types(x.dtype, out_dtype)
-    y = kernels.normalize(x.astype(compute_dtype),
-                          _as_reduced_shape(scale, x.shape, reduced, features),
-                          _as_reduced_shape(bias, x.shape, reduced, features),
-                          axis=reduced, epsilon=epsilon, subtract_mean=subtract_mean,
-                          implementation=implementation, interpret=interpret)
-    return y.astype(out_dtype)
+    # Normalizing x in its own statistics dtype is normalizing it upcast, so the kernel takes
+    # x as it is and rounds once to out_dtype (no copy of x cast, none of y); only a float64
+    # computation of narrower data casts x first.
+    if statistics_dtype(compute_dtype) != statistics_dtype(x.dtype):
+        if residual is not None:  # the sum is in x's dtype: add it first
+            total = x + residual
+            return normalize(total, scale, bias, reduction_axes=reduction_axes,
+                             feature_axes=feature_axes, epsilon=epsilon,
+                             subtract_mean=subtract_mean, out_dtype=out_dtype, layer=layer,
+                             implementation=implementation, interpret=interpret), total
+        x = x.astype(compute_dtype)
+    return kernels.normalize(x, _as_reduced_shape(scale, x.shape, reduced, features),
+                             _as_reduced_shape(bias, x.shape, reduced, features),
+                             axis=reduced, epsilon=epsilon, subtract_mean=subtract_mean,
+                             residual=residual, out_dtype=out_dtype,
+                             implementation=implementation, interpret=interpret)
 
 
 def embed(embedding: jax.Array, ids: jax.Array, *, mode: str | None,

@@ -62,7 +62,8 @@ class _Normalization(_KernelOp):
     the promotion of the input and the parameters), `kernels.normalize`."""
 
     def _normalize(self, x: jax.Array, mask: jax.Array | None, use_bias: bool,
-                   subtract_mean: bool) -> jax.Array:
+                   subtract_mean: bool, residual: jax.Array | None
+                   ) -> jax.Array | tuple[jax.Array, jax.Array]:
         axes = (self.feature_axes,) if isinstance(self.feature_axes, int) else self.feature_axes
         features = [x.shape[a] for a in sorted(a % x.ndim for a in axes)]
         scale = (self.param("scale", self.scale_init, features, self.param_dtype)
@@ -75,7 +76,7 @@ class _Normalization(_KernelOp):
             x, scale, bias, reduction_axes=self.reduction_axes, feature_axes=self.feature_axes,
             epsilon=self.epsilon, subtract_mean=subtract_mean, out_dtype=out_dtype,
             layer=type(self).__name__, implementation=self.implementation,
-            interpret=self.interpret, axis_name=self.axis_name, mask=mask)
+            interpret=self.interpret, axis_name=self.axis_name, mask=mask, residual=residual)
 
 
 class LayerNorm(_Normalization, nn.LayerNorm):
@@ -85,8 +86,10 @@ class LayerNorm(_Normalization, nn.LayerNorm):
     interpret: bool | str | None = None
 
     @nn.compact
-    def __call__(self, x: jax.Array, *, mask: jax.Array | None = None) -> jax.Array:
-        return self._normalize(x, mask, self.use_bias, subtract_mean=True)
+    def __call__(self, x: jax.Array, *, mask: jax.Array | None = None,
+                 residual: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
+        """With `residual`: `(layer(x + residual), x + residual)`, from one fused kernel."""
+        return self._normalize(x, mask, self.use_bias, True, residual)
 
 
 class RMSNorm(_Normalization, nn.RMSNorm):
@@ -96,8 +99,10 @@ class RMSNorm(_Normalization, nn.RMSNorm):
     interpret: bool | str | None = None
 
     @nn.compact
-    def __call__(self, x: jax.Array, *, mask: jax.Array | None = None) -> jax.Array:
-        return self._normalize(x, mask, False, subtract_mean=False)
+    def __call__(self, x: jax.Array, *, mask: jax.Array | None = None,
+                 residual: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
+        """With `residual`: `(layer(x + residual), x + residual)`, from one fused kernel."""
+        return self._normalize(x, mask, False, False, residual)
 
 
 class Embed(_KernelOp, nn.Embed):

@@ -58,15 +58,21 @@ class _KernelOptions:
 class _Normalization(_KernelOptions):
     """LayerNorm's and RMSNorm's call: Flax's parameters and promotion, `kernels.normalize`."""
 
-    def _normalize(self, x: jax.Array, mask: jax.Array | None, subtract_mean: bool) -> jax.Array:
+    def _normalize(self, x: jax.Array, mask: jax.Array | None, subtract_mean: bool,
+                   residual: jax.Array | None) -> jax.Array | tuple[jax.Array, jax.Array]:
         scale = self.scale[...] if self.scale is not None else None
         bias = self.bias[...] if getattr(self, "bias", None) is not None else None
-        x, scale, bias = self.promote_dtype((x, scale, bias), dtype=self.dtype)
+        promoted, scale, bias = self.promote_dtype((x, scale, bias), dtype=self.dtype)
+        if residual is not None and promoted.dtype != x.dtype:
+            # Flax casts its input first, and the sum is in x's dtype: add, then normalize.
+            total = x + residual
+            return self._normalize(total, mask, subtract_mean, None), total
         return common.normalize(
-            x, scale, bias, reduction_axes=self.reduction_axes, feature_axes=self.feature_axes,
-            epsilon=self.epsilon, subtract_mean=subtract_mean, out_dtype=x.dtype,
-            layer=type(self).__name__, implementation=self.implementation,
-            interpret=self.interpret, axis_name=self.axis_name, mask=mask)
+            promoted, scale, bias, reduction_axes=self.reduction_axes,
+            feature_axes=self.feature_axes, epsilon=self.epsilon, subtract_mean=subtract_mean,
+            out_dtype=promoted.dtype, layer=type(self).__name__,
+            implementation=self.implementation, interpret=self.interpret,
+            axis_name=self.axis_name, mask=mask, residual=residual)
 
 
 class LayerNorm(_Normalization, nnx.LayerNorm):
@@ -77,8 +83,10 @@ class LayerNorm(_Normalization, nnx.LayerNorm):
         super().__init__(num_features, **kwargs)
         self._set_options(implementation, interpret)
 
-    def __call__(self, x: jax.Array, *, mask: jax.Array | None = None) -> jax.Array:
-        return self._normalize(x, mask, subtract_mean=True)
+    def __call__(self, x: jax.Array, *, mask: jax.Array | None = None,
+                 residual: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
+        """With `residual`: `(layer(x + residual), x + residual)`, from one fused kernel."""
+        return self._normalize(x, mask, True, residual)
 
 
 class RMSNorm(_Normalization, nnx.RMSNorm):
@@ -89,8 +97,10 @@ class RMSNorm(_Normalization, nnx.RMSNorm):
         super().__init__(num_features, **kwargs)
         self._set_options(implementation, interpret)
 
-    def __call__(self, x: jax.Array, *, mask: jax.Array | None = None) -> jax.Array:
-        return self._normalize(x, mask, subtract_mean=False)
+    def __call__(self, x: jax.Array, *, mask: jax.Array | None = None,
+                 residual: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
+        """With `residual`: `(layer(x + residual), x + residual)`, from one fused kernel."""
+        return self._normalize(x, mask, False, residual)
 
 
 class Embed(_KernelOptions, nnx.Embed):

@@ -3,10 +3,15 @@
 The public function validates its inputs (with the reference's own checks, so both raise the
 same errors), views `x` as 3-D (`common.plan`: a free reshape, or a transpose when the
 normalized axes are not contiguous) and routes to `_forward`, a `custom_vjp` that returns
-(y, mean, 1/std). Its backward runs the same implementation's fused backward kernel through
+(y, x + residual or None, mean, 1/std). Its backward runs the same implementation's fused backward kernel through
 `_backward`, itself a `custom_vjp` whose derivative is JAX's derivative of the backward's jnp
 form (`common.backward_jnp`), so `grad` of `grad` works. The statistics are outputs of
 `_forward` (not hidden residuals) so that second-order gradients flow through them.
+
+With `residual=`, the kernels add it on load and also write the sum (the next layer's
+residual), so XLA neither writes `x + residual` nor reads it back; the backward saves the sum
+(not x), and its kernel adds the sum's cotangent to dx, which is both x's and the residual's
+gradient.
 """
 
 from __future__ import annotations
@@ -41,13 +46,13 @@ class _Static(NamedTuple):
     problem: Problem
 
 
-def _forward_whole(x, scale, offset, s: _Static):
-    return OP.module(s.implementation).forward(x, scale, offset, s.problem, config=s.config,
-                                              interpret=s.interpret)
+def _forward_whole(x, residual, scale, offset, s: _Static):
+    return OP.module(s.implementation).forward(x, residual, scale, offset, s.problem,
+                                              config=s.config, interpret=s.interpret)
 
 
-def _backward_whole(x, scale, mean, rstd, gy, gmean, grstd, s: _Static):
-    return OP.module(s.implementation).backward(x, scale, mean, rstd, gy, gmean, grstd,
+def _backward_whole(x, scale, mean, rstd, gy, gmean, grstd, gsum, s: _Static):
+    return OP.module(s.implementation).backward(x, scale, mean, rstd, gy, gmean, grstd, gsum,
                                                s.problem, config=s.config,
                                                interpret=s.interpret)
 
@@ -59,31 +64,36 @@ _backward_kernel = partition.partitioned(_backward_whole, sharding.backward_rule
                                          sharding.backward_factors)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _forward(x, scale, offset, s: _Static):
-    """(y, mean, rstd) on the 3-D view."""
-    return _forward_kernel(x, scale, offset, s)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _forward(x, residual, scale, offset, s: _Static):
+    """(y, x + residual or None, mean, rstd) on the 3-D view."""
+    return _forward_kernel(x, residual, scale, offset, s)
 
 
-def _forward_fwd(x, scale, offset, s):
+def _forward_fwd(x, residual, scale, offset, s):
     # Calls the custom_vjp function, not the kernel: under grad-of-grad this rule is itself
     # differentiated, and only a custom_vjp tells JAX how to differentiate a pallas_call.
-    x, scale, offset = (None if a is None else a.value for a in (x, scale, offset))
-    y, mean, rstd = _forward(x, scale, offset, s)
-    return (y, mean, rstd), (x, scale, mean, rstd)
+    x, residual, scale, offset = (None if a is None else a.value
+                                  for a in (x, residual, scale, offset))
+    y, total, mean, rstd = _forward(x, residual, scale, offset, s)
+    # The backward needs the array that was normalized: the sum, with a residual.
+    return (y, total, mean, rstd), (x if total is None else total, scale, mean, rstd)
 
 
 def _forward_bwd(s, residuals, cotangents):
     x, scale, mean, rstd = residuals
-    gy, gmean, grstd = cotangents
+    gy, gsum, gmean, grstd = cotangents
     if isinstance(gmean, SymbolicZero) and isinstance(grstd, SymbolicZero):
         # First order: the public functions return y alone, so the statistics' cotangents are
         # zero; the backward kernel then neither receives nor reads them.
         gmean = grstd = None
+    if isinstance(gsum, SymbolicZero):
+        gsum = None  # the sum is unused (or absent): nothing to add to dx
     gy, gmean, grstd = (_materialized(g) for g in (gy, gmean, grstd))
-    dx, dscale, doffset = _backward(x, scale, mean, rstd, gy, gmean, grstd, s)
+    dx, dscale, doffset = _backward(x, scale, mean, rstd, gy, gmean, grstd, gsum, s)
+    dx = partition.like(dx, x)
     # offset is not a residual; its gradient is typed like scale (same shape and rule)
-    return (partition.like(dx, x), partition.like(dscale, scale),
+    return (dx, dx if s.problem.has_residual else None, partition.like(dscale, scale),
             doffset if scale is None else partition.like(doffset, scale))
 
 
@@ -96,15 +106,15 @@ _forward.defvjp(_forward_fwd, _forward_bwd, symbolic_zeros=True)
 _jitted_forward = jax.jit(_forward, static_argnums=-1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _backward(x, scale, mean, rstd, gy, gmean, grstd, s: _Static):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
+def _backward(x, scale, mean, rstd, gy, gmean, grstd, gsum, s: _Static):
     """(dx, dscale, doffset) by the fused backward kernel."""
-    return _backward_kernel(x, scale, mean, rstd, gy, gmean, grstd, s)
+    return _backward_kernel(x, scale, mean, rstd, gy, gmean, grstd, gsum, s)
 
 
-def _backward_fwd(x, scale, mean, rstd, gy, gmean, grstd, s):
-    out = _backward(x, scale, mean, rstd, gy, gmean, grstd, s)
-    return out, (x, scale, mean, rstd, gy, gmean, grstd)
+def _backward_fwd(x, scale, mean, rstd, gy, gmean, grstd, gsum, s):
+    out = _backward(x, scale, mean, rstd, gy, gmean, grstd, gsum, s)
+    return out, (x, scale, mean, rstd, gy, gmean, grstd, gsum)
 
 
 def _backward_bwd(s, residuals, cotangents):
@@ -123,35 +133,46 @@ def _validate_options(subtract_mean: bool, config: NormalizeConfig | None, op: s
     OP.check_config(config, op)
 
 
-def _normalize(x, scale, offset, axis, epsilon, subtract_mean, implementation, interpret,
-               config, op):
+def _normalize(x, scale, offset, residual, axis, epsilon, subtract_mean, out_dtype,
+               implementation, interpret, config, op):
     x = jnp.asarray(x)
-    scale = None if scale is None else jnp.asarray(scale)
-    offset = None if offset is None else jnp.asarray(offset)
-    axes, epsilon = check_arguments(x, scale, offset, axis, epsilon, op)
+    scale, offset, residual = (None if a is None else jnp.asarray(a)
+                               for a in (scale, offset, residual))
+    axes, epsilon, y_dtype = check_arguments(x, scale, offset, axis, epsilon, op, residual,
+                                             out_dtype)
     _validate_options(subtract_mean, config, op)
     perm, (outer, groups, reduced, rows) = common.plan(x.shape, axes)
     problem = Problem(outer, groups, reduced, rows, jnp.dtype(x.dtype), bool(subtract_mean),
-                      epsilon, scale is not None, offset is not None)
+                      epsilon, scale is not None, offset is not None, residual is not None,
+                      None if y_dtype == x.dtype else y_dtype)
     checks = OP.checks(problem, config)
 
-    def call(name, interpret, x, scale, offset):
+    def call(name, interpret, x, scale, offset, residual):
         if name == "xla" or x.size == 0:
             # Size zero: an empty result of the right shape, nothing for a kernel to do.
             return reference_normalize(x, scale, offset, axis=axis, epsilon=epsilon,
-                                       subtract_mean=bool(subtract_mean))
+                                       subtract_mean=bool(subtract_mean), residual=residual,
+                                       out_dtype=y_dtype)
         # The only copy: normalized axes that are not contiguous are moved last (common.plan).
-        moved = x if perm is None else jnp.transpose(x, perm)
+        def view(a):
+            return None if a is None else (a if perm is None else jnp.transpose(a, perm)
+                                           ).reshape(problem.view_shape)
+
+        def unview(a):
+            if a is None:
+                return None
+            a = a.reshape(x.shape if perm is None else tuple(x.shape[d] for d in perm))
+            return a if perm is None else jnp.transpose(a, np.argsort(perm))
+
         params = [None if v is None else v.astype(problem.stat_dtype).reshape(problem.param_shape)
                   for v in (scale, offset)]
         static = _Static(name, interpret, config, problem)
-        view, *params = partition.match_varying(moved.reshape(problem.view_shape), *params)
-        y, _, _ = _jitted_forward(view, *params, static)
-        y = y.reshape(moved.shape)
-        return y if perm is None else jnp.transpose(y, np.argsort(perm))
+        operands = partition.match_varying(view(x), view(residual), *params)
+        y, total, _, _ = _jitted_forward(*operands, static)
+        return unview(y) if residual is None else (unview(y), unview(total))
 
     return _dispatch.run(op, implementation, interpret, checks, call, x, scale, offset,
-                         config=config)
+                         residual, config=config)
 
 
 def normalize(
@@ -162,20 +183,25 @@ def normalize(
     axis: Axis = -1,
     epsilon: float = 1e-5,
     subtract_mean: bool = True,
+    residual: jax.Array | None = None,
+    out_dtype: jnp.dtype | None = None,
     implementation: str | tuple[str, ...] | None = None,
     interpret: bool | str | None = None,
     config: NormalizeConfig | None = None,
-) -> jax.Array:
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """`(x - mean) / sqrt(var + epsilon) * scale + offset` over `axis`, as fused kernels.
 
     `axis`: an int or a tuple of ints; `var` is the mean squared deviation. With
     `subtract_mean=False`: `x / sqrt(mean(x²) + epsilon) * scale + offset` (RMS norm).
     `scale`/`offset` have the shape of the normalized axes. Statistics in float32 (float64 for
-    float64 `x`); the result has `x.dtype` (see `reference.normalize`). `implementation` and
-    `interpret` choose the kernel as in docs/design.md; `config` sets block sizes.
+    float64 `x`); the result has `out_dtype` (default `x.dtype`), rounded once.
+    `residual` (x's shape and dtype): normalizes `x + residual` and returns the pair
+    `(y, x + residual)`, both from one kernel, which reads x and residual once.
+    `implementation` and `interpret` choose the kernel as in docs/design.md; `config` sets
+    block sizes. See `reference.normalize` for the meaning in plain jnp.
     """
-    return _normalize(x, scale, offset, axis, epsilon, subtract_mean, implementation,
-                      interpret, config, "normalize")
+    return _normalize(x, scale, offset, residual, axis, epsilon, subtract_mean, out_dtype,
+                      implementation, interpret, config, "normalize")
 
 
 def layer_norm(
@@ -185,13 +211,16 @@ def layer_norm(
     *,
     axis: Axis = -1,
     epsilon: float = 1e-5,
+    residual: jax.Array | None = None,
+    out_dtype: jnp.dtype | None = None,
     implementation: str | tuple[str, ...] | None = None,
     interpret: bool | str | None = None,
     config: NormalizeConfig | None = None,
-) -> jax.Array:
-    """`normalize(x, scale, offset, axis=axis, epsilon=epsilon)`."""
-    return _normalize(x, scale, offset, axis, epsilon, True, implementation, interpret, config,
-                      "layer_norm")
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """`normalize(x, scale, offset, axis=axis, epsilon=epsilon, ...)`; with `residual`, the
+    pair `(layer_norm(x + residual), x + residual)`."""
+    return _normalize(x, scale, offset, residual, axis, epsilon, True, out_dtype,
+                      implementation, interpret, config, "layer_norm")
 
 
 def rms_norm(
@@ -200,10 +229,13 @@ def rms_norm(
     *,
     axis: Axis = -1,
     epsilon: float = 1e-6,
+    residual: jax.Array | None = None,
+    out_dtype: jnp.dtype | None = None,
     implementation: str | tuple[str, ...] | None = None,
     interpret: bool | str | None = None,
     config: NormalizeConfig | None = None,
-) -> jax.Array:
-    """`normalize(x, scale, axis=axis, epsilon=epsilon, subtract_mean=False)`."""
-    return _normalize(x, scale, None, axis, epsilon, False, implementation, interpret, config,
-                      "rms_norm")
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """`normalize(x, scale, axis=axis, epsilon=epsilon, subtract_mean=False, ...)`; with
+    `residual`, the pair `(rms_norm(x + residual), x + residual)`."""
+    return _normalize(x, scale, None, residual, axis, epsilon, False, out_dtype,
+                      implementation, interpret, config, "rms_norm")

@@ -68,6 +68,14 @@ class Problem(NamedTuple):
     epsilon: float
     has_scale: bool
     has_offset: bool
+    # The fused residual add: x + residual (both `dtype`) is what is normalized, and the
+    # forward also writes it; its backward adds the sum's cotangent to dx (= dresidual).
+    has_residual: bool = False
+    out_dtype: jnp.dtype | None = None  # y's dtype, when it is not `dtype`
+
+    @property
+    def y_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.dtype if self.out_dtype is None else self.out_dtype)
 
     @property
     def stat_dtype(self) -> jnp.dtype:
@@ -228,8 +236,10 @@ def input_gradient(gs: jax.Array, xhat: jax.Array, rstd: jax.Array, sums: RowSum
     return dx + gmean / n if p.subtract_mean and gmean is not None else dx
 
 
-def backward_jnp(p: Problem, x, scale, mean, rstd, gy, gmean, grstd, total=lambda s: s):
-    """The backward kernels' function in plain jnp, on the 3-D view.
+def backward_jnp(p: Problem, x, scale, mean, rstd, gy, gmean, grstd, gsum=None,
+                 total=lambda s: s):
+    """The backward kernels' function in plain jnp, on the 3-D view (`x`: the normalized
+    array, the sum with a residual; `gsum`: the sum's cotangent, added to dx, or None).
 
     JAX differentiates it for the gradient of the backward kernel (grad of grad), where mean
     and rstd are independent inputs. With a normalized axis sharded over a mesh it is the
@@ -244,7 +254,8 @@ def backward_jnp(p: Problem, x, scale, mean, rstd, gy, gmean, grstd, total=lambd
     gs = g if scale is None else g * scale
     sums = RowSums(total(jnp.sum(gs, axis=axis, keepdims=True)),
                    total(jnp.sum(gs * xhat, axis=axis, keepdims=True)))
-    dx = input_gradient(gs, xhat, rstd, sums, gmean, grstd, p).astype(x.dtype)
+    dx = input_gradient(gs, xhat, rstd, sums, gmean, grstd, p)
+    dx = (dx if gsum is None else dx + gsum.astype(dtype)).astype(x.dtype)
     over = (0, 1) if p.rows else (0, 2)
     # keepdims then [0]: the (1, reduced) or (reduced, 1) parameter view of this slice.
     dscale = None if scale is None else jnp.sum(g * xhat, axis=over, keepdims=True)[0]
@@ -256,34 +267,40 @@ def backward_jnp(p: Problem, x, scale, mean, rstd, gy, gmean, grstd, total=lambd
 
 
 def forward_flops_and_bytes(p: Problem) -> tuple[int, int]:
-    """About 8 flops an element (moments, normalize, affine); bytes: x read once, y written once,
-    scale/offset read, statistics written."""
-    item, stat = jnp.dtype(p.dtype).itemsize, jnp.dtype(p.stat_dtype).itemsize
+    """About 8 flops an element (moments, normalize, affine); bytes: `minimum_bytes` (x, and
+    the residual, read once; y, and the sum, written once), scale/offset read, statistics
+    written."""
+    stat = jnp.dtype(p.stat_dtype).itemsize
     params = (p.has_scale + p.has_offset) * p.reduced * stat
     stats = 2 * p.outer * p.groups * stat
-    return 8 * p.size, 2 * p.size * item + params + stats
+    return 8 * p.size + p.has_residual * p.size, minimum_bytes(p) + params + stats
 
 
-def backward_flops_and_bytes(p: Problem, num_partials: int,
-                             stat_cotangents: bool) -> tuple[int, int]:
-    """About 12 flops an element; bytes: x and dy read once, dx written once, statistics (and
-    their cotangents, when given) read, and `num_partials` partial rows of dscale/doffset
-    written."""
+def backward_flops_and_bytes(p: Problem, num_partials: int, stat_cotangents: bool,
+                             sum_cotangent: bool = False) -> tuple[int, int]:
+    """About 12 flops an element; bytes: x (the sum, with a residual) and dy read once, the
+    sum's cotangent read when given, dx written once, statistics (and their cotangents, when
+    given) read, and `num_partials` partial rows of dscale/doffset written."""
     item, stat = jnp.dtype(p.dtype).itemsize, jnp.dtype(p.stat_dtype).itemsize
     partials = (p.has_scale + p.has_offset) * num_partials * p.reduced * stat
     stats = (4 if stat_cotangents else 2) * p.outer * p.groups * stat
-    return 12 * p.size, 3 * p.size * item + p.has_scale * p.reduced * stat + stats + partials
+    tiles = p.size * ((2 + sum_cotangent) * item + jnp.dtype(p.y_dtype).itemsize)
+    return 12 * p.size, tiles + p.has_scale * p.reduced * stat + stats + partials
 
 
 def minimum_bytes(p: Problem) -> int:
-    """One read of x and one write of y: the floor any forward implementation pays."""
-    return 2 * p.size * jnp.dtype(p.dtype).itemsize
+    """x (and the residual) read once, y (and the sum) written once: the floor any forward
+    implementation pays."""
+    item = jnp.dtype(p.dtype).itemsize
+    return p.size * ((1 + 2 * p.has_residual) * item + jnp.dtype(p.y_dtype).itemsize)
 
 
 def check_dtype(p: Problem, allowed: tuple) -> None:
-    if jnp.dtype(p.dtype) not in tuple(jnp.dtype(d) for d in allowed):
-        name = jnp.dtype(p.dtype).name
-        if name == "float64":
-            raise NotImplementedError("float64 is not supported on TPU")
-        raise NotImplementedError(f"x has dtype {name}; the kernel takes "
-                                  f"{', '.join(jnp.dtype(d).name for d in allowed)}")
+    """Declines an `x` (or `out_dtype`) dtype the kernel does not take."""
+    for what, dtype in (("x has dtype", p.dtype), ("out_dtype is", p.y_dtype)):
+        if jnp.dtype(dtype) not in tuple(jnp.dtype(d) for d in allowed):
+            name = jnp.dtype(dtype).name
+            if name == "float64":
+                raise NotImplementedError(f"float64 is not supported on TPU ({what} float64)")
+            raise NotImplementedError(f"{what} {name}; the kernel takes "
+                                      f"{', '.join(jnp.dtype(d).name for d in allowed)}")

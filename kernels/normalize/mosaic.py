@@ -3,13 +3,15 @@
 Each kernel's loop nest, per grid step (blocks: `mosaic_config.py`); x[o, b, c] is the VMEM
 block of slab o, group block b and chunk c of the reduced axis:
 
-    forward, step (o, b, phase, c):
+    forward, step (o, b, phase, c), where with a residual x[o, b, c] means x + r, added on
+    load, and the step writing y also writes it to sum[o, b, c]:
         one chunk:  mean, rstd = moments(x[o, b, 0]);  y[o, b, 0] = affine((x - mean) * rstd)
         phase 0:    acc = merge(acc, moments(x[o, b, c]))              # VMEM scratch
         phase 1:    y[o, b, c] = affine((x[o, b, c] - mean(acc)) * rstd(acc))
     backward, step (o, b, phase, c):
         phase 0:    sums += (sum(dy·scale), sum(dy·scale·x̂)) over chunk c   # one chunk: in place
         phase 1:    dx[o, b, c] = input_gradient(x[o, b, c], dy[o, b, c], sums)
+                                  (+ dsum[o, b, c], the sum output's cotangent, with a residual)
                     dscale_partial[o·b, c] = column sums of dy·x̂;  doffset_partial: of dy
 
 Both kernels work on the 3-D view of `common` (rows `(1, groups, reduced)` or columns
@@ -73,10 +75,12 @@ class _Schedule:
     def _orient(self, group_part, reduced_part):
         return (group_part, reduced_part) if self.p.rows else (reduced_part, group_part)
 
-    def tile_spec(self, written: bool = False) -> pl.BlockSpec:
-        """x, dy, y, dx. An output (`written`) stays on chunk 0 during phase 0."""
+    def tile_spec(self, last_phase: bool = False) -> pl.BlockSpec:
+        """x, residual, dy, y, sum, dx, dsum. A block used in the last phase only (an output,
+        or dsum) stays on chunk 0 during phase 0: an output is then written back once, after
+        it is final, and an input fetched once."""
         def index(o, b, phase, c):
-            chunk = c * phase if written and self.phases == 2 else c
+            chunk = c * phase if last_phase and self.phases == 2 else c
             return (o, *self._orient(b, chunk))
         return pl.BlockSpec((None, *self._orient(self.block_groups, self.block_reduced)), index)
 
@@ -165,12 +169,15 @@ def _zero_invalid(x: jax.Array, valid: jax.Array | None) -> jax.Array:
     return x if valid is None else jnp.where(valid, x, jnp.zeros_like(x))
 
 
-def _forward_kernel(x_ref, scale_ref, offset_ref, y_ref, mean_ref, rstd_ref, *moment_refs,
-                    p: Problem, s: _Schedule):
-    """scale/offset: None refs when absent; `moment_refs`: the (count, mean, M2) accumulators
-    of a two-phase schedule, none with one phase."""
+def _forward_kernel(x_ref, residual_ref, scale_ref, offset_ref, y_ref, sum_ref, mean_ref,
+                    rstd_ref, *moment_refs, p: Problem, s: _Schedule):
+    """residual/sum: None refs without a residual; scale/offset: None refs when absent;
+    `moment_refs`: the (count, mean, M2) accumulators of a two-phase schedule, none with one
+    phase."""
     dtype = p.stat_dtype
     x = x_ref[...].astype(dtype)
+    if residual_ref is not None:  # added in the statistics dtype (see reference.normalize)
+        x = x + residual_ref[...].astype(dtype)
     valid = s.reduced_valid(x.shape)
     # Padding may be NaN: zero it before it meets any arithmetic.
     x = _zero_invalid(x, valid)
@@ -183,6 +190,8 @@ def _forward_kernel(x_ref, scale_ref, offset_ref, y_ref, mean_ref, rstd_ref, *mo
         offset = None if offset_ref is None else offset_ref[...].astype(dtype)
         y_ref[...] = common.affine(common.normalized(x, mean, rstd, p), scale,
                                    offset).astype(y_ref.dtype)
+        if sum_ref is not None:
+            sum_ref[...] = x.astype(sum_ref.dtype)
         s.store_stats(mean_ref, mean)
         s.store_stats(rstd_ref, rstd)
 
@@ -207,23 +216,29 @@ def _forward_kernel(x_ref, scale_ref, offset_ref, y_ref, mean_ref, rstd_ref, *mo
         write(*common.mean_and_rstd(seen, p))
 
 
-def forward(x: jax.Array, scale: jax.Array | None, offset: jax.Array | None, p: Problem, *,
-            config: NormalizeConfig | None, interpret: bool | str):
-    """(y, mean, rstd) for the view-shaped `x` of a problem that `check` accepted."""
+def forward(x: jax.Array, residual: jax.Array | None, scale: jax.Array | None,
+            offset: jax.Array | None, p: Problem, *, config: NormalizeConfig | None,
+            interpret: bool | str):
+    """(y, x + residual or None, mean, rstd) for the view-shaped `x` (and `residual`) of a
+    problem that `check` accepted."""
     config = resolve_config(p, config)
     s = _Schedule(p, config)
     stats = jax.ShapeDtypeStruct(s.kernel_stats_shape(), p.stat_dtype)
     stats_block = s._orient(s.block_groups, 1)
-    in_specs = [s.tile_spec(), s.param_spec() if p.has_scale else None,
+    in_specs = [s.tile_spec(), s.tile_spec() if p.has_residual else None,
+                s.param_spec() if p.has_scale else None,
                 s.param_spec() if p.has_offset else None]
     scratch = [pltpu.VMEM(stats_block, p.stat_dtype)] * 3 if s.phases == 2 else []
+    written = s.tile_spec(last_phase=True)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=0, grid=s.grid, in_specs=in_specs,
-        out_specs=[s.tile_spec(written=True), s.stats_spec(), s.stats_spec()],
+        out_specs=[written, written if p.has_residual else None, s.stats_spec(),
+                   s.stats_spec()],
         scratch_shapes=scratch)
-    y, mean, rstd = mosaic_call(
+    total = jax.ShapeDtypeStruct(p.view_shape, p.dtype) if p.has_residual else None
+    y, total, mean, rstd = mosaic_call(
         functools.partial(_forward_kernel, p=p, s=s),
-        out_shape=(jax.ShapeDtypeStruct(p.view_shape, p.dtype), stats, stats),
+        out_shape=(jax.ShapeDtypeStruct(p.view_shape, p.y_dtype), total, stats, stats),
         grid_spec=grid_spec,
         dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary"),
         interpret=interpret,
@@ -231,14 +246,17 @@ def forward(x: jax.Array, scale: jax.Array | None, offset: jax.Array | None, p: 
         flops=common.forward_flops_and_bytes(p)[0],
         transcendentals=p.outer * p.groups,
         name="normalize_forward_mosaic",
-    )(x, scale, offset)
-    return y, s.from_kernel_stats(mean), s.from_kernel_stats(rstd)
+    )(x, residual, scale, offset)
+    return y, total, s.from_kernel_stats(mean), s.from_kernel_stats(rstd)
 
 
-def _backward_kernel(x_ref, scale_ref, mean_ref, rstd_ref, gy_ref, gmean_ref, grstd_ref, dx_ref,
-                     dscale_ref, doffset_ref, *sum_refs, p: Problem, s: _Schedule):
-    """gmean/grstd: None refs unless a second-order gradient; dscale/doffset: None without
-    parameters; `sum_refs`: the per-group sums accumulated by a two-phase schedule."""
+def _backward_kernel(x_ref, scale_ref, mean_ref, rstd_ref, gy_ref, gmean_ref, grstd_ref,
+                     gsum_ref, dx_ref, dscale_ref, doffset_ref, *sum_refs, p: Problem,
+                     s: _Schedule):
+    """x: the normalized array (x + residual with a residual); gmean/grstd: None refs unless a
+    second-order gradient; gsum: the forward's sum output's cotangent, added to dx (None
+    without a residual or when the sum is unused); dscale/doffset: None without parameters;
+    `sum_refs`: the per-group sums accumulated by a two-phase schedule."""
     dtype = p.stat_dtype
     mean, rstd = s.load_stats(mean_ref), s.load_stats(rstd_ref)
     valid = s.reduced_valid(x_ref.shape)
@@ -254,6 +272,8 @@ def _backward_kernel(x_ref, scale_ref, mean_ref, rstd_ref, gy_ref, gmean_ref, gr
         gmean, grstd = (None if ref is None else s.load_stats(ref)
                         for ref in (gmean_ref, grstd_ref))
         dx = common.input_gradient(gs, xhat, rstd, total, gmean, grstd, p)
+        if gsum_ref is not None:
+            dx = dx + gsum_ref[...].astype(dtype)
         dx_ref[...] = dx.astype(dx_ref.dtype)
         # Groups past the edge hold garbage (their dx writes are dropped); sum without them.
         in_groups = s.group_valid(x.shape)
@@ -286,9 +306,11 @@ def _backward_kernel(x_ref, scale_ref, mean_ref, rstd_ref, gy_ref, gmean_ref, gr
         write(common.RowSums(gs_ref[...], gs_xhat_ref[...]))
 
 
-def backward(x, scale, mean, rstd, gy, gmean, grstd, p: Problem, *,
+def backward(x, scale, mean, rstd, gy, gmean, grstd, gsum, p: Problem, *,
              config: NormalizeConfig | None, interpret: bool | str):
-    """(dx, dscale or None, doffset or None); dscale/doffset in `p.param_shape`."""
+    """(dx, dscale or None, doffset or None); dscale/doffset in `p.param_shape`. `x` is the
+    normalized array (the forward's sum, with a residual); `gsum`, the sum's cotangent or
+    None, is added to dx."""
     config = resolve_config(p, config)
     s = _Schedule(p, config)
     num_partials = p.outer * s.num_blocks
@@ -298,10 +320,11 @@ def backward(x, scale, mean, rstd, gy, gmean, grstd, p: Problem, *,
     stat_cotangents = gmean is not None
     cotangent_spec = s.stats_spec() if stat_cotangents else None
     in_specs = [s.tile_spec(), s.param_spec() if p.has_scale else None, s.stats_spec(),
-                s.stats_spec(), s.tile_spec(), cotangent_spec, cotangent_spec]
+                s.stats_spec(), s.tile_spec(), cotangent_spec, cotangent_spec,
+                None if gsum is None else s.tile_spec(last_phase=True)]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=0, grid=s.grid, in_specs=in_specs,
-        out_specs=[s.tile_spec(written=True), s.partial_spec() if p.has_scale else None,
+        out_specs=[s.tile_spec(last_phase=True), s.partial_spec() if p.has_scale else None,
                    s.partial_spec() if p.has_offset else None],
         scratch_shapes=[pltpu.VMEM(stats_block, p.stat_dtype)] * 2 if s.phases == 2 else [])
     mean, rstd, gmean, grstd = map(s.to_kernel_stats, (mean, rstd, gmean, grstd))
@@ -316,5 +339,5 @@ def backward(x, scale, mean, rstd, gy, gmean, grstd, p: Problem, *,
         flops=common.backward_flops_and_bytes(p, num_partials, stat_cotangents)[0],
         transcendentals=p.outer * p.groups,
         name="normalize_backward_mosaic",
-    )(x, scale, mean, rstd, gy, gmean, grstd)
+    )(x, scale, mean, rstd, gy, gmean, grstd, gsum)
     return dx, *(None if d is None else jnp.sum(d, axis=0) for d in (dscale, doffset))

@@ -22,9 +22,14 @@ _MAX_BLOCK_REDUCED = 16384
 _TARGET_BLOCK = 128 * 1024  # elements: ~0.5 MiB float32 per block, a few MiB with buffering.
 
 
+def _sublanes(p: Problem) -> int:
+    """The sublane tile of the narrowest array the blocks cover (x, or y in `out_dtype`)."""
+    return max(sublanes(p.dtype), sublanes(p.y_dtype))
+
+
 def _tiling(p: Problem) -> dict[str, tuple[int, int]]:
     """Per block field: (the multiple TPU tiling asks for, the array dim it may equal)."""
-    sub = sublanes(p.dtype)
+    sub = _sublanes(p)
     if p.rows:
         return {"block_groups": (sub, p.groups), "block_reduced": (LANES, p.reduced)}
     return {"block_groups": (LANES, p.groups), "block_reduced": (sub, p.reduced)}
@@ -37,14 +42,16 @@ def _fit(dim: int, limit: int, multiple: int) -> int:
 
 def _step_bytes_per_element(p: Problem) -> int:
     """VMEM one block element costs a backward step (the larger of the two kernels): x, dy and
-    dx double-buffered, and about six float32 temporaries the compiler keeps in VMEM."""
-    return 2 * 3 * jnp.dtype(p.dtype).itemsize + 6 * 4
+    dx double-buffered (and dsum, with a residual: the forward's x, residual, y and sum are as
+    many), and about six float32 temporaries the compiler keeps in VMEM."""
+    item = max(jnp.dtype(p.dtype).itemsize, jnp.dtype(p.y_dtype).itemsize)
+    return 2 * (3 + p.has_residual) * item + 6 * 4
 
 
 def _block_elements(p: Problem, block_groups: int, block_reduced: int) -> int:
     """Elements of a block as VMEM holds it: the lane dim padded to 128, sublanes to a tile."""
     lanes, rows = (block_reduced, block_groups) if p.rows else (block_groups, block_reduced)
-    sub = sublanes(p.dtype)
+    sub = _sublanes(p)
     return (-(-rows // sub) * sub) * (-(-lanes // LANES) * LANES)
 
 

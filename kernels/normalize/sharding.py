@@ -21,11 +21,13 @@ from kernels.normalize import common
 from kernels.partition import Dims, Layout, Plan, Reduction
 
 
-def _view_axes(static: Any, layout: Layout) -> tuple[Dims, Dims, Dims, tuple[str, ...]]:
-    """(x dims, statistics dims, scale/offset dims, axes of outer+group shards)."""
+def _view_axes(static: Any, layout: Layout, params_at: slice
+               ) -> tuple[Dims, Dims, Dims, tuple[str, ...]]:
+    """(x dims, statistics dims, scale/offset dims, axes of outer+group shards); `params_at`:
+    where scale/offset are among the operands."""
     p = static.problem
     x_dims = layout.dims[0]
-    param_dims = next((d for d in layout.dims[1:3] if d is not None), None)
+    param_dims = next((d for d in layout.dims[params_at] if d is not None), None)
     used: set[str] = set()
     r = 2 if p.rows else 1
     g = 1 if p.rows else 2
@@ -50,11 +52,11 @@ def _local_static(static: Any, layout: Layout, view: Dims) -> Any:
     return static._replace(problem=p._replace(outer=sizes[0], groups=groups, reduced=reduced))
 
 
-def _shards(static: Any, layout: Layout):
+def _shards(static: Any, layout: Layout, params_at: slice):
     """What both rules derive from the layout: the view's, statistics' and parameters' dims,
     the axes of the group shards, the per-device static, and the mesh axes of the normalized
     axis (empty when each device holds whole groups)."""
-    view, stats, params, shards = _view_axes(static, layout)
+    view, stats, params, shards = _view_axes(static, layout, params_at)
     reduced = view[2 if static.problem.rows else 1]
     return view, stats, params, shards, _local_static(static, layout, view), reduced
 
@@ -66,29 +68,41 @@ def _factors(p: Any) -> tuple[str, str, str]:
     return "o r g", "o s g", "r t"
 
 
+# The forward's operands are (x, residual, scale, offset); the backward's (x, scale, mean, rstd,
+# dy, dmean, drstd, dsum). The residual and the sum (an output, and dsum) are laid out like x.
+_FORWARD_PARAMS, _BACKWARD_PARAMS = slice(2, 4), slice(1, 2)
+
+
 def forward_factors(static: Any, shapes: tuple) -> str:
     view, stats, params = _factors(static.problem)
-    operands = ", ".join([view] + [params for shape in shapes[1:] if shape is not None])
-    return f"{operands} -> {view}, {stats}, {stats}"
+    residual = [view] if shapes[1] is not None else []
+    operands = ", ".join([view, *residual] + [params for shape in shapes[2:] if shape is not None])
+    return f"{operands} -> {', '.join([view, *residual, stats, stats])}"
 
 
 def forward_rule(forward: Any, static: Any, layout: Layout) -> Plan:
-    view, stats, params, _, local_static, reduced = _shards(static, layout)
+    view, stats, params, _, local_static, reduced = _shards(static, layout, _FORWARD_PARAMS)
     p = static.problem
-    in_dims = (view, *(None if shape is None else params for shape in layout.shapes[1:]))
+    residual = None if layout.shapes[1] is None else view
+    in_dims = (view, residual,
+               *(None if shape is None else params for shape in layout.shapes[2:]))
 
-    def local(x, scale, offset):
+    def local(x, residual, scale, offset):
         if not reduced:
-            return forward(x, scale, offset, local_static)
-        return _forward_merged(x, scale, offset, p, reduced)
+            return forward(x, residual, scale, offset, local_static)
+        return _forward_merged(x, residual, scale, offset, p, reduced)
 
-    return Plan(in_dims, (view, stats, stats), local, multiple=True)
+    return Plan(in_dims, (view, residual, stats, stats), local, multiple=True)
 
 
-def _forward_merged(x, scale, offset, p: Any, axes: tuple[str, ...]):
-    """(y, mean, rstd) of a slice of each group, its moments merged over mesh `axes`."""
+def _forward_merged(x, residual, scale, offset, p: Any, axes: tuple[str, ...]):
+    """(y, x + residual or None, mean, rstd) of a slice of each group, its moments merged over
+    mesh `axes`."""
     axis = p.view_reduce_axis
     xs = x.astype(p.stat_dtype)
+    if residual is not None:  # added in the statistics dtype (see reference.normalize)
+        xs = xs + residual.astype(p.stat_dtype)
+    total = None if residual is None else xs.astype(p.dtype)
     count = x.shape[axis]
     if p.subtract_mean:
         local_mean = jnp.mean(xs, axis=axis, keepdims=True)
@@ -100,12 +114,12 @@ def _forward_merged(x, scale, offset, p: Any, axes: tuple[str, ...]):
         m2 = lax.psum(jnp.sum(jnp.square(xs), axis=axis, keepdims=True), axes)
     rstd = lax.rsqrt(m2 / p.reduced + jnp.asarray(p.epsilon, p.stat_dtype))
     y = common.affine(common.normalized(xs, mean, rstd, p), scale, offset)
-    return y.astype(p.dtype), mean, rstd
+    return y.astype(p.y_dtype), total, mean, rstd
 
 
 def backward_factors(static: Any, shapes: tuple) -> str:
     view, stats, params = _factors(static.problem)
-    names = [view, params, stats, stats, view, stats, stats]
+    names = [view, params, stats, stats, view, stats, stats, view]
     operands = ", ".join(n for n, shape in zip(names, shapes) if shape is not None)
     has_scale, has_offset = shapes[1] is not None, static.problem.has_offset
     results = [view, params if has_scale else None, params if has_offset else None]
@@ -113,21 +127,23 @@ def backward_factors(static: Any, shapes: tuple) -> str:
 
 
 def backward_rule(backward: Any, static: Any, layout: Layout) -> Plan:
-    view, stats, params, shards, local_static, reduced = _shards(static, layout)
+    view, stats, params, shards, local_static, reduced = _shards(static, layout,
+                                                                 _BACKWARD_PARAMS)
     p = static.problem
     sum_shards = Reduction(shards)  # dscale/doffset: partial sums over the group shards
     has_scale = layout.shapes[1] is not None
     stat_cotangents = stats if layout.shapes[5] is not None else None
     in_dims = (view, params if has_scale else None, stats, stats, view, stat_cotangents,
-               stat_cotangents)
+               stat_cotangents, None if layout.shapes[7] is None else view)
 
-    def local(x, scale, mean, rstd, gy, gmean, grstd):
+    def local(x, scale, mean, rstd, gy, gmean, grstd, gsum):
         if reduced:
             dx, dscale, doffset = common.backward_jnp(
-                p, x, scale, mean, rstd, gy, gmean, grstd,
+                p, x, scale, mean, rstd, gy, gmean, grstd, gsum,
                 total=lambda s: lax.psum(s, reduced))
         else:
-            dx, dscale, doffset = backward(x, scale, mean, rstd, gy, gmean, grstd, local_static)
+            dx, dscale, doffset = backward(x, scale, mean, rstd, gy, gmean, grstd, gsum,
+                                           local_static)
         return (dx, *(None if d is None else sum_shards(d) for d in (dscale, doffset)))
 
     out_dims = (view, params if has_scale else None, params if p.has_offset else None)

@@ -3,7 +3,8 @@
 Each kernel's loop nest, per program (tiles and schedule: `triton_config.py`); x[o, b, c] is
 the tile of slab o, group block b and chunk c of the reduced axis:
 
-    forward (fused), program (o, b):
+    forward (fused), program (o, b), where with a residual x[o, b, c] means x + r, added on
+    load, and the loop writing y also writes it to sum[o, b, c]:
         mean, rstd = merge(moments(x[o, b, c]) for c in chunks)  # one chunk: in registers
         for c in chunks: y[o, b, c] = affine((x[o, b, c] - mean) * rstd)
     moments (split), program (o, b, s):  mean and M2 of the chunks of split s; XLA merges
@@ -12,6 +13,7 @@ the tile of slab o, group block b and chunk c of the reduced axis:
     backward, program (o, q, c):
         for b in (q, q + partials, ...):
             dx[o, b, c] = input_gradient(x[o, b, c], dy[o, b, c], the group sums)
+                          (+ dsum[o, b, c], the sum output's cotangent, with a residual)
             dscale_acc += column sums of dy·x̂;  doffset_acc += column sums of dy
         dscale_partial[o·partials + q, c], doffset_partial[o·partials + q, c] = the accs
 
@@ -157,8 +159,23 @@ def _split_range(s: Schedule):
     return Split(s.splits, s.per_split).range_of(pl.program_id(2), s.num_chunks)
 
 
-def _moments(tiles: _Tiles, x_ref, outer, chunk, p: Problem) -> common.Moments:
+def _load_input(tiles: _Tiles, refs, outer, chunk, p: Problem) -> jax.Array:
+    """The tile to normalize, in the statistics dtype: x, or x + residual added in that dtype
+    (see `reference.normalize`), then also stored, rounded, in the sum output when `refs`
+    holds one."""
+    x_ref, residual_ref, sum_ref = refs
     x = tiles.load(x_ref, outer, chunk, p.stat_dtype)
+    if residual_ref is None:
+        return x
+    total = x + tiles.load(residual_ref, outer, chunk, p.stat_dtype)
+    if sum_ref is not None:
+        tiles.store(sum_ref, outer, chunk, total)
+    return total
+
+
+def _moments(tiles: _Tiles, inputs, outer, chunk, p: Problem) -> common.Moments:
+    """`inputs`: (x, residual) refs."""
+    x = _load_input(tiles, (*inputs, None), outer, chunk, p)
     return common.chunk_moments(x, tiles.mask(chunk), p)
 
 
@@ -172,22 +189,26 @@ def _write_y(tiles: _Tiles, refs, outer, chunk, x, mean, rstd, p: Problem) -> No
                                                    scale, offset))
 
 
-def _forward_kernel(x_ref, scale_ref, offset_ref, y_ref, mean_ref, rstd_ref, *, p: Problem,
-                    config: NormalizeConfig, s: Schedule):
+def _forward_kernel(x_ref, residual_ref, scale_ref, offset_ref, y_ref, sum_ref, mean_ref,
+                    rstd_ref, *, p: Problem, config: NormalizeConfig, s: Schedule):
+    """residual/sum: None refs without a residual; scale/offset: None refs when absent."""
     outer = pl.program_id(0)
     tiles = _Tiles(p, config, pl.program_id(1))
     write = functools.partial(_write_y, tiles, (scale_ref, offset_ref, y_ref), outer, p=p)
+    inputs = (x_ref, residual_ref, sum_ref)
     if s.num_chunks == 1:  # the tile stays in registers: one read, one write
-        x = tiles.load(x_ref, outer, 0, p.stat_dtype)
+        x = _load_input(tiles, inputs, outer, 0, p)
         mean, rstd = common.mean_and_rstd(common.chunk_moments(x, tiles.mask(0), p), p)
         write(0, x, mean, rstd)
     else:
-        moments = _fold(0, s.num_chunks, lambda c: _moments(tiles, x_ref, outer, c, p),
+        moments = _fold(0, s.num_chunks, lambda c: _moments(tiles, inputs[:2], outer, c, p),
                         functools.partial(common.merge_moments, p=p))
         mean, rstd = common.mean_and_rstd(moments, p)
 
         def write_chunk(chunk, carry):
-            write(chunk, tiles.load(x_ref, outer, chunk, p.stat_dtype), mean, rstd)
+            # The sum is re-added here, not read back: this program's own stores need not be
+            # visible to its loads.
+            write(chunk, _load_input(tiles, inputs, outer, chunk, p), mean, rstd)
             return carry
 
         int32_loop(s.num_chunks, write_chunk, 0)
@@ -195,23 +216,24 @@ def _forward_kernel(x_ref, scale_ref, offset_ref, y_ref, mean_ref, rstd_ref, *, 
     tiles.store_stats(rstd_ref, outer, rstd)
 
 
-def _moments_kernel(x_ref, means_ref, m2s_ref, *, p: Problem, config: NormalizeConfig,
-                    s: Schedule):
+def _moments_kernel(x_ref, residual_ref, means_ref, m2s_ref, *, p: Problem,
+                    config: NormalizeConfig, s: Schedule):
     outer, split = pl.program_id(0), pl.program_id(2)
     tiles = _Tiles(p, config, pl.program_id(1))
-    moments = _fold(*_split_range(s), lambda c: _moments(tiles, x_ref, outer, c, p),
+    moments = _fold(*_split_range(s),
+                    lambda c: _moments(tiles, (x_ref, residual_ref), outer, c, p),
                     functools.partial(common.merge_moments, p=p))
     tiles.store_stats(means_ref, outer, moments.mean, split)
     tiles.store_stats(m2s_ref, outer, moments.m2, split)
 
 
-def _normalize_kernel(x_ref, scale_ref, offset_ref, mean_ref, rstd_ref, y_ref, *, p: Problem,
-                      config: NormalizeConfig):
+def _normalize_kernel(x_ref, residual_ref, scale_ref, offset_ref, mean_ref, rstd_ref, y_ref,
+                      sum_ref, *, p: Problem, config: NormalizeConfig):
     outer, chunk = pl.program_id(0), pl.program_id(2)
     tiles = _Tiles(p, config, pl.program_id(1))
     _write_y(tiles, (scale_ref, offset_ref, y_ref), outer, chunk,
-             tiles.load(x_ref, outer, chunk, p.stat_dtype), tiles.load_stats(mean_ref, outer),
-             tiles.load_stats(rstd_ref, outer), p)
+             _load_input(tiles, (x_ref, residual_ref, sum_ref), outer, chunk, p),
+             tiles.load_stats(mean_ref, outer), tiles.load_stats(rstd_ref, outer), p)
 
 
 def _split_shape(p: Problem, s: Schedule) -> jax.ShapeDtypeStruct:
@@ -240,28 +262,33 @@ def _call(kernel, p: Problem, config: NormalizeConfig, grid, out_shape, flops_an
                        steps_per_program=steps)
 
 
-def forward(x: jax.Array, scale: jax.Array | None, offset: jax.Array | None, p: Problem, *,
-            config: NormalizeConfig | None, interpret: bool | str):
-    """(y, mean, rstd) for the view-shaped `x` of a problem that `check` accepted."""
+def forward(x: jax.Array, residual: jax.Array | None, scale: jax.Array | None,
+            offset: jax.Array | None, p: Problem, *, config: NormalizeConfig | None,
+            interpret: bool | str):
+    """(y, x + residual or None, mean, rstd) for the view-shaped `x` (and `residual`) of a
+    problem that `check` accepted."""
     config = resolve_config(p, config)
     s = schedule(p, config)
     stats = jax.ShapeDtypeStruct(p.stats_shape, p.stat_dtype)
-    y = jax.ShapeDtypeStruct(p.view_shape, p.dtype)
+    y = jax.ShapeDtypeStruct(p.view_shape, p.y_dtype)
+    total = jax.ShapeDtypeStruct(p.view_shape, p.dtype) if p.has_residual else None
     cost = common.forward_flops_and_bytes(p)
     if s.splits == 1:
         return _call(functools.partial(_forward_kernel, p=p, config=config, s=s), p, config,
-                     (p.outer, s.num_blocks), (y, stats, stats), cost,
-                     "normalize_forward_triton", interpret, s.num_chunks)(x, scale, offset)
+                     (p.outer, s.num_blocks), (y, total, stats, stats), cost,
+                     "normalize_forward_triton", interpret, s.num_chunks)(
+                         x, residual, scale, offset)
     means, m2s = _call(functools.partial(_moments_kernel, p=p, config=config, s=s), p, config,
                        (p.outer, s.num_blocks, s.splits), (_split_shape(p, s),) * 2,
-                       reduction_traffic(p, 1, 4, s), "normalize_moments_triton", interpret,
-                       s.per_split)(x)
+                       reduction_traffic(p, 1 + p.has_residual, 4, s),
+                       "normalize_moments_triton", interpret, s.per_split)(x, residual)
     counts = _split_counts(p, config, s)
     mean, rstd = common.mean_and_rstd(common.merge_split_moments(means, m2s, counts, p), p)
-    y = _call(functools.partial(_normalize_kernel, p=p, config=config), p, config,
-              (p.outer, s.num_blocks, s.num_chunks), y, cost, "normalize_forward_triton",
-              interpret)(x, scale, offset, mean, rstd)
-    return y, mean, rstd
+    y, total = _call(functools.partial(_normalize_kernel, p=p, config=config), p, config,
+                     (p.outer, s.num_blocks, s.num_chunks), (y, total), cost,
+                     "normalize_forward_triton", interpret)(
+                         x, residual, scale, offset, mean, rstd)
+    return y, total, mean, rstd
 
 
 def _gradient_inputs(tiles: _Tiles, refs, outer, chunk, mean, rstd, p: Problem):
@@ -292,9 +319,11 @@ def _sums_kernel(x_ref, scale_ref, mean_ref, rstd_ref, gy_ref, gs_ref, gs_xhat_r
 
 
 def _backward_kernel(x_ref, scale_ref, mean_ref, rstd_ref, gy_ref, gmean_ref, grstd_ref,
-                     gs_ref, gs_xhat_ref, dx_ref, dscale_ref, doffset_ref, *, p: Problem,
-                     config: NormalizeConfig, s: Schedule, partials: int):
-    """gmean/grstd: None unless a second-order gradient; gs/gs_xhat (the per-group sums from
+                     gsum_ref, gs_ref, gs_xhat_ref, dx_ref, dscale_ref, doffset_ref, *,
+                     p: Problem, config: NormalizeConfig, s: Schedule, partials: int):
+    """x: the normalized array (x + residual with a residual); gmean/grstd: None unless a
+    second-order gradient; gsum: the cotangent of the forward's sum output (None without a
+    residual or when the sum is unused), added to dx; gs/gs_xhat (the per-group sums from
     `_sums_kernel`): None with one chunk per group; dscale/doffset: None without parameters."""
     outer, program, chunk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     group_axis = 1 - p.reduce_axis
@@ -316,6 +345,8 @@ def _backward_kernel(x_ref, scale_ref, mean_ref, rstd_ref, gy_ref, gmean_ref, gr
         gmean, grstd = (None if ref is None else tiles.load_stats(ref, outer)
                         for ref in (gmean_ref, grstd_ref))
         dx = common.input_gradient(gs, xhat, rstd, sums, gmean, grstd, p)
+        if gsum_ref is not None:
+            dx = dx + tiles.load(gsum_ref, outer, chunk, p.stat_dtype)
         tiles.store(dx_ref, outer, chunk, dx)
         # Groups past the edge loaded 0 but x̂ = -mean·rstd there: keep them out of the sums.
         zero = jnp.zeros_like(g)
@@ -333,9 +364,11 @@ def _backward_kernel(x_ref, scale_ref, mean_ref, rstd_ref, gy_ref, gmean_ref, gr
             triton_store(ref.at[partial_row, columns], value, mask=tiles.reduced_valid(chunk))
 
 
-def backward(x, scale, mean, rstd, gy, gmean, grstd, p: Problem, *,
+def backward(x, scale, mean, rstd, gy, gmean, grstd, gsum, p: Problem, *,
              config: NormalizeConfig | None, interpret: bool | str):
-    """(dx, dscale or None, doffset or None); dscale/doffset in `p.param_shape`."""
+    """(dx, dscale or None, doffset or None); dscale/doffset in `p.param_shape`. `x` is the
+    normalized array (the forward's sum, with a residual); `gsum`, the sum's cotangent or
+    None, is added to dx."""
     config = resolve_config(p, config)
     s = schedule(p, config)
     partials = num_partials(p, config, s)
@@ -354,8 +387,9 @@ def backward(x, scale, mean, rstd, gy, gmean, grstd, p: Problem, *,
     dx, dscale, doffset = _call(
         functools.partial(_backward_kernel, p=p, config=config, s=s, partials=partials), p,
         config, (p.outer, partials, s.num_chunks), out_shape,
-        common.backward_flops_and_bytes(p, p.outer * partials, gmean is not None),
+        common.backward_flops_and_bytes(p, p.outer * partials, gmean is not None,
+                                        gsum is not None),
         "normalize_backward_triton", interpret, pl.cdiv(s.num_blocks, partials),
-    )(x, scale, mean, rstd, gy, gmean, grstd, *sums)
+    )(x, scale, mean, rstd, gy, gmean, grstd, gsum, *sums)
     return dx, *(None if d is None else jnp.sum(d, axis=0).reshape(p.param_shape)
                  for d in (dscale, doffset))
