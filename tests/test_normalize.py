@@ -90,10 +90,11 @@ def test_options(implementation, subtract_mean, epsilon, params):
 
 
 # Groups longer than one block, with a ragged last chunk, for each layout: the chunked paths
-# (merged moments, two-phase Mosaic grid) at sizes the interpreters run quickly.
+# (merged moments, two-phase Mosaic grid) at sizes the interpreters run quickly. In the columns
+# layout a Mosaic chunk with scale/offset is a multiple of 128 (the parameters' lane dim).
 CHUNKED = [((20, 300), -1, NormalizeConfig(block_groups=16, block_reduced=128)),
-           ((100, 20), 0, NormalizeConfig(block_groups=20, block_reduced=32)),
-           ((2, 40, 130), 1, NormalizeConfig(block_groups=128, block_reduced=16))]
+           ((300, 20), 0, NormalizeConfig(block_groups=20, block_reduced=128)),
+           ((2, 300, 130), 1, NormalizeConfig(block_groups=128, block_reduced=128))]
 
 
 def _case_id(value) -> str:
@@ -297,6 +298,34 @@ def test_mosaic_statistics_are_lane_dense(shape):
         avals = [v.aval for v in (*eqn.invars, *eqn.outvars)]
         dense = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in avals)
         assert sum(_hbm_bytes(a) for a in avals) <= 1.01 * dense, eqn.params["name"]
+
+
+@pytest.mark.parametrize("shape,dtype,axis", [((1048576, 64), jnp.float32, 0),
+                                             ((32, 56, 56, 256), jnp.bfloat16, (0, 1, 2))],
+                         ids=str)
+def test_mosaic_parameters_and_partials_are_lane_dense(shape, dtype, axis):
+    """Issue 25, item 3: in the columns layout (batch-norm statistics over leading axes) scale,
+    offset and the backward's partial dscale/doffset rows were (reduced, 1) arrays, tiled 128
+    lanes wide in HBM: 512 MiB per float32 parameter at (1M, 64), 51 MiB at the ResNet batch
+    norm, read or written beside a 256 MiB (25 MiB) x. Lane-dense (1, reduced) rows, each
+    such operand takes at most its own bytes plus one tile."""
+    from kernels import _targets
+    from kernels.compile import launches
+
+    x = jax.ShapeDtypeStruct(shape, dtype)
+    param = jax.ShapeDtypeStruct(_param_shape(shape, axis), jnp.float32)
+    loss = _loss(normalize, axis=axis, implementation="mosaic", interpret=False)
+    calls = launches(jax.grad(loss, argnums=(0, 1, 2)), x, param, param,
+                     target=_targets.TARGETS["v5e"])
+    assert [eqn.params["name"] for eqn in calls] == ["normalize_forward_mosaic",
+                                                     "normalize_backward_mosaic"]
+    size = int(np.prod(shape))
+    for eqn in calls:
+        for aval in (v.aval for v in (*eqn.invars, *eqn.outvars)):
+            if int(np.prod(aval.shape)) == size:
+                continue  # x, dy, y, dx: laid out as the caller's array is
+            dense = int(np.prod(aval.shape)) * aval.dtype.itemsize
+            assert _hbm_bytes(aval) <= dense + 8 * 128 * 4, (eqn.params["name"], aval)
 
 
 def test_mosaic_statistics_of_ragged_row_blocks_second_order():

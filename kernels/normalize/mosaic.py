@@ -34,12 +34,13 @@ grid = (outer, cdiv(groups, block_groups), phases, num_chunks), semantics ("para
   walks them again and writes y (dx). The output's index map sends every phase-0 step to chunk
   0, which phase 1 writes first, so each output block is written back once, after it is final.
 Statistics and their cotangents are (1, block_groups) blocks, lane-dense in both layouts (see
-`_Schedule.stats_spec`); the scale/offset chunks are (1, block_reduced) or (block_reduced, 1).
+`_Schedule.stats_spec`), and so are the scale/offset chunks and the partial dscale/doffset rows,
+(1, block_reduced) in both layouts (`_Schedule.param_spec`).
 
 Ragged edges: padding past `reduced` may hold anything (NaN in TPU interpret mode), so it is
 masked out of every sum; padding past `groups` computes garbage whose writes are dropped, and
 is masked out of the backward's dscale/doffset sums. Each (o, b) writes its own partial dscale
-and doffset row of shape (1, reduced) or (reduced, 1); XLA sums the rows afterwards (no
+and doffset row of shape (1, reduced); XLA sums the rows afterwards (no
 atomics: the same result on every run).
 
 Memory traffic: one read of x and one write of y per forward when a group fits one block (two
@@ -122,16 +123,33 @@ class _Schedule:
     def store_stats(self, ref, value: jax.Array) -> None:
         ref[...] = (value.T if self.p.rows else value).astype(ref.dtype)
 
-    def param_spec(self) -> pl.BlockSpec:
-        return pl.BlockSpec(self._orient(1, self.block_reduced),
-                            lambda o, b, phase, c: self._orient(0, c))
+    def param_spec(self, last_phase: bool = False) -> pl.BlockSpec:
+        """scale/offset as lane-dense (1, reduced) rows in both layouts (`load_param` turns a
+        chunk into the columns layout's (block_reduced, 1) in VMEM): a (reduced, 1) array
+        is tiled 128 lanes wide in HBM, 128x its bytes (512 MiB for a float32 scale of the
+        1M-element groups of a (1M, 64) standardization over axis 0). `last_phase`: used in
+        phase 1 only (the forward's), so phase 0 does not fetch each chunk."""
+        def index(o, b, phase, c):
+            return (0, c * phase if last_phase and self.phases == 2 else c)
+        return pl.BlockSpec((1, self.block_reduced), index)
+
+    def load_param(self, ref, dtype) -> jax.Array | None:
+        """A scale/offset chunk, shaped to broadcast against a tile (None for an absent one)."""
+        if ref is None:
+            return None
+        value = ref[...].astype(dtype)
+        return value if self.p.rows else value.T
 
     def partial_spec(self) -> pl.BlockSpec:
-        """One (1, block_reduced) or (block_reduced, 1) partial row per group block."""
+        """One lane-dense (1, block_reduced) partial row per group block (as `param_spec`)."""
         def index(o, b, phase, c):
             chunk = c * phase if self.phases == 2 else c
-            return (o * self.num_blocks + b, *self._orient(0, chunk))
-        return pl.BlockSpec((None, *self._orient(1, self.block_reduced)), index)
+            return (o * self.num_blocks + b, 0, chunk)
+        return pl.BlockSpec((None, 1, self.block_reduced), index)
+
+    def store_partial(self, ref, value: jax.Array) -> None:
+        """Stores a tile's column sums, (1, block_reduced) or (block_reduced, 1)."""
+        ref[...] = value if self.p.rows else value.T
 
     def reduced_valid(self, shape) -> jax.Array | None:
         """Mask of the elements of this step's chunk inside `reduced`; None if all are."""
@@ -149,6 +167,11 @@ class _Schedule:
         index = pl.program_id(1) * self.block_groups + lax.broadcasted_iota(jnp.int32, shape,
                                                                             axis)
         return index < self.p.groups
+
+
+def _lane_dense(param: jax.Array | None) -> jax.Array | None:
+    """A `p.param_shape` scale/offset as the (1, reduced) row the kernels read."""
+    return None if param is None else param.reshape(1, -1)
 
 
 def _all_valid(shape) -> jax.Array:
@@ -186,8 +209,7 @@ def _forward_kernel(x_ref, residual_ref, scale_ref, offset_ref, y_ref, sum_ref, 
         return common.chunk_moments(x, _all_valid(x.shape) if valid is None else valid, p)
 
     def write(mean, rstd):
-        scale = None if scale_ref is None else scale_ref[...].astype(dtype)
-        offset = None if offset_ref is None else offset_ref[...].astype(dtype)
+        scale, offset = s.load_param(scale_ref, dtype), s.load_param(offset_ref, dtype)
         y_ref[...] = common.affine(common.normalized(x, mean, rstd, p), scale,
                                    offset).astype(y_ref.dtype)
         if sum_ref is not None:
@@ -226,8 +248,8 @@ def forward(x: jax.Array, residual: jax.Array | None, scale: jax.Array | None,
     stats = jax.ShapeDtypeStruct(s.kernel_stats_shape(), p.stat_dtype)
     stats_block = s._orient(s.block_groups, 1)
     in_specs = [s.tile_spec(), s.tile_spec() if p.has_residual else None,
-                s.param_spec() if p.has_scale else None,
-                s.param_spec() if p.has_offset else None]
+                s.param_spec(last_phase=True) if p.has_scale else None,
+                s.param_spec(last_phase=True) if p.has_offset else None]
     scratch = [pltpu.VMEM(stats_block, p.stat_dtype)] * 3 if s.phases == 2 else []
     written = s.tile_spec(last_phase=True)
     grid_spec = pltpu.PrefetchScalarGridSpec(
@@ -246,7 +268,7 @@ def forward(x: jax.Array, residual: jax.Array | None, scale: jax.Array | None,
         flops=common.forward_flops_and_bytes(p)[0],
         transcendentals=p.outer * p.groups,
         name="normalize_forward_mosaic",
-    )(x, residual, scale, offset)
+    )(x, residual, *map(_lane_dense, (scale, offset)))
     return y, total, s.from_kernel_stats(mean), s.from_kernel_stats(rstd)
 
 
@@ -263,7 +285,7 @@ def _backward_kernel(x_ref, scale_ref, mean_ref, rstd_ref, gy_ref, gmean_ref, gr
     x = _zero_invalid(x_ref[...].astype(dtype), valid)
     g = _zero_invalid(gy_ref[...].astype(dtype), valid)
     xhat = common.normalized(x, mean, rstd, p)
-    gs = g if scale_ref is None else g * scale_ref[...].astype(dtype)
+    gs = g if scale_ref is None else g * s.load_param(scale_ref, dtype)
 
     def sums():
         return common.row_sums(gs, xhat, _all_valid(x.shape) if valid is None else valid, p)
@@ -279,11 +301,11 @@ def _backward_kernel(x_ref, scale_ref, mean_ref, rstd_ref, gy_ref, gmean_ref, gr
         in_groups = s.group_valid(x.shape)
         group_axis = 1 - p.reduce_axis
         if dscale_ref is not None:
-            dscale_ref[...] = jnp.sum(_zero_invalid(g * xhat, _and(in_groups, valid)),
-                                      axis=group_axis, keepdims=True)
+            s.store_partial(dscale_ref, jnp.sum(_zero_invalid(g * xhat, _and(in_groups, valid)),
+                                                axis=group_axis, keepdims=True))
         if doffset_ref is not None:
-            doffset_ref[...] = jnp.sum(_zero_invalid(g, in_groups), axis=group_axis,
-                                       keepdims=True)
+            s.store_partial(doffset_ref, jnp.sum(_zero_invalid(g, in_groups), axis=group_axis,
+                                                 keepdims=True))
 
     if s.phases == 1:
         write(sums())
@@ -314,7 +336,7 @@ def backward(x, scale, mean, rstd, gy, gmean, grstd, gsum, p: Problem, *,
     config = resolve_config(p, config)
     s = _Schedule(p, config)
     num_partials = p.outer * s.num_blocks
-    partial_shape = (num_partials, *p.param_shape)
+    partial_shape = (num_partials, 1, p.reduced)
     partial = jax.ShapeDtypeStruct(partial_shape, p.stat_dtype)
     stats_block = s._orient(s.block_groups, 1)
     stat_cotangents = gmean is not None
@@ -339,5 +361,6 @@ def backward(x, scale, mean, rstd, gy, gmean, grstd, gsum, p: Problem, *,
         flops=common.backward_flops_and_bytes(p, num_partials, stat_cotangents)[0],
         transcendentals=p.outer * p.groups,
         name="normalize_backward_mosaic",
-    )(x, scale, mean, rstd, gy, gmean, grstd, gsum)
-    return dx, *(None if d is None else jnp.sum(d, axis=0) for d in (dscale, doffset))
+    )(x, _lane_dense(scale), mean, rstd, gy, gmean, grstd, gsum)
+    return dx, *(None if d is None else jnp.sum(d, axis=0).reshape(p.param_shape)
+                 for d in (dscale, doffset))

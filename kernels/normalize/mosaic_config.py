@@ -28,11 +28,14 @@ def _sublanes(p: Problem) -> int:
 
 
 def _tiling(p: Problem) -> dict[str, tuple[int, int]]:
-    """Per block field: (the multiple TPU tiling asks for, the array dim it may equal)."""
+    """Per block field: (the multiple TPU tiling asks for, the array dim it may equal). In the
+    columns layout `block_reduced` is x's sublane dim, and also the lane dim of the lane-dense
+    scale/offset chunks when there are any."""
     sub = _sublanes(p)
     if p.rows:
         return {"block_groups": (sub, p.groups), "block_reduced": (LANES, p.reduced)}
-    return {"block_groups": (LANES, p.groups), "block_reduced": (sub, p.reduced)}
+    reduced_multiple = LANES if p.has_scale or p.has_offset else sub
+    return {"block_groups": (LANES, p.groups), "block_reduced": (reduced_multiple, p.reduced)}
 
 
 def _fit(dim: int, limit: int, multiple: int) -> int:
