@@ -92,8 +92,6 @@ def test_sharded_call_equals_unsharded(results, impl, case, mesh, request):
         request.applymarker(pytest.mark.xfail(
             strict=True, reason="XLA: conv weight gradient over-summed on a 2-D mesh"))
     r = results(impl)[(case, mesh)]
-    if "known_failure" in r:
-        pytest.xfail(r["known_failure"])
     if "error" in r:  # the xla implementation is JAX's op: in Explicit meshes, JAX's errors
         assert impl == "xla" and mesh == "Explicit" and r["error"] == "ShardingTypeError", r
         return
@@ -106,8 +104,6 @@ def test_sharded_call_equals_unsharded(results, impl, case, mesh, request):
 @pytest.mark.parametrize("impl,mesh", [run for run in RUNS if run[0] != "xla"])
 def test_sharding_and_collectives(results, impl, case, mesh):
     r = results(impl)[(case, mesh)]
-    if "known_failure" in r:
-        pytest.xfail(r["known_failure"])
     if case == "conv2d/spatial":  # documented fallback: whole images, gathered once
         assert r["forward"]["all-gather"] == 1, r
         return
