@@ -21,10 +21,10 @@ IMPLEMENTATIONS = ("xla", "triton", "mosaic")
 CASES = ("matmul/M", "matmul/N", "matmul/K", "matmul/batch+K", "normalize/rows",
          "normalize/normalized-axis", "normalize/rms-normalized-axis",
          "normalize/standardize-axis0", "normalize/residual-rows",
-         "normalize/residual-normalized-axis", "gather/indices", "gather/2d-indices", "gather/vocab-clip",
-         "gather/vocab-default", "gather/vocab-fill", "gather/vocab-wrap", "conv2d/batch",
-         "conv2d/out-channels", "conv2d/in-channels", "conv2d/depthwise-channels",
-         "conv2d/spatial")
+         "normalize/residual-normalized-axis", "gather/indices", "gather/2d-indices",
+         "gather/vocab-clip", "gather/vocab-default", "gather/vocab-fill", "gather/vocab-wrap",
+         "conv2d/batch", "conv2d/out-channels", "conv2d/in-channels",
+         "conv2d/depthwise-channels", "conv2d/spatial")
 # Cases whose rule sums per-shard partials in the forward pass (a sharded contraction or
 # normalized axis, a vocab-parallel table).
 REDUCING = {"matmul/K", "matmul/batch+K", "normalize/normalized-axis",

@@ -14,8 +14,8 @@ from jax.extend import core as jax_core
 from kernels._pallas import on_target
 from kernels._targets import Target
 
-__all__ = ["equations", "find_pallas_calls", "launches", "launch_key", "pallas_calls", "distinct", "operands",
-           "bind"]
+__all__ = ["equations", "find_pallas_calls", "launches", "launch_key", "pallas_calls",
+           "distinct", "operands", "bind"]
 
 
 def _sub_jaxprs(value: Any):

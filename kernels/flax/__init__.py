@@ -142,12 +142,13 @@ def normalize(x: jax.Array, scale: jax.Array | None, bias: jax.Array | None, *,
               reduction_axes: int | Sequence[int], feature_axes: int | Sequence[int],
               epsilon: float, subtract_mean: bool, out_dtype: Any, layer: str,
               implementation: Implementation, interpret: bool | str | None,
-              axis_name: Any = None, mask: Any = None, residual: jax.Array | None = None
-              ) -> jax.Array | tuple[jax.Array, jax.Array]:
+              axis_name: Any = None, mask: Any = None, residual: jax.Array | None = None,
+              input_dtype: Any = None) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Flax's LayerNorm (`subtract_mean`) or RMSNorm of `x` with its feature-shaped `scale` and
-    `bias`, by `kernels.normalize`: computed in the wider of x's dtype and `out_dtype`
-    (statistics in float32), returned in `out_dtype`, as Flax does. With `residual`: the
-    layer of `x + residual`, and that sum (`kernels.normalize`'s fused residual add)."""
+    `bias`, by `kernels.normalize`, returned in `out_dtype`. `input_dtype`: the dtype Flax casts
+    x to before normalizing (nnx: its promotion); by default (Linen) the wider of x's dtype and
+    `out_dtype`, statistics in float32. With `residual`: the layer of `x + residual`, and that
+    sum (`kernels.normalize`'s fused residual add)."""
     if axis_name is not None:
         raise NotImplementedError(f"kernels.flax {layer}: axis_name (statistics across devices) "
                                   "is not supported")
@@ -158,18 +159,22 @@ def normalize(x: jax.Array, scale: jax.Array | None, bias: jax.Array | None, *,
         raise NotImplementedError(
             f"kernels.flax {layer}: feature_axes {feature_axes} must be among reduction_axes "
             f"{reduction_axes}")
-    compute_dtype = jnp.promote_types(x.dtype, out_dtype)
-    # Normalizing x in its own statistics dtype is normalizing it upcast, so the kernel takes
-    # x as it is and rounds once to out_dtype (no copy of x cast, none of y); only a float64
-    # computation of narrower data casts x first.
-    if statistics_dtype(compute_dtype) != statistics_dtype(x.dtype):
-        if residual is not None:  # the sum is in x's dtype: add it first
+    if input_dtype is None:
+        # Normalizing x in its own statistics dtype is normalizing it upcast, so the kernel
+        # takes x as it is and rounds once to out_dtype (no copy of x cast, none of y); only a
+        # float64 computation of narrower data casts x first.
+        compute_dtype = jnp.promote_types(x.dtype, out_dtype)
+        same = statistics_dtype(compute_dtype) == statistics_dtype(x.dtype)
+        input_dtype = x.dtype if same else compute_dtype
+    if input_dtype != x.dtype:
+        if residual is not None:  # the sum is in x's dtype: add it first, then the layer
             total = x + residual
             return normalize(total, scale, bias, reduction_axes=reduction_axes,
                              feature_axes=feature_axes, epsilon=epsilon,
                              subtract_mean=subtract_mean, out_dtype=out_dtype, layer=layer,
-                             implementation=implementation, interpret=interpret), total
-        x = x.astype(compute_dtype)
+                             implementation=implementation, interpret=interpret,
+                             input_dtype=input_dtype), total
+        x = x.astype(input_dtype)
     return kernels.normalize(x, _as_reduced_shape(scale, x.shape, reduced, features),
                              _as_reduced_shape(bias, x.shape, reduced, features),
                              axis=reduced, epsilon=epsilon, subtract_mean=subtract_mean,

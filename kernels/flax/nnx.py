@@ -63,16 +63,12 @@ class _Normalization(_KernelOptions):
         scale = self.scale[...] if self.scale is not None else None
         bias = self.bias[...] if getattr(self, "bias", None) is not None else None
         promoted, scale, bias = self.promote_dtype((x, scale, bias), dtype=self.dtype)
-        if residual is not None and promoted.dtype != x.dtype:
-            # Flax casts its input first, and the sum is in x's dtype: add, then normalize.
-            total = x + residual
-            return self._normalize(total, mask, subtract_mean, None), total
         return common.normalize(
-            promoted, scale, bias, reduction_axes=self.reduction_axes,
-            feature_axes=self.feature_axes, epsilon=self.epsilon, subtract_mean=subtract_mean,
-            out_dtype=promoted.dtype, layer=type(self).__name__,
-            implementation=self.implementation, interpret=self.interpret,
-            axis_name=self.axis_name, mask=mask, residual=residual)
+            x, scale, bias, reduction_axes=self.reduction_axes, feature_axes=self.feature_axes,
+            epsilon=self.epsilon, subtract_mean=subtract_mean, out_dtype=promoted.dtype,
+            layer=type(self).__name__, implementation=self.implementation,
+            interpret=self.interpret, axis_name=self.axis_name, mask=mask, residual=residual,
+            input_dtype=promoted.dtype)
 
 
 class LayerNorm(_Normalization, nnx.LayerNorm):

@@ -3,10 +3,10 @@
 The public function validates its inputs (with the reference's own checks, so both raise the
 same errors), views `x` as 3-D (`common.plan`: a free reshape, or a transpose when the
 normalized axes are not contiguous) and routes to `_forward`, a `custom_vjp` that returns
-(y, x + residual or None, mean, 1/std). Its backward runs the same implementation's fused backward kernel through
-`_backward`, itself a `custom_vjp` whose derivative is JAX's derivative of the backward's jnp
-form (`common.backward_jnp`), so `grad` of `grad` works. The statistics are outputs of
-`_forward` (not hidden residuals) so that second-order gradients flow through them.
+(y, x + residual or None, mean, 1/std). Its backward runs the same implementation's fused backward
+kernel through `_backward`, itself a `custom_vjp` whose derivative is JAX's derivative of the
+backward's jnp form (`common.backward_jnp`), so `grad` of `grad` works. The statistics are
+outputs of `_forward` (not hidden residuals) so that second-order gradients flow through them.
 
 With `residual=`, the kernels add it on load and also write the sum (the next layer's
 residual), so XLA neither writes `x + residual` nor reads it back; the backward saves the sum

@@ -76,13 +76,17 @@ class _Schedule:
     def _orient(self, group_part, reduced_part):
         return (group_part, reduced_part) if self.p.rows else (reduced_part, group_part)
 
+    def _chunk(self, phase, c, last_phase: bool):
+        """The chunk a block visits at step (phase, c): one used in the last phase only stays
+        on chunk 0 through phase 0, so it moves once per chunk, when it is used."""
+        return c * phase if last_phase and self.phases == 2 else c
+
     def tile_spec(self, last_phase: bool = False) -> pl.BlockSpec:
         """x, residual, dy, y, sum, dx, dsum. A block used in the last phase only (an output,
         or dsum) stays on chunk 0 during phase 0: an output is then written back once, after
         it is final, and an input fetched once."""
         def index(o, b, phase, c):
-            chunk = c * phase if last_phase and self.phases == 2 else c
-            return (o, *self._orient(b, chunk))
+            return (o, *self._orient(b, self._chunk(phase, c, last_phase)))
         return pl.BlockSpec((None, *self._orient(self.block_groups, self.block_reduced)), index)
 
     def stats_spec(self) -> pl.BlockSpec:
@@ -130,7 +134,7 @@ class _Schedule:
         1M-element groups of a (1M, 64) standardization over axis 0). `last_phase`: used in
         phase 1 only (the forward's), so phase 0 does not fetch each chunk."""
         def index(o, b, phase, c):
-            return (0, c * phase if last_phase and self.phases == 2 else c)
+            return (0, self._chunk(phase, c, last_phase))
         return pl.BlockSpec((1, self.block_reduced), index)
 
     def load_param(self, ref, dtype) -> jax.Array | None:
@@ -143,8 +147,7 @@ class _Schedule:
     def partial_spec(self) -> pl.BlockSpec:
         """One lane-dense (1, block_reduced) partial row per group block (as `param_spec`)."""
         def index(o, b, phase, c):
-            chunk = c * phase if self.phases == 2 else c
-            return (o * self.num_blocks + b, 0, chunk)
+            return (o * self.num_blocks + b, 0, self._chunk(phase, c, last_phase=True))
         return pl.BlockSpec((None, 1, self.block_reduced), index)
 
     def store_partial(self, ref, value: jax.Array) -> None:

@@ -159,11 +159,10 @@ def _split_range(s: Schedule):
     return Split(s.splits, s.per_split).range_of(pl.program_id(2), s.num_chunks)
 
 
-def _load_input(tiles: _Tiles, refs, outer, chunk, p: Problem) -> jax.Array:
+def _load_input(tiles: _Tiles, x_ref, residual_ref, outer, chunk, p: Problem,
+                sum_ref=None) -> jax.Array:
     """The tile to normalize, in the statistics dtype: x, or x + residual added in that dtype
-    (see `reference.normalize`), then also stored, rounded, in the sum output when `refs`
-    holds one."""
-    x_ref, residual_ref, sum_ref = refs
+    (see `reference.normalize`), then also stored, rounded, in `sum_ref` when given."""
     x = tiles.load(x_ref, outer, chunk, p.stat_dtype)
     if residual_ref is None:
         return x
@@ -173,9 +172,8 @@ def _load_input(tiles: _Tiles, refs, outer, chunk, p: Problem) -> jax.Array:
     return total
 
 
-def _moments(tiles: _Tiles, inputs, outer, chunk, p: Problem) -> common.Moments:
-    """`inputs`: (x, residual) refs."""
-    x = _load_input(tiles, (*inputs, None), outer, chunk, p)
+def _moments(tiles: _Tiles, x_ref, residual_ref, outer, chunk, p: Problem) -> common.Moments:
+    x = _load_input(tiles, x_ref, residual_ref, outer, chunk, p)
     return common.chunk_moments(x, tiles.mask(chunk), p)
 
 
@@ -195,20 +193,21 @@ def _forward_kernel(x_ref, residual_ref, scale_ref, offset_ref, y_ref, sum_ref, 
     outer = pl.program_id(0)
     tiles = _Tiles(p, config, pl.program_id(1))
     write = functools.partial(_write_y, tiles, (scale_ref, offset_ref, y_ref), outer, p=p)
-    inputs = (x_ref, residual_ref, sum_ref)
     if s.num_chunks == 1:  # the tile stays in registers: one read, one write
-        x = _load_input(tiles, inputs, outer, 0, p)
+        x = _load_input(tiles, x_ref, residual_ref, outer, 0, p, sum_ref)
         mean, rstd = common.mean_and_rstd(common.chunk_moments(x, tiles.mask(0), p), p)
         write(0, x, mean, rstd)
     else:
-        moments = _fold(0, s.num_chunks, lambda c: _moments(tiles, inputs[:2], outer, c, p),
+        moments = _fold(0, s.num_chunks,
+                        lambda c: _moments(tiles, x_ref, residual_ref, outer, c, p),
                         functools.partial(common.merge_moments, p=p))
         mean, rstd = common.mean_and_rstd(moments, p)
 
         def write_chunk(chunk, carry):
             # The sum is re-added here, not read back: this program's own stores need not be
             # visible to its loads.
-            write(chunk, _load_input(tiles, inputs, outer, chunk, p), mean, rstd)
+            write(chunk, _load_input(tiles, x_ref, residual_ref, outer, chunk, p, sum_ref),
+                  mean, rstd)
             return carry
 
         int32_loop(s.num_chunks, write_chunk, 0)
@@ -221,7 +220,7 @@ def _moments_kernel(x_ref, residual_ref, means_ref, m2s_ref, *, p: Problem,
     outer, split = pl.program_id(0), pl.program_id(2)
     tiles = _Tiles(p, config, pl.program_id(1))
     moments = _fold(*_split_range(s),
-                    lambda c: _moments(tiles, (x_ref, residual_ref), outer, c, p),
+                    lambda c: _moments(tiles, x_ref, residual_ref, outer, c, p),
                     functools.partial(common.merge_moments, p=p))
     tiles.store_stats(means_ref, outer, moments.mean, split)
     tiles.store_stats(m2s_ref, outer, moments.m2, split)
@@ -232,7 +231,7 @@ def _normalize_kernel(x_ref, residual_ref, scale_ref, offset_ref, mean_ref, rstd
     outer, chunk = pl.program_id(0), pl.program_id(2)
     tiles = _Tiles(p, config, pl.program_id(1))
     _write_y(tiles, (scale_ref, offset_ref, y_ref), outer, chunk,
-             _load_input(tiles, (x_ref, residual_ref, sum_ref), outer, chunk, p),
+             _load_input(tiles, x_ref, residual_ref, outer, chunk, p, sum_ref),
              tiles.load_stats(mean_ref, outer), tiles.load_stats(rstd_ref, outer), p)
 
 
