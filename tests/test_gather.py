@@ -461,12 +461,15 @@ def test_scatter_plan_matches_numpy_without_a_loop(scatter_mode):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=_ids)
-def test_mosaic_row_copies_keep_a_ring_in_flight(dtype):
-    """Issue 10, finding 8: the scatter-add (and the 16-bit forward, which moves word-rows
-    through VMEM) keep a ring of 8 row DMAs in flight, each with its own buffer and semaphore,
-    instead of waiting on one DMA per index. (TPU interpret mode runs a DMA when it is waited
-    on and poisons scratch memory with NaN, so the numerics tests would fail if a row were
-    read before its own copy was waited on.)"""
+def test_mosaic_row_copies_keep_a_megabyte_in_flight(dtype):
+    """Issue 25, item 2, at the 32000x4096 embedding with 8192 ids on v5e: the scatter-add and
+    the 16-bit forward (which moves word-rows through VMEM) keep 32-64 row DMAs and 1 MiB or
+    more in flight (the ring was 8 copies, 32-128 KiB, whatever the row's size), each with its
+    own buffer and semaphore; indices are staged into 3 SMEM blocks so the next block arrives
+    while one is used, and the forward's index blocks run in order on one core (an "arbitrary"
+    grid axis) so its ring crosses grid steps instead of draining at each. (TPU interpret mode
+    runs a DMA when it is waited on and poisons scratch memory with NaN, so the numerics tests
+    would fail if a row were read before its own copy was waited on.)"""
     from kernels import _targets
     from kernels.compile import pallas_calls
 
@@ -477,15 +480,49 @@ def test_mosaic_row_copies_keep_a_ring_in_flight(dtype):
     calls = pallas_calls(grad, table, ids, target=_targets.TARGETS["v5e"])
     ringed = {"scatter_add_mosaic"} | ({"gather_mosaic"} if dtype == jnp.bfloat16 else set())
     for eqn in calls:
-        if eqn.params["name"] not in ringed:
+        name = eqn.params["name"]
+        if name not in ringed:
             continue
         scratch = eqn.params["grid_mapping"].scratch_avals
         semaphores = [a.shape for a in scratch if "sem" in str(a.dtype)]
-        buffers = [a.shape for a in scratch if len(a.shape) == 3]
-        assert semaphores == [(8,)] and buffers and buffers[0][0] == 8, (eqn.params["name"],
-                                                                        scratch)
-        ringed.discard(eqn.params["name"])
+        (ring,) = [a.shape for a in scratch if len(a.shape) == 3]
+        depth, _, columns = ring
+        assert 32 <= depth <= 64 and depth * columns * 4 >= 1 << 20, (name, ring)
+        assert semaphores == [(depth,), ()], (name, semaphores)
+        staging = [a.shape for a in scratch if "smem" in str(a)]
+        assert staging and all(shape == (3 * 128,) for shape in staging), (name, staging)
+        if name == "gather_mosaic":
+            params = eqn.params["compiler_params"]
+            params = params["mosaic_tpu"] if isinstance(params, dict) else params
+            semantics = params.dimension_semantics
+            assert [str(s).lower() for s in semantics][-1].endswith("arbitrary"), semantics
+        ringed.discard(name)
     assert not ringed
+
+
+@pytest.mark.parametrize("target", ["v5e", "v4"])
+def test_mosaic_ring_across_staging_blocks_and_splits(target):
+    """The 16-bit rings of issue 25 (64 copies in flight here), in TPU interpret mode: the
+    forward's ring runs across the steps of its split (v5e: one split of 4 index blocks; the
+    megacore v4: 2 splits of 2, each refilled at its start), fetching each next staging block
+    while one is used; the backward's starts mid-block at each row block's first sorted
+    position, and a hot row's 150 positions span two staging blocks."""
+    from kernels import _targets
+    from kernels._pallas import on_target
+    from kernels.gather import mosaic_config
+
+    x = random((301, 130), jnp.bfloat16, seed=40)
+    ids = np.r_[np.random.default_rng(41).integers(-310, 310, 350), [7] * 150].astype(np.int32)
+    ct = random((ids.size, 130), jnp.bfloat16, seed=42)
+    with on_target(_targets.TARGETS[target]):
+        assert mosaic_config.ring_depth(130) == 64
+        assert mosaic_config.num_splits(4) == (2 if target == "v4" else 1)
+        out, pullback = jax.vjp(lambda t: gather(t, jnp.asarray(ids), mode="fill",
+                                                 implementation="mosaic", interpret="strict"), x)
+        dx = pullback(ct)[0]
+    assert_exact(out, expected_gather(x, ids, mode="fill"))
+    assert_close(dx, expected_gradient(x.shape, ct, ids, mode="fill"), jnp.bfloat16,
+                 reduction_length=150)
 
 
 def test_backward_is_deterministic(implementation):

@@ -7,16 +7,26 @@ and 8-bit rows as 32-bit word-rows: `mosaic_words.py`):
         stage indices[j] into SMEM                            # 128 at a time
         for k in range(128): start DMA x[batch block, mode(index k)] -> out[batch block, k]
         wait for all of them
-    gather, 16/8-bit tables, step (b, index block j):
-        for k in range(128):                                  # RING DMAs in flight
-            words = DMA the word-row holding row mode(index k) into a ring slot
+    gather, 16/8-bit tables, step (split s, b, index block j), j in order within (s, b):
+        if j is the split's first: fill the ring              # `depth` DMAs in flight
+        for k in range(128):
+            words = wait for the word-row holding row mode(index k) in its ring slot
             rows[k] = row_of_word(words, row % rows_per_word)
+            start the DMA of position k + depth's word-row    # crosses into block j + 1
         out[b, j] = rows                                      # written by the pipeline
     scatter_add, step (b, row block r, column block c):
         acc = 0                                               # float32, in VMEM
-        for k in the sorted positions whose target row is in r:   # RING DMAs in flight
-            acc[target[k] - first row of r] += row_of_word(DMA word-row of g[b, order[k], c])
+        fill the ring                                         # `depth` DMAs in flight
+        for k in the sorted positions whose target row is in r:
+            acc[target[k] - first row of r] += row_of_word(wait for g[b, order[k], c]'s word-row)
+            start the DMA of position k + depth's word-row
         dx[b, r, c] = acc                                     # written by the pipeline
+
+The ring (`_Ring`; its depth from `mosaic_config.ring_depth`): `depth` buffers of one word-row
+each, with a semaphore each, as many as hold 1 MiB, between 8 and 64: 1 MiB in flight for rows
+of 4096 columns and up, 64 copies for narrower ones. Indices are staged into SMEM 128 at a time into 3 slots, the next
+block arriving while one is used, so the ring fills once per sequence of positions and drains
+once at its end, not at each staging block.
 
 Both kernels work on the `(batch, n, columns)` view of the table (see common.py), bit-cast in
 the wrapper to the signed integer of the table's width (a free view): the kernels copy bits,
@@ -48,18 +58,24 @@ table. Traffic: each gathered row read once, each output element written once.
 
 Forward, 16-bit and 8-bit tables: word-row DMAs into VMEM
 ---------------------------------------------------------
-grid = (batch, cdiv(m, 128)), both "parallel". Step (b, j) stages its 128 indices; for each,
-it DMAs the (1, columns) int32 word-row holding the row into one of a ring of `RING` (8) VMEM
-buffers, started 8 indices ahead so 8 DMAs are in flight; shifts the row out of each word
-(`row_of_word`; bits move, so it is exact) or takes the fill value, and writes it into row j
-of a (128, columns) int32 VMEM scratch. The rows of a last, partial word-row (n odd for 16-bit
-tables) come from a copy of them zero-padded to a whole word-row, made by the wrapper, so no
-DMA leaves the table (the backward does the same for the cotangent). The scratch is narrowed
-into the (128, columns) output block, which the BlockSpec pipeline writes back (rows past m
-dropped). Traffic: 2x (8-bit: 4x) each gathered row's bytes read, each output element written
-once. On a CPU the word view is made by XLA in the wrapper (`interpreted_word_rows`, the same
-words); which half of a word holds the even row on a TPU is JAX's `Ref.bitcast` convention
-(row 0 in the low bits), which no device here has confirmed.
+grid = (splits, batch, blocks_per_split): the cdiv(m, 128) index blocks in `splits` ranges,
+one per TensorCore where they divide evenly (`num_splits`: 2 on a megacore v4, else 1), the
+first two axes "parallel", the last "arbitrary", so one core runs a range's steps in order and
+its ring runs across them. A range's first step fills the ring: stages its index block (and
+starts staging the next), starts the word-row DMAs of its first `depth` positions. Step
+(s, b, j) then, for each of its 128 positions, waits for the (1, columns) int32 word-row
+holding its row in its ring slot, shifts the row out of each word (`row_of_word`; bits move,
+so it is exact) or takes the fill value, writes it into row k of a (128, columns) int32 VMEM
+scratch, and starts the copy `depth` positions ahead into the slot just read, reading its
+index from the next staging block near the step's end (that block was staged during the
+previous step). The rows of a last, partial word-row (n odd for 16-bit tables) come from a
+copy of them zero-padded to a whole word-row, made by the wrapper, so no DMA leaves the table
+(the backward does the same for the cotangent). The scratch is narrowed into the (128,
+columns) output block, which the BlockSpec pipeline writes back (rows past m dropped).
+Traffic: 2x (8-bit: 4x) each gathered row's bytes read, each output element written once. On
+a CPU the word view is made by XLA in the wrapper (`interpreted_word_rows`, the same words);
+which half of a word holds the even row on a TPU is JAX's `Ref.bitcast` convention (row 0 in
+the low bits), which no device here has confirmed.
 
 Backward: deterministic scatter-add, one owner per table block
 --------------------------------------------------------------
@@ -67,25 +83,32 @@ The wrapper sorts the index vector with XLA (`common.scatter_plan`); the boundar
 segments of table-row blocks are scalar-prefetched into SMEM. grid = (batch, cdiv(n,
 block_rows), columns // block_columns), all "parallel": step (b, r, c) owns the
 (block_rows, block_columns) block of the table gradient, accumulated in a float32 VMEM scratch
-zeroed at the start. It walks the sorted indices that land in its rows, staging their positions
-and targets into SMEM 128 at a time from aligned offsets, and for each one DMAs the cotangent's
-word-row holding row `g[b, position, column block]` into VMEM (a ring of `RING` buffers, each
-copy started 8 indices ahead, so 8 DMAs are in flight), shifts the row out, and adds it into
-accumulator row
-`target - first row`. Finally the block is cast and written once by the BlockSpec pipeline. Rows
-past n in a ragged last block are never targeted and their writes are dropped. No atomics: one
-owner per output block and a fixed summation order, so every run gives the same bits.
+zeroed at the start. It walks the sorted positions [start, stop) whose targets land in its
+rows through the ring (staging their positions and targets 128 at a time from aligned
+offsets): for each, it waits for the cotangent's word-row holding `g[b, position, column
+block]`, shifts the row out, adds it into accumulator row `target - first row`, and starts the
+copy `depth` positions ahead. Finally the block is cast and written once by the BlockSpec
+pipeline. Rows past n in a ragged last block are never targeted and their writes are dropped.
+No atomics: one owner per output block and a fixed summation order, so every run gives the
+same bits. Column blocks are up to 4096 wide (one DMA per row and column block).
 
 Memory traffic: the cotangent read once (twice for 16-bit cotangents: word-rows), the table
-gradient written once; one DMA per index, 8 in flight (the ring drains at each 128-index
-staging block). A step owns its rows' whole segments, so a row hit k times still costs its step
-k DMAs (the Triton backward bounds this with pieces; not done here).
+gradient written once; one DMA per index and column block, `depth` in flight, the ring filled
+and drained once per step. A step owns its rows' whole segments, so a row hit k times still
+costs its step k DMAs (the Triton backward bounds this with pieces; not done here).
+
+Not measured: nothing here has run on a TPU. The ring depth and the 3-slot staging are design
+(HBM bandwidth times DMA latency), compiled with libtpu for v5e, v6e and v4 and checked in
+TPU interpret mode, whose DMAs complete when waited on, so it cannot show timing.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -96,8 +119,9 @@ from kernels._blocks import LANES
 from kernels._pallas import mapped_under_vmap, mosaic_call, pl, pltpu, vmem_limit
 from kernels.gather.common import (GatherConfig, Problem, ScatterPlan, gather_bytes,
                                    normalize_row, scatter_bytes)
-from kernels.gather.mosaic_config import (INDEX_BLOCK, RING, check, gather_vmem_bytes,
-                                          resolve_config, ring_depth, scatter_vmem_bytes)
+from kernels.gather.mosaic_config import (INDEX_BLOCK, STAGED_BLOCKS, check, gather_vmem_bytes,
+                                          num_splits, resolve_config, ring_depth,
+                                          scatter_vmem_bytes)
 from kernels.gather.mosaic_words import (BITS, row_of_word, rows_per_word_of, start_row_copy,
                                          word_operands, word_rows)
 
@@ -117,39 +141,116 @@ def _stage(hbm, block: jax.Array, smem) -> None:
                                  INDEX_BLOCK)], smem)
 
 
-def _ring_of_row_copies(buffers, sems, tail_hbm, lo, hi, start_copy, use) -> None:
-    """For j in [lo, hi): `use(j, buffer)` once the copy that `start_copy(j, buffer, sem)`
-    started has landed in its buffer, one of a ring of `buffers.shape[0]` (`RING`) with a
-    semaphore each: copies are started that many positions ahead, so that many DMAs are in
-    flight instead of one at a time."""
-    depth = buffers.shape[0]
+def staged_value(smem, j: jax.Array) -> jax.Array:
+    """Position `j`'s entry of a vector staged by `_Ring` (block b in SMEM slot b % 3)."""
+    return smem[j % (STAGED_BLOCKS * INDEX_BLOCK)]
 
-    def prologue(j, carry):
-        start_copy(j, buffers.at[j % depth], sems.at[j % depth])
-        return carry
 
-    def wait_and_use(j):
-        slot = j % depth
-        # Every row copy has a buffer's shape, so any same-shaped descriptor (the tail's)
-        # waits for the one on this slot's semaphore.
-        pltpu.make_async_copy(tail_hbm, buffers.at[slot], sems.at[slot]).wait()
-        use(j, buffers.at[slot])
-        return slot
+@dataclasses.dataclass(frozen=True)
+class _Ring:
+    """Row DMAs for the positions [first, end) of a sequence, `depth` of them in flight, each
+    into its own buffer with its own semaphore: position j + depth's copy starts as soon as
+    position j's row has been used. The index vectors the copies read are staged into SMEM a
+    128-entry block at a time, the next block while this one is used (`STAGED_BLOCKS` slots),
+    so the ring fills once at the sequence's start (`fill`) and drains once at its end, not at
+    every staging block; `run` walks the positions of one block.
 
-    def step(j, carry):
-        slot = wait_and_use(j)
-        start_copy(j + depth, buffers.at[slot], sems.at[slot])  # its row has been read
-        return carry
+    `staged`: (HBM vector, SMEM scratch of STAGED_BLOCKS * 128 int32) pairs, read through
+    `staged_value`. `start_copy(j, buffer, sem)` starts position j's row copy; `use(j,
+    buffer)` reads it once landed. `wait_like`: an HBM ref of a buffer's shape, whose
+    descriptor waits for any row copy on a semaphore (every copy has that shape)."""
 
-    def drain(j, carry):
-        wait_and_use(j)
-        return carry
+    buffers: Any
+    sems: Any
+    staging_sem: Any
+    wait_like: Any
+    staged: tuple[tuple[Any, Any], ...]
+    end: jax.Array
+    start_copy: Callable[..., None]
+    use: Callable[..., None]
 
-    # Three loops rather than one with a branch: a branch around a DMA into the ring makes
-    # the interpreter copy the whole ring at every step.
-    lax.fori_loop(lo, jnp.minimum(lo + depth, hi), prologue, 0)
-    lax.fori_loop(lo, hi - depth, step, 0)
-    lax.fori_loop(jnp.maximum(lo, hi - depth), hi, drain, 0)
+    @property
+    def depth(self) -> int:
+        return self.buffers.shape[0]
+
+    def _staging(self, block: jax.Array) -> list[Any]:
+        source = pl.ds(pl.multiple_of(block * INDEX_BLOCK, INDEX_BLOCK), INDEX_BLOCK)
+        slot = pl.ds(pl.multiple_of(block % STAGED_BLOCKS * INDEX_BLOCK, INDEX_BLOCK),
+                     INDEX_BLOCK)
+        return [pltpu.make_async_copy(hbm.at[source], smem.at[slot], self.staging_sem)
+                for hbm, smem in self.staged]
+
+    def _start_staging(self, block: jax.Array) -> None:
+        for copy in self._staging(block):
+            copy.start()
+
+    def _wait_staging(self, block: jax.Array) -> None:
+        for copy in self._staging(block):
+            copy.wait()
+
+    def _start(self, j: jax.Array) -> None:
+        slot = j % self.depth
+        self.start_copy(j, self.buffers.at[slot], self.sems.at[slot])
+
+    def _wait_and_use(self, j: jax.Array) -> None:
+        slot = j % self.depth
+        pltpu.make_async_copy(self.wait_like, self.buffers.at[slot], self.sems.at[slot]).wait()
+        self.use(j, self.buffers.at[slot])
+
+    def fill(self, first: jax.Array) -> None:
+        """Stages the blocks that positions [first, first + depth) lie in (two where `first`
+        is late in its block), starts their copies and the staging of the block after."""
+        block = first // INDEX_BLOCK
+        self._start_staging(block)
+        self._wait_staging(block)
+        next_start = (block + 1) * INDEX_BLOCK
+        spans_two = jnp.logical_and(first + self.depth > next_start, next_start < self.end)
+
+        @pl.when(spans_two)
+        def _():
+            self._start_staging(block + 1)
+            self._wait_staging(block + 1)
+
+        following = block + 1 + spans_two.astype(jnp.int32)
+        pl.when(following * INDEX_BLOCK < self.end)(lambda: self._start_staging(following))
+
+        def start(j, carry):
+            self._start(j)
+            return carry
+
+        lax.fori_loop(first, jnp.minimum(first + self.depth, self.end), start, 0)
+
+    def run(self, lo: jax.Array, hi: jax.Array) -> None:
+        """Uses positions [lo, hi) of one staged block, starting the copy `depth` positions
+        ahead after each use while there is one. At the position whose successor is the next
+        block's first, that block's staging is waited for and the one after it started (its
+        slot held the block before this one, all used)."""
+        block = lo // INDEX_BLOCK
+        crossing = (block + 1) * INDEX_BLOCK - self.depth
+        refill_end = jnp.clip(self.end - self.depth, lo, hi)
+        split = jnp.clip(crossing, lo, refill_end)
+
+        def step(j, carry):
+            self._wait_and_use(j)
+            self._start(j + self.depth)  # into the buffer just used
+            return carry
+
+        def drain(j, carry):
+            self._wait_and_use(j)
+            return carry
+
+        # Loops rather than one with branches: a branch around a DMA into the ring makes the
+        # interpreter copy the whole ring at every position.
+        lax.fori_loop(lo, split, step, 0)
+
+        @pl.when(jnp.logical_and(crossing >= lo, crossing < refill_end))
+        def _():
+            self._wait_staging(block + 1)
+            pl.when((block + 2) * INDEX_BLOCK < self.end)(
+                lambda: self._start_staging(block + 2))
+
+        lax.fori_loop(split, refill_end, step, 0)
+        lax.fori_loop(refill_end, hi, drain, 0)
 
 
 def _valid_positions(block: jax.Array, p: Problem) -> jax.Array:
@@ -195,16 +296,17 @@ def _slab_gather_kernel(indices_hbm, x_hbm, fill_hbm, out_hbm, indices_smem, sem
 
 
 def _word_gather_kernel(indices_hbm, x_hbm, tail_hbm, out_ref, indices_smem, words_vmem,
-                        rows_vmem, sems, *, p: Problem):
-    batch, block = pl.program_id(0), pl.program_id(1)
-    _stage(indices_hbm, block, indices_smem)
+                        rows_vmem, sems, staging_sem, *, p: Problem, blocks_per_split: int):
+    split, batch, step = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    lo = (split * blocks_per_split + step) * INDEX_BLOCK
+    end = jnp.minimum(p.num_indices, (split + 1) * blocks_per_split * INDEX_BLOCK)
     fill = int(np.asarray(p.fill_value).view(BITS[p.itemsize]))
     per_word = rows_per_word_of(p.dtype)
     words = word_rows(x_hbm.at[batch], p.n, per_word)
     tail = word_rows(tail_hbm.at[batch], per_word, per_word)
 
     def row_of(j):
-        return normalize_row(indices_smem[j], p.n, p.mode)
+        return normalize_row(staged_value(indices_smem, j), p.n, p.mode)
 
     def start_copy(j, buffer, sem):
         start_row_copy(words, tail, row_of(j)[0], p.n, per_word, buffer, sem)
@@ -214,10 +316,12 @@ def _word_gather_kernel(indices_hbm, x_hbm, tail_hbm, out_ref, indices_smem, wor
         value = row_of_word(buffer[...], row % per_word, per_word)
         if p.mode == "fill":
             value = jnp.where(in_range, value, fill)
-        rows_vmem[pl.ds(j, 1), :] = value
+        rows_vmem[pl.ds(j - lo, 1), :] = value
 
-    _ring_of_row_copies(words_vmem, sems, tail, jnp.int32(0), _valid_positions(block, p),
-                        start_copy, gather_one)
+    ring = _Ring(words_vmem, sems, staging_sem, tail, ((indices_hbm, indices_smem),), end,
+                 start_copy, gather_one)
+    pl.when(step == 0)(lambda: ring.fill(lo))
+    ring.run(lo, jnp.minimum(lo + INDEX_BLOCK, end))
     out_ref[...] = rows_vmem[...].astype(out_ref.dtype)
 
 
@@ -237,18 +341,25 @@ def gather(x: jax.Array, indices: jax.Array, p: Problem, *, config: GatherConfig
             in_specs=[hbm, hbm, hbm], out_specs=hbm,
             scratch_shapes=[pltpu.SMEM((INDEX_BLOCK,), jnp.int32),
                             pltpu.SemaphoreType.DMA(())])
+        semantics = ("parallel", "parallel")
         kernel = functools.partial(_slab_gather_kernel, p=p, block_batch=block_batch)
         operands = tuple(lax.bitcast_convert_type(a, bits) for a in (x, fill))
         dma_bytes = gather_bytes(p)  # the kernel copies rows into the output itself
     else:
+        splits = num_splits(num_blocks)
+        blocks_per_split = num_blocks // splits
+        depth = ring_depth(p.columns)
         grid_spec = pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=0, grid=(p.batch, num_blocks), in_specs=[hbm, hbm, hbm],
-            out_specs=pl.BlockSpec((None, INDEX_BLOCK, p.columns), lambda b, j: (b, j, 0)),
-            scratch_shapes=[pltpu.SMEM((INDEX_BLOCK,), jnp.int32),
-                            pltpu.VMEM((ring_depth(), 1, p.columns), jnp.int32),
+            num_scalar_prefetch=0, grid=(splits, p.batch, blocks_per_split),
+            in_specs=[hbm, hbm, hbm],
+            out_specs=pl.BlockSpec((None, INDEX_BLOCK, p.columns),
+                                   lambda s, b, k: (b, s * blocks_per_split + k, 0)),
+            scratch_shapes=[pltpu.SMEM((STAGED_BLOCKS * INDEX_BLOCK,), jnp.int32),
+                            pltpu.VMEM((depth, 1, p.columns), jnp.int32),
                             pltpu.VMEM((INDEX_BLOCK, p.columns), jnp.int32),
-                            pltpu.SemaphoreType.DMA((RING,))])
-        kernel = functools.partial(_word_gather_kernel, p=p)
+                            pltpu.SemaphoreType.DMA((depth,)), pltpu.SemaphoreType.DMA(())])
+        semantics = ("parallel", "parallel", "arbitrary")  # a split's steps share its ring
+        kernel = functools.partial(_word_gather_kernel, p=p, blocks_per_split=blocks_per_split)
         operands = word_operands(x, interpret)
         # The word-rows (rows_per_word times the gathered rows' bytes) and the indices.
         dma_bytes = (rows_per_word_of(p.dtype) * math.prod(out_shape.shape) * p.itemsize
@@ -257,7 +368,7 @@ def gather(x: jax.Array, indices: jax.Array, p: Problem, *, config: GatherConfig
         kernel,
         out_shape=out_shape,
         grid_spec=grid_spec,
-        dimension_semantics=("parallel", "parallel"),
+        dimension_semantics=semantics,
         interpret=interpret,
         unpipelined_bytes=dma_bytes,
         vmem_limit_bytes=vmem_limit(gather_vmem_bytes(p)),
@@ -268,8 +379,8 @@ def gather(x: jax.Array, indices: jax.Array, p: Problem, *, config: GatherConfig
 
 
 def _scatter_add_kernel(block_starts_smem, order_hbm, targets_hbm, g_hbm, g_tail_hbm, out_ref,
-                        acc_ref, words_vmem, order_smem, targets_smem, sems, *, p: Problem,
-                        block_rows: int, block_columns: int):
+                        acc_ref, words_vmem, order_smem, targets_smem, sems, staging_sem, *,
+                        p: Problem, block_rows: int, block_columns: int):
     batch, row_block = pl.program_id(0), pl.program_id(1)
     columns = (slice(None) if block_columns == p.columns else
                pl.ds(pl.multiple_of(pl.program_id(2) * block_columns, LANES), block_columns))
@@ -282,22 +393,25 @@ def _scatter_add_kernel(block_starts_smem, order_hbm, targets_hbm, g_hbm, g_tail
     acc_ref[...] = jnp.zeros_like(acc_ref)
 
     def start_copy(j, buffer, sem):
-        start_row_copy(g, g_tail, order_smem[j], p.num_indices, per_word, buffer, sem)
+        start_row_copy(g, g_tail, staged_value(order_smem, j), p.num_indices, per_word, buffer,
+                       sem)
 
     def add(j, buffer):
-        local = pl.ds(targets_smem[j] - first_row, 1)
-        bits = row_of_word(buffer[...], order_smem[j] % per_word, per_word)
+        local = pl.ds(staged_value(targets_smem, j) - first_row, 1)
+        offset = staged_value(order_smem, j) % per_word
+        bits = row_of_word(buffer[...], offset, per_word)
         row = lax.bitcast_convert_type(bits.astype(BITS[p.itemsize]), p.dtype)
         acc_ref[local, :] = acc_ref[local, :] + row.astype(jnp.float32)
 
+    ring = _Ring(words_vmem, sems, staging_sem, g_tail,
+                 ((order_hbm, order_smem), (targets_hbm, targets_smem)), stop, start_copy, add)
+
     def add_block(block, carry):
-        _stage(order_hbm, block, order_smem)
-        _stage(targets_hbm, block, targets_smem)
         first = block * INDEX_BLOCK
-        _ring_of_row_copies(words_vmem, sems, g_tail, jnp.maximum(start - first, 0),
-                            jnp.minimum(stop - first, INDEX_BLOCK), start_copy, add)
+        ring.run(jnp.maximum(start, first), jnp.minimum(stop, first + INDEX_BLOCK))
         return carry
 
+    pl.when(start < stop)(lambda: ring.fill(start))
     # The aligned 128-index blocks that overlap [start, stop).
     lax.fori_loop(start // INDEX_BLOCK, pl.cdiv(stop, jnp.int32(INDEX_BLOCK)), add_block, 0)
     out_ref[...] = acc_ref[...].astype(out_ref.dtype)
@@ -309,6 +423,7 @@ def scatter_add(g: jax.Array, plan: ScatterPlan, p: Problem, *, config: GatherCo
     config = resolve_config(p, config)
     block_rows, block_columns = config.block_rows, config.block_columns
     num_row_blocks = pl.cdiv(p.n, block_rows)
+    depth = ring_depth(block_columns)
     bounds = jnp.minimum(jnp.arange(num_row_blocks + 1, dtype=jnp.int32) * block_rows, p.n)
     block_starts = plan.row_starts[bounds]
     hbm = pl.BlockSpec(memory_space=pl.ANY)
@@ -319,10 +434,10 @@ def scatter_add(g: jax.Array, plan: ScatterPlan, p: Problem, *, config: GatherCo
         out_specs=pl.BlockSpec((None, block_rows, block_columns),
                                lambda b, r, c, starts: (b, r, c)),
         scratch_shapes=[pltpu.VMEM((block_rows, block_columns), jnp.float32),
-                        pltpu.VMEM((ring_depth(), 1, block_columns), jnp.int32),
-                        pltpu.SMEM((INDEX_BLOCK,), jnp.int32),
-                        pltpu.SMEM((INDEX_BLOCK,), jnp.int32),
-                        pltpu.SemaphoreType.DMA((RING,))],
+                        pltpu.VMEM((depth, 1, block_columns), jnp.int32),
+                        pltpu.SMEM((STAGED_BLOCKS * INDEX_BLOCK,), jnp.int32),
+                        pltpu.SMEM((STAGED_BLOCKS * INDEX_BLOCK,), jnp.int32),
+                        pltpu.SemaphoreType.DMA((depth,)), pltpu.SemaphoreType.DMA(())],
     )
     kernel = functools.partial(_scatter_add_kernel, p=p, block_rows=block_rows,
                                block_columns=block_columns)

@@ -13,23 +13,42 @@ from kernels import _targets
 from kernels._blocks import LANES, sublanes, tile_limit
 from kernels.gather.common import GatherConfig, Problem, check_int
 
-__all__ = ["INDEX_BLOCK", "RING", "ring_depth", "resolve_config", "check", "gather_vmem_bytes",
-           "scatter_vmem_bytes"]
+__all__ = ["INDEX_BLOCK", "STAGED_BLOCKS", "ring_depth", "num_splits", "resolve_config", "check",
+           "gather_vmem_bytes", "scatter_vmem_bytes"]
 
 INDEX_BLOCK = 128             # indices staged into SMEM at once (1-D int32 tile: 128 words)
-RING = 8                      # row DMAs in flight in the word gather and the scatter-add
+# Staged index blocks held in SMEM: the one whose rows are being used, the next one (copies
+# run up to a ring ahead), and the one after it, arriving while those two are in use.
+STAGED_BLOCKS = 3
+# Bytes of row DMAs a ring keeps in flight: HBM bandwidth times DMA latency is about 1 MB on
+# v5e (819 GB/s times a latency of ~1 us, an estimate), so fewer leave the DMA engines idle.
+_RING_BYTES = 1 << 20
+# At least 8 copies in flight whatever the row width; at most 64, a DMA semaphore each (the
+# staging needs a ring of at most one index block, 128).
+_MIN_RING, _MAX_RING = 8, 64
 _SLAB_BYTES = 1 << 20        # target bytes of one forward DMA when the batch is split
-_MAX_BLOCK_COLUMNS = 1024
+# The backward DMAs a cotangent row once per column block: 4096 columns (16 KiB word-rows) let
+# a ring of 64 keep `_RING_BYTES` in flight.
+_MAX_BLOCK_COLUMNS = 4096
 # The fast interpreter's backward block (elements): larger ones interpret slower, not faster
 # (20000x256 bfloat16 with 4096 ids, jax 0.10.2: 7 ms in blocks of 2048 rows, 20 ms in 16384).
 _INTERPRETED_BLOCK = 1 << 19
 
 
-def ring_depth() -> int:
-    """DMAs in flight: `RING` on a TPU and in the "strict" interpreter; one in the fast
-    interpreter, where a DMA is a copy made at once and a deeper ring only costs copies of it
-    (`_targets.INTERPRETER`)."""
-    return _targets.device_or_interpreter("tpu", RING, 1)
+def ring_depth(columns: int) -> int:
+    """Row DMAs in flight, each of a (1, columns) int32 word-row: `_RING_BYTES` of them (8 to
+    64) on a TPU and in the "strict" interpreter; one in the fast interpreter, where a DMA is a
+    copy made at once and a deeper ring only costs copies of it (`_targets.INTERPRETER`)."""
+    depth = min(_MAX_RING, max(_MIN_RING, -(-_RING_BYTES // (4 * columns))))
+    return _targets.device_or_interpreter("tpu", depth, 1)
+
+
+def num_splits(num_blocks: int) -> int:
+    """Sequential ranges the word gather's index blocks are split into, one per TensorCore of
+    the target (a megacore v4 has 2), where they divide evenly: the ring runs across the
+    steps of one range, so the steps of a range run in order on one core."""
+    cores = _targets.current("tpu").num_cores or 1
+    return cores if num_blocks % cores == 0 else 1
 
 
 def _default_block_columns(columns: int) -> int:
@@ -43,7 +62,7 @@ def gather_vmem_bytes(p: Problem) -> int:
     columns) int32 rows scratch, the double-buffered output block and the ring of word-rows."""
     if p.itemsize == 4:
         return 0
-    return p.columns * (INDEX_BLOCK * (4 + 2 * p.itemsize) + RING * 4)
+    return p.columns * (INDEX_BLOCK * (4 + 2 * p.itemsize) + ring_depth(p.columns) * 4)
 
 
 def _scatter_row_bytes(p: Problem, block_columns: int) -> int:
@@ -54,7 +73,7 @@ def _scatter_row_bytes(p: Problem, block_columns: int) -> int:
 def scatter_vmem_bytes(p: Problem, config: GatherConfig) -> int:
     """VMEM a backward step plans: its block's rows and the ring of cotangent word-rows."""
     return (config.block_rows * _scatter_row_bytes(p, config.block_columns)
-            + RING * config.block_columns * 4)
+            + ring_depth(config.block_columns) * config.block_columns * 4)
 
 
 def resolve_config(p: Problem, config: GatherConfig | None) -> GatherConfig:
