@@ -11,6 +11,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from kernels._blocks import LANES, sublanes
+
 __all__ = ["copied_bytes", "pipelined_bytes"]
 
 
@@ -26,20 +28,33 @@ def _block_dims(spec: Any, shape: Sequence[int]) -> list[tuple[int, bool]]:
     return dims
 
 
+def _round_up(values: np.ndarray, multiple: int) -> np.ndarray:
+    return -(-values // multiple) * multiple
+
+
 def copied_bytes(block_indices: np.ndarray, dims: Sequence[tuple[int, bool]],
-                 shape: Sequence[int], itemsize: int) -> int:
+                 shape: Sequence[int], dtype: Any) -> int:
     """Bytes the pipeline moves for a block visited at `block_indices` (steps, ndim), in grid
     order: a copy at the first step and wherever the index changes, each of the part of the
-    block inside the array (edge blocks are copied clipped)."""
+    block inside the array (edge blocks are copied clipped) in whole memory tiles, as XLA
+    lays out a Mosaic call's operands in a TPU's HBM (read from compiled HLO for v5e): the
+    last dim rounded up to 128 lanes, the one before it to a tile's rows (`sublanes`) unless
+    the array's is 1 ((1, 128) tiles). So a (reduced, 1) column moves 128x its bytes and a
+    (1, reduced) row its own."""
+    dtype = np.dtype(dtype)
     index = np.asarray(block_indices, np.int64).reshape(len(block_indices), len(dims))
     changed = np.ones(len(index), bool)
     changed[1:] = np.any(index[1:] != index[:-1], axis=1)
     index = index[changed]
     extent = np.ones(len(index), np.int64)
+    tiles = {len(dims) - 1: LANES}
+    if len(dims) > 1 and shape[-2] > 1:
+        tiles[len(dims) - 2] = sublanes(dtype)
     for axis, ((size, element), dim) in enumerate(zip(dims, shape)):
         start = index[:, axis] * (1 if element else size)
-        extent *= np.clip(dim - start, 0, size)
-    return int(extent.sum()) * itemsize
+        clipped = np.clip(dim - start, 0, size)
+        extent *= _round_up(clipped, tiles[axis]) if axis in tiles else clipped
+    return int(extent.sum()) * dtype.itemsize
 
 
 def _spec_bytes(spec: Any, aval: Any, grid: tuple[int, ...],
@@ -49,7 +64,7 @@ def _spec_bytes(spec: Any, aval: Any, grid: tuple[int, ...],
     dims = _block_dims(spec, aval.shape)
     steps = math.prod(grid)
     if spec.index_map is None or not steps:
-        return copied_bytes(np.zeros((1, len(dims))), dims, aval.shape, aval.dtype.itemsize)
+        return copied_bytes(np.zeros((1, len(dims))), dims, aval.shape, aval.dtype)
     axes = [a.astype(np.int32) for a in np.unravel_index(np.arange(steps), grid)]
     try:
         with jax.ensure_compile_time_eval():
@@ -64,9 +79,8 @@ def _spec_bytes(spec: Any, aval: Any, grid: tuple[int, ...],
             index = np.stack([np.broadcast_to(np.asarray(i), (steps,))
                               for i in jax.tree.leaves(blocks)], axis=1)
     except Exception:  # noqa: BLE001 - an estimate must not fail a call: a copy every step
-        block = math.prod(min(size, dim) for (size, _), dim in zip(dims, aval.shape))
-        return steps * block * aval.dtype.itemsize
-    return copied_bytes(index, dims, aval.shape, aval.dtype.itemsize)
+        return steps * copied_bytes(np.zeros((1, len(dims))), dims, aval.shape, aval.dtype)
+    return copied_bytes(index, dims, aval.shape, aval.dtype)
 
 
 def pipelined_bytes(grid_spec: Any, args: Sequence[Any], outs: Sequence[Any]) -> int:

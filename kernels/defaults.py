@@ -61,12 +61,9 @@ TABLE: dict[tuple[str, str], Default] = {
         "design: memory-bound; one fused pass over VMEM blocks sized to the target's VMEM, "
         "forward and backward")),
     ("gather", "tpu"): Default(("xla",), (
-        "design: a 16-bit row can only be DMA'd with its neighbour (one 32-bit word-row), so "
-        "the forward reads 2x the gathered rows' bytes and writes them through VMEM: 1.5x the "
-        "minimum traffic (read rows, write output) at 32000x4096 bfloat16 with 8192 ids, and "
-        "the scatter-add reads 2x the cotangent; XLA's gather has no such over-read. 32-bit "
-        "tables move the minimum, but no DMA-per-row kernel has run on a TPU to show it at "
-        "XLA's speed")),
+        "design: 16-bit rows move as 32-bit word-rows (each with its neighbour): the forward "
+        "reads 2x the rows' bytes, 1.5x the minimum traffic at 32000x4096 bfloat16, and the "
+        "scatter-add 2x the cotangent; 32-bit rows move the minimum, but untimed on a TPU")),
 }
 
 

@@ -104,7 +104,7 @@ def walked_pipeline_bytes(eqn) -> int:
     """Bytes a Mosaic launch's BlockSpec pipeline moves, by walking its grid step by step and
     calling each index map (only for small grids): an input block is copied in, an output
     block written back, whenever its index differs from the previous step's, clipped to the
-    array. Operands left in HBM or SMEM (manual DMAs) are not counted."""
+    array, in whole memory tiles. Operands left in HBM or SMEM (manual DMAs) are not counted."""
     import itertools
 
     from kernels._traffic import copied_bytes
@@ -125,7 +125,7 @@ def walked_pipeline_bytes(eqn) -> int:
         dims = [(getattr(d, "block_size", 1), type(d).__name__ == "Element")
                 for d in mapping.block_shape]
         total += copied_bytes(np.array(steps), dims, mapping.array_aval.shape,
-                              mapping.array_aval.dtype.itemsize)
+                              mapping.array_aval.dtype)
     return total
 
 

@@ -328,6 +328,30 @@ def test_mosaic_parameters_and_partials_are_lane_dense(shape, dtype, axis):
             assert _hbm_bytes(aval) <= dense + 8 * 128 * 4, (eqn.params["name"], aval)
 
 
+@pytest.mark.parametrize("shape,dtype,axis,lane_padding", [
+    ((1048576, 64), jnp.float32, 0, 2), ((32, 56, 56, 256), jnp.bfloat16, (0, 1, 2), 1)],
+    ids=["1Mx64", "batch_norm"])
+def test_mosaic_cost_estimate_counts_the_tiles_blocks_move(shape, dtype, axis, lane_padding):
+    """Issue 25, item 3: a Mosaic call's stated bytes (`_traffic.pipelined_bytes`, the design
+    figures' source) count whole HBM tiles. The (1M, 64) standardization over axis 0 has its
+    64 groups on the lanes, half of each 128-lane tile, so every pass of x moves twice its
+    bytes: 6x x's bytes for its 3 passes (two phases: x read twice, y written), where the
+    estimate said 3x. The batch norm's 256 channels fill whole tiles: 3x."""
+    from kernels import _targets
+    from kernels.compile import launches
+
+    x = jax.ShapeDtypeStruct(shape, dtype)
+    (forward,) = launches(lambda x: normalize(x, axis=axis, implementation="mosaic",
+                                              interpret=False), x,
+                          target=_targets.TARGETS["v5e"])
+    phases = forward.params["grid_mapping"].grid[2]
+    passes = phases + 1  # x read in each phase, y written once
+    x_bytes = int(np.prod(shape)) * jnp.dtype(dtype).itemsize
+    moved = forward.params["cost_estimate"].bytes_accessed
+    assert passes == 3
+    assert passes * lane_padding * x_bytes <= moved <= passes * lane_padding * x_bytes + (1 << 20)
+
+
 def test_mosaic_statistics_of_ragged_row_blocks_second_order():
     """Lane-dense statistics of 37 rows in blocks of 8 (the last block ragged) carry the
     second-order cotangents back into the backward kernel: grad of grad against the
