@@ -502,23 +502,26 @@ def test_mosaic_row_copies_keep_a_megabyte_in_flight(dtype):
     assert not ringed
 
 
-@pytest.mark.parametrize("target", ["v5e", "v4"])
-def test_mosaic_ring_across_staging_blocks_and_splits(target):
+@pytest.mark.parametrize("target,num_random,ranges", [
+    ("v5e", 350, (1, 4)), ("v4", 350, (2, 2)), ("v4", 230, (2, 2))], ids=str)
+def test_mosaic_ring_across_staging_blocks_and_ranges(target, num_random, ranges):
     """The 16-bit rings of issue 25 (64 copies in flight here), in TPU interpret mode: the
-    forward's ring runs across the steps of its split (v5e: one split of 4 index blocks; the
-    megacore v4: 2 splits of 2, each refilled at its start), fetching each next staging block
-    while one is used; the backward's starts mid-block at each row block's first sorted
-    position, and a hot row's 150 positions span two staging blocks."""
+    forward's ring runs across the steps of its range of index blocks (v5e: one range of 4;
+    the megacore v4: 2 ranges, each refilled at its start; with 3 blocks the second range's
+    extra step repeats its block and does nothing), fetching each next staging block while
+    one is used; the backward's starts mid-block at each row block's first sorted position,
+    and a hot row's 150 positions span two staging blocks."""
     from kernels import _targets
     from kernels._pallas import on_target
     from kernels.gather import mosaic_config
 
     x = random((301, 130), jnp.bfloat16, seed=40)
-    ids = np.r_[np.random.default_rng(41).integers(-310, 310, 350), [7] * 150].astype(np.int32)
+    ids = np.r_[np.random.default_rng(41).integers(-310, 310, num_random), [7] * 150]
+    ids = ids.astype(np.int32)
     ct = random((ids.size, 130), jnp.bfloat16, seed=42)
     with on_target(_targets.TARGETS[target]):
         assert mosaic_config.ring_depth(130) == 64
-        assert mosaic_config.num_splits(4) == (2 if target == "v4" else 1)
+        assert mosaic_config.index_ranges(-(-ids.size // 128)) == ranges
         out, pullback = jax.vjp(lambda t: gather(t, jnp.asarray(ids), mode="fill",
                                                  implementation="mosaic", interpret="strict"), x)
         dx = pullback(ct)[0]

@@ -7,8 +7,8 @@ and 8-bit rows as 32-bit word-rows: `mosaic_words.py`):
         stage indices[j] into SMEM                            # 128 at a time
         for k in range(128): start DMA x[batch block, mode(index k)] -> out[batch block, k]
         wait for all of them
-    gather, 16/8-bit tables, step (split s, b, index block j), j in order within (s, b):
-        if j is the split's first: fill the ring              # `depth` DMAs in flight
+    gather, 16/8-bit tables, step (range r, b, index block j), j in order within (r, b):
+        if j is the range's first: fill the ring              # `depth` DMAs in flight
         for k in range(128):
             words = wait for the word-row holding row mode(index k) in its ring slot
             rows[k] = row_of_word(words, row % rows_per_word)
@@ -24,7 +24,7 @@ and 8-bit rows as 32-bit word-rows: `mosaic_words.py`):
 
 The ring (`_Ring`; its depth from `mosaic_config.ring_depth`): `depth` buffers of one word-row
 each, with a semaphore each, as many as hold 1 MiB, between 8 and 64: 1 MiB in flight for rows
-of 4096 columns and up, 64 copies for narrower ones. Indices are staged into SMEM 128 at a time into 3 slots, the next
+of 4096 to 32768 columns, 64 copies of narrower ones (256 KiB at 1024 columns). Indices are staged into SMEM 128 at a time into 3 slots, the next
 block arriving while one is used, so the ring fills once per sequence of positions and drains
 once at its end, not at each staging block.
 
@@ -58,17 +58,18 @@ table. Traffic: each gathered row read once, each output element written once.
 
 Forward, 16-bit and 8-bit tables: word-row DMAs into VMEM
 ---------------------------------------------------------
-grid = (splits, batch, blocks_per_split): the cdiv(m, 128) index blocks in `splits` ranges,
-one per TensorCore where they divide evenly (`num_splits`: 2 on a megacore v4, else 1), the
-first two axes "parallel", the last "arbitrary", so one core runs a range's steps in order and
-its ring runs across them. A range's first step fills the ring: stages its index block (and
-starts staging the next), starts the word-row DMAs of its first `depth` positions. Step
-(s, b, j) then, for each of its 128 positions, waits for the (1, columns) int32 word-row
+grid = (ranges, batch, blocks_per_range): the cdiv(m, 128) index blocks in ranges of
+consecutive blocks, one per TensorCore (`index_ranges`: 2 on a megacore v4, else 1; a short
+last range's extra steps repeat its last block and do nothing), the first two axes
+"parallel", the last "arbitrary", so one core runs a range's steps in order and its ring runs
+across them. A range's first step fills the ring: stages its index block (and starts staging
+the next), starts the word-row DMAs of its first `depth` positions. Step
+(r, b, j) then, for each of its 128 positions, waits for the (1, columns) int32 word-row
 holding its row in its ring slot, shifts the row out of each word (`row_of_word`; bits move,
 so it is exact) or takes the fill value, writes it into row k of a (128, columns) int32 VMEM
-scratch, and starts the copy `depth` positions ahead into the slot just read, reading its
-index from the next staging block near the step's end (that block was staged during the
-previous step). The rows of a last, partial word-row (n odd for 16-bit tables) come from a
+scratch, and starts the copy `depth` positions ahead into the slot just read; for the last
+`depth` positions of a step that copy's index is in the next staging block, started in the
+previous step (or by the fill) and waited for in this one. The rows of a last, partial word-row (n odd for 16-bit tables) come from a
 copy of them zero-padded to a whole word-row, made by the wrapper, so no DMA leaves the table
 (the backward does the same for the cotangent). The scratch is narrowed into the (128,
 columns) output block, which the BlockSpec pipeline writes back (rows past m dropped).
@@ -120,7 +121,7 @@ from kernels._pallas import mapped_under_vmap, mosaic_call, pl, pltpu, vmem_limi
 from kernels.gather.common import (GatherConfig, Problem, ScatterPlan, gather_bytes,
                                    normalize_row, scatter_bytes)
 from kernels.gather.mosaic_config import (INDEX_BLOCK, STAGED_BLOCKS, check, gather_vmem_bytes,
-                                          num_splits, resolve_config, ring_depth,
+                                          index_ranges, resolve_config, ring_depth,
                                           scatter_vmem_bytes)
 from kernels.gather.mosaic_words import (BITS, row_of_word, rows_per_word_of, start_row_copy,
                                          word_operands, word_rows)
@@ -155,6 +156,10 @@ class _Ring:
     so the ring fills once at the sequence's start (`fill`) and drains once at its end, not at
     every staging block; `run` walks the positions of one block.
 
+    Preconditions: `depth` <= 128 (`ring_depth`: a copy runs at most one staging block ahead
+    of its use, which the 3 slots rely on); `fill(first)` with first < end, then `run` over
+    contiguous, ascending ranges [lo, hi), each inside one 128-position block, up to `end`.
+
     `staged`: (HBM vector, SMEM scratch of STAGED_BLOCKS * 128 int32) pairs, read through
     `staged_value`. `start_copy(j, buffer, sem)` starts position j's row copy; `use(j,
     buffer)` reads it once landed. `wait_like`: an HBM ref of a buffer's shape, whose
@@ -168,6 +173,9 @@ class _Ring:
     end: jax.Array
     start_copy: Callable[..., None]
     use: Callable[..., None]
+
+    def __post_init__(self):
+        assert self.depth <= INDEX_BLOCK, self.depth
 
     @property
     def depth(self) -> int:
@@ -198,8 +206,10 @@ class _Ring:
         self.use(j, self.buffers.at[slot])
 
     def fill(self, first: jax.Array) -> None:
-        """Stages the blocks that positions [first, first + depth) lie in (two where `first`
-        is late in its block), starts their copies and the staging of the block after."""
+        """Stages the blocks that positions [first, first + depth) lie in (the second, where
+        `first` is late in its block, only below `end`), starts their copies, and starts
+        staging the block after them if it is below `end`. The stagings here are synchronous:
+        a scatter-add step with short segments pays one or two SMEM round trips for them."""
         block = first // INDEX_BLOCK
         self._start_staging(block)
         self._wait_staging(block)
@@ -222,13 +232,13 @@ class _Ring:
 
     def run(self, lo: jax.Array, hi: jax.Array) -> None:
         """Uses positions [lo, hi) of one staged block, starting the copy `depth` positions
-        ahead after each use while there is one. At the position whose successor is the next
-        block's first, that block's staging is waited for and the one after it started (its
-        slot held the block before this one, all used)."""
+        ahead after each use while there is one. Before the first copy that lands in the next
+        block (after using position `cross_at`), that block's staging is waited for and the
+        one after it started (its slot held the block before this one, all used)."""
         block = lo // INDEX_BLOCK
-        crossing = (block + 1) * INDEX_BLOCK - self.depth
+        cross_at = (block + 1) * INDEX_BLOCK - self.depth
         refill_end = jnp.clip(self.end - self.depth, lo, hi)
-        split = jnp.clip(crossing, lo, refill_end)
+        next_block_from = jnp.clip(cross_at, lo, refill_end)
 
         def step(j, carry):
             self._wait_and_use(j)
@@ -241,15 +251,15 @@ class _Ring:
 
         # Loops rather than one with branches: a branch around a DMA into the ring makes the
         # interpreter copy the whole ring at every position.
-        lax.fori_loop(lo, split, step, 0)
+        lax.fori_loop(lo, next_block_from, step, 0)
 
-        @pl.when(jnp.logical_and(crossing >= lo, crossing < refill_end))
+        @pl.when(jnp.logical_and(cross_at >= lo, cross_at < refill_end))
         def _():
             self._wait_staging(block + 1)
             pl.when((block + 2) * INDEX_BLOCK < self.end)(
                 lambda: self._start_staging(block + 2))
 
-        lax.fori_loop(split, refill_end, step, 0)
+        lax.fori_loop(next_block_from, refill_end, step, 0)
         lax.fori_loop(refill_end, hi, drain, 0)
 
 
@@ -296,10 +306,10 @@ def _slab_gather_kernel(indices_hbm, x_hbm, fill_hbm, out_hbm, indices_smem, sem
 
 
 def _word_gather_kernel(indices_hbm, x_hbm, tail_hbm, out_ref, indices_smem, words_vmem,
-                        rows_vmem, sems, staging_sem, *, p: Problem, blocks_per_split: int):
-    split, batch, step = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    lo = (split * blocks_per_split + step) * INDEX_BLOCK
-    end = jnp.minimum(p.num_indices, (split + 1) * blocks_per_split * INDEX_BLOCK)
+                        rows_vmem, sems, staging_sem, *, p: Problem, blocks_per_range: int):
+    index_range, batch, step = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    lo = (index_range * blocks_per_range + step) * INDEX_BLOCK
+    end = jnp.minimum(p.num_indices, (index_range + 1) * blocks_per_range * INDEX_BLOCK)
     fill = int(np.asarray(p.fill_value).view(BITS[p.itemsize]))
     per_word = rows_per_word_of(p.dtype)
     words = word_rows(x_hbm.at[batch], p.n, per_word)
@@ -321,8 +331,11 @@ def _word_gather_kernel(indices_hbm, x_hbm, tail_hbm, out_ref, indices_smem, wor
     ring = _Ring(words_vmem, sems, staging_sem, tail, ((indices_hbm, indices_smem),), end,
                  start_copy, gather_one)
     pl.when(step == 0)(lambda: ring.fill(lo))
-    ring.run(lo, jnp.minimum(lo + INDEX_BLOCK, end))
-    out_ref[...] = rows_vmem[...].astype(out_ref.dtype)
+
+    @pl.when(lo < end)  # else a short last range's extra step: its block stays as written
+    def _():
+        ring.run(lo, jnp.minimum(lo + INDEX_BLOCK, end))
+        out_ref[...] = rows_vmem[...].astype(out_ref.dtype)
 
 
 def gather(x: jax.Array, indices: jax.Array, p: Problem, *, config: GatherConfig | None,
@@ -346,20 +359,22 @@ def gather(x: jax.Array, indices: jax.Array, p: Problem, *, config: GatherConfig
         operands = tuple(lax.bitcast_convert_type(a, bits) for a in (x, fill))
         dma_bytes = gather_bytes(p)  # the kernel copies rows into the output itself
     else:
-        splits = num_splits(num_blocks)
-        blocks_per_split = num_blocks // splits
+        num_ranges, blocks_per_range = index_ranges(num_blocks)
         depth = ring_depth(p.columns)
+
+        def out_index(r, b, k):  # a short last range's extra steps repeat its last block
+            return b, jnp.minimum(r * blocks_per_range + k, num_blocks - 1), 0
+
         grid_spec = pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=0, grid=(splits, p.batch, blocks_per_split),
+            num_scalar_prefetch=0, grid=(num_ranges, p.batch, blocks_per_range),
             in_specs=[hbm, hbm, hbm],
-            out_specs=pl.BlockSpec((None, INDEX_BLOCK, p.columns),
-                                   lambda s, b, k: (b, s * blocks_per_split + k, 0)),
+            out_specs=pl.BlockSpec((None, INDEX_BLOCK, p.columns), out_index),
             scratch_shapes=[pltpu.SMEM((STAGED_BLOCKS * INDEX_BLOCK,), jnp.int32),
                             pltpu.VMEM((depth, 1, p.columns), jnp.int32),
                             pltpu.VMEM((INDEX_BLOCK, p.columns), jnp.int32),
                             pltpu.SemaphoreType.DMA((depth,)), pltpu.SemaphoreType.DMA(())])
-        semantics = ("parallel", "parallel", "arbitrary")  # a split's steps share its ring
-        kernel = functools.partial(_word_gather_kernel, p=p, blocks_per_split=blocks_per_split)
+        semantics = ("parallel", "parallel", "arbitrary")  # a range's steps share its ring
+        kernel = functools.partial(_word_gather_kernel, p=p, blocks_per_range=blocks_per_range)
         operands = word_operands(x, interpret)
         # The word-rows (rows_per_word times the gathered rows' bytes) and the indices.
         dma_bytes = (rows_per_word_of(p.dtype) * math.prod(out_shape.shape) * p.itemsize

@@ -13,7 +13,7 @@ from kernels import _targets
 from kernels._blocks import LANES, sublanes, tile_limit
 from kernels.gather.common import GatherConfig, Problem, check_int
 
-__all__ = ["INDEX_BLOCK", "STAGED_BLOCKS", "ring_depth", "num_splits", "resolve_config", "check",
+__all__ = ["INDEX_BLOCK", "STAGED_BLOCKS", "ring_depth", "index_ranges", "resolve_config", "check",
            "gather_vmem_bytes", "scatter_vmem_bytes"]
 
 INDEX_BLOCK = 128             # indices staged into SMEM at once (1-D int32 tile: 128 words)
@@ -23,8 +23,9 @@ STAGED_BLOCKS = 3
 # Bytes of row DMAs a ring keeps in flight: HBM bandwidth times DMA latency is about 1 MB on
 # v5e (819 GB/s times a latency of ~1 us, an estimate), so fewer leave the DMA engines idle.
 _RING_BYTES = 1 << 20
-# At least 8 copies in flight whatever the row width; at most 64, a DMA semaphore each (the
-# staging needs a ring of at most one index block, 128).
+# At least 8 copies in flight whatever the row width; at most 64, a DMA semaphore each. The
+# ring may not be deeper than an index block (128): its copies run at most one staging block
+# ahead of their use, which the 3 staging slots rely on.
 _MIN_RING, _MAX_RING = 8, 64
 _SLAB_BYTES = 1 << 20        # target bytes of one forward DMA when the batch is split
 # The backward DMAs a cotangent row once per column block: 4096 columns (16 KiB word-rows) let
@@ -40,15 +41,18 @@ def ring_depth(columns: int) -> int:
     64) on a TPU and in the "strict" interpreter; one in the fast interpreter, where a DMA is a
     copy made at once and a deeper ring only costs copies of it (`_targets.INTERPRETER`)."""
     depth = min(_MAX_RING, max(_MIN_RING, -(-_RING_BYTES // (4 * columns))))
+    assert depth <= INDEX_BLOCK  # what `_Ring`'s staging allows
     return _targets.device_or_interpreter("tpu", depth, 1)
 
 
-def num_splits(num_blocks: int) -> int:
-    """Sequential ranges the word gather's index blocks are split into, one per TensorCore of
-    the target (a megacore v4 has 2), where they divide evenly: the ring runs across the
-    steps of one range, so the steps of a range run in order on one core."""
+def index_ranges(num_blocks: int) -> tuple[int, int]:
+    """(ranges, blocks per range): the word gather's index blocks cut into ranges of
+    consecutive blocks, one per TensorCore of the target (a megacore v4 has 2). The ring runs
+    across the steps of one range, so a range's steps run in order on one core. The last
+    range may be short: its extra steps repeat its last block and do nothing."""
     cores = _targets.current("tpu").num_cores or 1
-    return cores if num_blocks % cores == 0 else 1
+    per_range = -(-num_blocks // cores)
+    return -(-num_blocks // per_range), per_range
 
 
 def _default_block_columns(columns: int) -> int:
@@ -77,13 +81,15 @@ def scatter_vmem_bytes(p: Problem, config: GatherConfig) -> int:
 
 
 def resolve_config(p: Problem, config: GatherConfig | None) -> GatherConfig:
-    """The backward's blocks: rows of up to 1024 columns, as many as the target's
-    `default_blocks_vmem` holds (in the fast interpreter, `_INTERPRETED_BLOCK` elements)."""
+    """The backward's blocks: rows of up to 4096 columns, as many as the target's
+    `default_blocks_vmem` holds beside the ring (in the fast interpreter, `_INTERPRETED_BLOCK`
+    elements)."""
     config = config or GatherConfig()
     slab_bytes = max(1, p.columns * p.itemsize)
     block_columns = config.block_columns or _default_block_columns(p.columns)
-    rows_in_vmem = _targets.current("tpu").default_blocks_vmem // _scatter_row_bytes(
-        p, block_columns)
+    ring_bytes = ring_depth(block_columns) * block_columns * 4
+    rows_in_vmem = (_targets.current("tpu").default_blocks_vmem - ring_bytes) // (
+        _scatter_row_bytes(p, block_columns))
     rows_that_fit = max(1, tile_limit(rows_in_vmem * block_columns, _INTERPRETED_BLOCK,
                                       platform="tpu") // block_columns)
     tile = sublanes(p.dtype)
