@@ -40,7 +40,8 @@ def copied_bytes(block_indices: np.ndarray, dims: Sequence[tuple[int, bool]],
     lays out a Mosaic call's operands in a TPU's HBM (read from compiled HLO for v5e): the
     last dim rounded up to 128 lanes, the one before it to a tile's rows (`sublanes`) unless
     the array's is 1 ((1, 128) tiles). So a (reduced, 1) column moves 128x its bytes and a
-    (1, reduced) row its own."""
+    (1, reduced) row its own, rounded up to 128 lanes. (A kernel's own DMAs can move less, a
+    single 32-bit row say: the kernel states those bytes itself.)"""
     dtype = np.dtype(dtype)
     index = np.asarray(block_indices, np.int64).reshape(len(block_indices), len(dims))
     changed = np.ones(len(index), bool)

@@ -58,13 +58,13 @@ TABLE: dict[tuple[str, str], Default] = {
         "design: XLA lowers convolutions to the MXU natively; the Mosaic kernel's shifted "
         "windows add VMEM copies XLA does not need")),
     ("normalize", "tpu"): Default(("mosaic", "xla"), (
-        "design: in the bench's v5e figures layer_norm 8192x1024 and 4096x8192 bfloat16 move "
-        "their operands once, forward and backward (+ residual too); the batch norm reads x "
-        "twice, as XLA's statistics and normalize fusions do")),
+        "design: in bench/design.py's v5e figures layer_norm 8192x1024 and 4096x8192 "
+        "bfloat16 move their operands once, forward and backward (with a residual too); the "
+        "batch norm reads x twice, as XLA's statistics and normalize fusions do")),
     ("gather", "tpu"): Default(("xla",), (
         "design: 16-bit rows move as 32-bit word-rows (each with its neighbour): the forward "
-        "reads 2x the rows' bytes, 1.5x the minimum traffic at 32000x4096 bfloat16, and the "
-        "scatter-add 2x the cotangent; 32-bit rows move the minimum, but untimed on a TPU")),
+        "reads 2x the rows' bytes, 1.5x the minimum traffic, and the scatter-add 2x the "
+        "cotangent; 32-bit rows move the minimum, but are untimed on a TPU")),
 }
 
 

@@ -55,7 +55,7 @@ Weight gradient (`weight_grad`), GEMM path: dW[K, O/G] = patches[M, K]ᵀ @ dY[M
   (block_m, block_n) output-gradient tile; the transpose is folded into the dot. The dW tile
   (up to 128x128) shrinks until every SM has one (`fill_sms`: ResNet-50's 56x56 layers have
   only 2-9 tiles of 128x128), and where the tiles still leave SMs idle the pixels are split
-  (`weight_grad_split`, two waves on an H100): each split writes a float32 partial dW, at
+  (`weight_grad_split`, at least two waves on an H100): each split writes a float32 partial dW, at
   most half the unsplit kernel's loads in all, and XLA adds the partials in a fixed order.
 Weight gradient, depthwise path: grid = (splits · cdiv(KH·KW, block_k), cdiv(O, block_n)); a
   program owns block_k taps (all 9 of a 3x3) of its channel block over one pixel split: per

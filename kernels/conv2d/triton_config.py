@@ -148,16 +148,16 @@ def weight_grad_grid(p: Problem, config: Conv2dConfig) -> tuple[int, int, int]:
 
 
 def weight_grad_split(p: Problem, config: Conv2dConfig) -> Split:
-    """Pixel splits: two waves of programs when the dW tiles alone leave SMs idle, unless
-    the float32 partial dW of each split would cost more than half the loads of the unsplit
-    kernel (`weight_grad_traffic`: the patches once per output-channel block, dY once per K
-    block), the measure matmul's split-K uses. Counting x and dY once instead capped ResNet's
-    stride-2 128->256 layer at 2 splits: 144 programs, a second wave of 12 on an H100, no
-    faster than none."""
-    loads = weight_grad_traffic(p, config, p.out_dtype, p.w_dtype, splits=1)
+    """Pixel splits: at least two waves of programs (`Target.min_programs`) when the dW tiles
+    alone leave SMs idle, unless the splits' float32 partials, written and read back, would
+    together cost more than half the unsplit kernel's traffic (`weight_grad_traffic`: the
+    patches once per output-channel block, dY once per K block, dW written once), the measure
+    matmul's split-K uses. Counting x and dY once instead capped ResNet's stride-2 128->256
+    layer at 2 splits: 144 programs, a second wave of 12 on an H100, no faster than none."""
+    unsplit_traffic = weight_grad_traffic(p, config, p.out_dtype, p.w_dtype, splits=1)
     return split_reduction(math.prod(weight_grad_grid(p, config)), pl.cdiv(p.m, config.block_m),
                            min_steps=MIN_PIPELINED_STEPS,
-                           max_splits=max_splits(loads, p.k * p.o * 4))
+                           max_splits=max_splits(unsplit_traffic, p.k * p.o * 4))
 
 
 def weight_grad_traffic(p: Problem, config: Conv2dConfig, dy_dtype, dw_dtype,

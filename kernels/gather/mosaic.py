@@ -7,24 +7,27 @@ and 8-bit rows as 32-bit word-rows: `mosaic_words.py`):
         stage indices[j] into SMEM                            # 128 at a time
         for k in range(128): start DMA x[batch block, mode(index k)] -> out[batch block, k]
         wait for all of them
-    gather, 16/8-bit tables, step (range r, b, index block j), j in order within (r, b):
-        if j is the range's first: fill the ring              # `depth` DMAs in flight
-        for k in range(128):
-            words = wait for the word-row holding row mode(index k) in its ring slot
-            rows[k] = row_of_word(words, row % rows_per_word)
-            start the DMA of position k + depth's word-row    # crosses into block j + 1
+    gather, 16/8-bit tables, step (range r, b, k), in order within (r, b), on index block
+    j = r * blocks_per_range + k:
+        if k == 0: fill the ring                              # `depth` DMAs in flight
+        for i in range(128):
+            words = wait for the word-row holding row mode(index i) in its ring slot
+            rows[i] = row_of_word(words, row % rows_per_word)
+            start the DMA of position i + depth's word-row    # the last `depth`: block j + 1
         out[b, j] = rows                                      # written by the pipeline
     scatter_add, step (b, row block r, column block c):
         acc = 0                                               # float32, in VMEM
         fill the ring                                         # `depth` DMAs in flight
-        for k in the sorted positions whose target row is in r:
-            acc[target[k] - first row of r] += row_of_word(wait for g[b, order[k], c]'s word-row)
-            start the DMA of position k + depth's word-row
+        for i in the sorted positions whose target row is in r:
+            acc[target[i] - first row of r] += row_of_word(wait for g[b, order[i], c]'s
+                                                           word-row)
+            start the DMA of position i + depth's word-row
         dx[b, r, c] = acc                                     # written by the pipeline
 
 The ring (`_Ring`; its depth from `mosaic_config.ring_depth`): `depth` buffers of one word-row
-each, with a semaphore each, as many as hold 1 MiB, between 8 and 64: 1 MiB in flight for rows
-of 4096 to 32768 columns, 64 copies of narrower ones (256 KiB at 1024 columns). Indices are staged into SMEM 128 at a time into 3 slots, the next
+each, with a semaphore each, as many as hold 1 MiB, between 8 and 64: at least 1 MiB in
+flight for rows of 4096 columns and more, 64 copies of narrower ones (256 KiB at 1024
+columns). Indices are staged into SMEM 128 at a time into 3 slots, the next
 block arriving while one is used, so the ring fills once per sequence of positions and drains
 once at its end, not at each staging block.
 
@@ -59,24 +62,24 @@ table. Traffic: each gathered row read once, each output element written once.
 Forward, 16-bit and 8-bit tables: word-row DMAs into VMEM
 ---------------------------------------------------------
 grid = (ranges, batch, blocks_per_range): the cdiv(m, 128) index blocks in ranges of
-consecutive blocks, one per TensorCore (`index_ranges`: 2 on a megacore v4, else 1; a short
-last range's extra steps repeat its last block and do nothing), the first two axes
+consecutive blocks, at most one per TensorCore (`index_ranges`: 2 on a megacore v4, else 1; a
+short last range's extra steps repeat its last block and do nothing), the first two axes
 "parallel", the last "arbitrary", so one core runs a range's steps in order and its ring runs
 across them. A range's first step fills the ring: stages its index block (and starts staging
-the next), starts the word-row DMAs of its first `depth` positions. Step
-(r, b, j) then, for each of its 128 positions, waits for the (1, columns) int32 word-row
-holding its row in its ring slot, shifts the row out of each word (`row_of_word`; bits move,
-so it is exact) or takes the fill value, writes it into row k of a (128, columns) int32 VMEM
-scratch, and starts the copy `depth` positions ahead into the slot just read; for the last
-`depth` positions of a step that copy's index is in the next staging block, started in the
-previous step (or by the fill) and waited for in this one. The rows of a last, partial word-row (n odd for 16-bit tables) come from a
-copy of them zero-padded to a whole word-row, made by the wrapper, so no DMA leaves the table
-(the backward does the same for the cotangent). The scratch is narrowed into the (128,
-columns) output block, which the BlockSpec pipeline writes back (rows past m dropped).
-Traffic: 2x (8-bit: 4x) each gathered row's bytes read, each output element written once. On
-a CPU the word view is made by XLA in the wrapper (`interpreted_word_rows`, the same words);
-which half of a word holds the even row on a TPU is JAX's `Ref.bitcast` convention (row 0 in
-the low bits), which no device here has confirmed.
+the next), starts the word-row DMAs of its first `depth` positions. Step (r, b, k) then, for
+each of its 128 positions, waits for the (1, columns) int32 word-row holding its row in its
+ring slot, shifts the row out of each word (`row_of_word`; bits move, so it is exact) or takes
+the fill value, writes it into its row of a (128, columns) int32 VMEM scratch, and starts the
+copy `depth` positions ahead into the slot just read. For the last `depth` positions of a step
+that copy's index lies in the next index block, whose staging the previous step (or the fill)
+started and this step waits for before its first such copy. The rows of a last, partial
+word-row (n odd for 16-bit tables) come from a copy of them zero-padded to a whole word-row,
+made by the wrapper, so no DMA leaves the table (the backward does the same for the cotangent).
+The scratch is narrowed into the (128, columns) output block, which the BlockSpec pipeline
+writes back (rows past m dropped). Traffic: 2x (8-bit: 4x) each gathered row's bytes read, each
+output element written once. On a CPU the word view is made by XLA in the wrapper
+(`interpreted_word_rows`, the same words); which half of a word holds the even row on a TPU is
+JAX's `Ref.bitcast` convention (row 0 in the low bits), which no device here has confirmed.
 
 Backward: deterministic scatter-add, one owner per table block
 --------------------------------------------------------------
@@ -91,16 +94,17 @@ block]`, shifts the row out, adds it into accumulator row `target - first row`, 
 copy `depth` positions ahead. Finally the block is cast and written once by the BlockSpec
 pipeline. Rows past n in a ragged last block are never targeted and their writes are dropped.
 No atomics: one owner per output block and a fixed summation order, so every run gives the
-same bits. Column blocks are up to 4096 wide (one DMA per row and column block).
+same bits. Column blocks are up to 4096 wide, or the whole row where its width is not a
+multiple of 128 (one DMA per row and column block).
 
 Memory traffic: the cotangent read once (twice for 16-bit cotangents: word-rows), the table
 gradient written once; one DMA per index and column block, `depth` in flight, the ring filled
 and drained once per step. A step owns its rows' whole segments, so a row hit k times still
 costs its step k DMAs (the Triton backward bounds this with pieces; not done here).
 
-Not measured: nothing here has run on a TPU. The ring depth and the 3-slot staging are design
-(HBM bandwidth times DMA latency), compiled with libtpu for v5e, v6e and v4 and checked in
-TPU interpret mode, whose DMAs complete when waited on, so it cannot show timing.
+Not measured: nothing here has run on a TPU. The ring depth is design (HBM bandwidth times DMA
+latency); the ring and its 3-slot staging are compiled with libtpu for v5e, v6e and v4 and
+checked in TPU interpret mode, whose DMAs complete when waited on, so it cannot show timing.
 """
 
 from __future__ import annotations
@@ -142,7 +146,7 @@ def _stage(hbm, block: jax.Array, smem) -> None:
                                  INDEX_BLOCK)], smem)
 
 
-def staged_value(smem, j: jax.Array) -> jax.Array:
+def _staged_value(smem, j: jax.Array) -> jax.Array:
     """Position `j`'s entry of a vector staged by `_Ring` (block b in SMEM slot b % 3)."""
     return smem[j % (STAGED_BLOCKS * INDEX_BLOCK)]
 
@@ -161,9 +165,10 @@ class _Ring:
     contiguous, ascending ranges [lo, hi), each inside one 128-position block, up to `end`.
 
     `staged`: (HBM vector, SMEM scratch of STAGED_BLOCKS * 128 int32) pairs, read through
-    `staged_value`. `start_copy(j, buffer, sem)` starts position j's row copy; `use(j,
+    `_staged_value`. `start_copy(j, buffer, sem)` starts position j's row copy; `use(j,
     buffer)` reads it once landed. `wait_like`: an HBM ref of a buffer's shape, whose
-    descriptor waits for any row copy on a semaphore (every copy has that shape)."""
+    descriptor waits for any row copy on a semaphore (every copy has that shape).
+    `staging_sem`: one semaphore, since at most one block's staging is in flight."""
 
     buffers: Any
     sems: Any
@@ -206,10 +211,10 @@ class _Ring:
         self.use(j, self.buffers.at[slot])
 
     def fill(self, first: jax.Array) -> None:
-        """Stages the blocks that positions [first, first + depth) lie in (the second, where
-        `first` is late in its block, only below `end`), starts their copies, and starts
-        staging the block after them if it is below `end`. The stagings here are synchronous:
-        a scatter-add step with short segments pays one or two SMEM round trips for them."""
+        """Stages `first`'s block (and the next block, when first + depth crosses into it
+        and it is below `end`), starts the copies of [first, first + depth), and starts
+        staging the block after them if it is below `end`. The first one or two stagings are
+        waited for here: a scatter-add step with short segments pays their SMEM round trips."""
         block = first // INDEX_BLOCK
         self._start_staging(block)
         self._wait_staging(block)
@@ -232,13 +237,14 @@ class _Ring:
 
     def run(self, lo: jax.Array, hi: jax.Array) -> None:
         """Uses positions [lo, hi) of one staged block, starting the copy `depth` positions
-        ahead after each use while there is one. Before the first copy that lands in the next
-        block (after using position `cross_at`), that block's staging is waited for and the
-        one after it started (its slot held the block before this one, all used)."""
+        ahead after each use while there is one. The use of position `cross_at` starts the
+        first copy whose index lies in the next block: before it, that block's staging is
+        waited for and the one after it started (its slot held the block before this one,
+        all used)."""
         block = lo // INDEX_BLOCK
         cross_at = (block + 1) * INDEX_BLOCK - self.depth
-        refill_end = jnp.clip(self.end - self.depth, lo, hi)
-        next_block_from = jnp.clip(cross_at, lo, refill_end)
+        drain_from = jnp.clip(self.end - self.depth, lo, hi)
+        next_block_from = jnp.clip(cross_at, lo, drain_from)
 
         def step(j, carry):
             self._wait_and_use(j)
@@ -253,14 +259,14 @@ class _Ring:
         # interpreter copy the whole ring at every position.
         lax.fori_loop(lo, next_block_from, step, 0)
 
-        @pl.when(jnp.logical_and(cross_at >= lo, cross_at < refill_end))
+        @pl.when(jnp.logical_and(cross_at >= lo, cross_at < drain_from))
         def _():
             self._wait_staging(block + 1)
             pl.when((block + 2) * INDEX_BLOCK < self.end)(
                 lambda: self._start_staging(block + 2))
 
-        lax.fori_loop(next_block_from, refill_end, step, 0)
-        lax.fori_loop(refill_end, hi, drain, 0)
+        lax.fori_loop(next_block_from, drain_from, step, 0)
+        lax.fori_loop(drain_from, hi, drain, 0)
 
 
 def _valid_positions(block: jax.Array, p: Problem) -> jax.Array:
@@ -316,7 +322,7 @@ def _word_gather_kernel(indices_hbm, x_hbm, tail_hbm, out_ref, indices_smem, wor
     tail = word_rows(tail_hbm.at[batch], per_word, per_word)
 
     def row_of(j):
-        return normalize_row(staged_value(indices_smem, j), p.n, p.mode)
+        return normalize_row(_staged_value(indices_smem, j), p.n, p.mode)
 
     def start_copy(j, buffer, sem):
         start_row_copy(words, tail, row_of(j)[0], p.n, per_word, buffer, sem)
@@ -408,12 +414,12 @@ def _scatter_add_kernel(block_starts_smem, order_hbm, targets_hbm, g_hbm, g_tail
     acc_ref[...] = jnp.zeros_like(acc_ref)
 
     def start_copy(j, buffer, sem):
-        start_row_copy(g, g_tail, staged_value(order_smem, j), p.num_indices, per_word, buffer,
+        start_row_copy(g, g_tail, _staged_value(order_smem, j), p.num_indices, per_word, buffer,
                        sem)
 
     def add(j, buffer):
-        local = pl.ds(staged_value(targets_smem, j) - first_row, 1)
-        offset = staged_value(order_smem, j) % per_word
+        local = pl.ds(_staged_value(targets_smem, j) - first_row, 1)
+        offset = _staged_value(order_smem, j) % per_word
         bits = row_of_word(buffer[...], offset, per_word)
         row = lax.bitcast_convert_type(bits.astype(BITS[p.itemsize]), p.dtype)
         acc_ref[local, :] = acc_ref[local, :] + row.astype(jnp.float32)

@@ -1,7 +1,9 @@
 """How big the Mosaic gather and scatter-add kernels' blocks are (the kernels themselves are in
-`kernels/gather/mosaic.py`): the indices staged per SMEM block, the DMA ring's depth on a TPU
-and in the fast interpreter, the forward's batch slabs, the backward's accumulator block
-(`resolve_config`), and the checks that decline a problem or reject a config (`check`)."""
+`kernels/gather/mosaic.py`): the indices staged per SMEM block and the staged blocks held
+(`STAGED_BLOCKS`), the DMA ring's depth on a TPU and in the fast interpreter (`ring_depth`),
+the 16-bit forward's ranges of index blocks (`index_ranges`), the 32-bit forward's batch slabs,
+the backward's accumulator block (`resolve_config`), and the checks that decline a problem or
+reject a config (`check`)."""
 
 from __future__ import annotations
 
@@ -20,8 +22,8 @@ INDEX_BLOCK = 128             # indices staged into SMEM at once (1-D int32 tile
 # Staged index blocks held in SMEM: the one whose rows are being used, the next one (copies
 # run up to a ring ahead), and the one after it, arriving while those two are in use.
 STAGED_BLOCKS = 3
-# Bytes of row DMAs a ring keeps in flight: HBM bandwidth times DMA latency is about 1 MB on
-# v5e (819 GB/s times a latency of ~1 us, an estimate), so fewer leave the DMA engines idle.
+# Bytes of row DMAs a ring keeps in flight, sized for v5e: HBM bandwidth times DMA latency is
+# about 0.8 MB there (819 GB/s times ~1 us, an estimate); fewer leave the DMA engines idle.
 _RING_BYTES = 1 << 20
 # At least 8 copies in flight whatever the row width; at most 64, a DMA semaphore each. The
 # ring may not be deeper than an index block (128): its copies run at most one staging block
@@ -37,9 +39,10 @@ _INTERPRETED_BLOCK = 1 << 19
 
 
 def ring_depth(columns: int) -> int:
-    """Row DMAs in flight, each of a (1, columns) int32 word-row: `_RING_BYTES` of them (8 to
-    64) on a TPU and in the "strict" interpreter; one in the fast interpreter, where a DMA is a
-    copy made at once and a deeper ring only costs copies of it (`_targets.INTERPRETER`)."""
+    """Row DMAs in flight, each of a (1, columns) int32 word-row: as many as make
+    `_RING_BYTES`, clamped to 8-64, on a TPU and in the "strict" interpreter; one in the fast
+    interpreter, where a DMA is a copy made at once and a deeper ring only costs copies of it
+    (`_targets.INTERPRETER`)."""
     depth = min(_MAX_RING, max(_MIN_RING, -(-_RING_BYTES // (4 * columns))))
     assert depth <= INDEX_BLOCK  # what `_Ring`'s staging allows
     return _targets.device_or_interpreter("tpu", depth, 1)
@@ -47,7 +50,8 @@ def ring_depth(columns: int) -> int:
 
 def index_ranges(num_blocks: int) -> tuple[int, int]:
     """(ranges, blocks per range): the word gather's index blocks cut into ranges of
-    consecutive blocks, one per TensorCore of the target (a megacore v4 has 2). The ring runs
+    consecutive blocks, at most one per TensorCore of the target (a megacore v4 has 2; one
+    range for a single block). The ring runs
     across the steps of one range, so a range's steps run in order on one core. The last
     range may be short: its extra steps repeat its last block and do nothing."""
     cores = _targets.current("tpu").num_cores or 1
@@ -81,7 +85,8 @@ def scatter_vmem_bytes(p: Problem, config: GatherConfig) -> int:
 
 
 def resolve_config(p: Problem, config: GatherConfig | None) -> GatherConfig:
-    """The backward's blocks: rows of up to 4096 columns, as many as the target's
+    """The backward's blocks: rows of up to 4096 columns (the whole row where its width is not
+    a multiple of 128), as many as the target's
     `default_blocks_vmem` holds beside the ring (in the fast interpreter, `_INTERPRETED_BLOCK`
     elements)."""
     config = config or GatherConfig()
