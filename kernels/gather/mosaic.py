@@ -140,10 +140,16 @@ def _padded_to_blocks(vector: jax.Array) -> jax.Array:
     return jnp.pad(vector, (0, padding)) if padding else vector
 
 
+def _index_block(block: jax.Array, start: jax.Array | None = None):
+    """The slice of 128-entry index block `block` (aligned: a 1-D int32 tile is 128 words),
+    starting at `start` (a multiple of 128; default: the block's own offset)."""
+    start = block * INDEX_BLOCK if start is None else start
+    return pl.ds(pl.multiple_of(start, INDEX_BLOCK), INDEX_BLOCK)
+
+
 def _stage(hbm, block: jax.Array, smem) -> None:
     """Copies the 128-entry block `block` of an int32 vector in HBM into SMEM."""
-    pltpu.sync_copy(hbm.at[pl.ds(pl.multiple_of(block * INDEX_BLOCK, INDEX_BLOCK),
-                                 INDEX_BLOCK)], smem)
+    pltpu.sync_copy(hbm.at[_index_block(block)], smem)
 
 
 def _staged_value(smem, j: jax.Array) -> jax.Array:
@@ -187,10 +193,9 @@ class _Ring:
         return self.buffers.shape[0]
 
     def _staging(self, block: jax.Array) -> list[Any]:
-        source = pl.ds(pl.multiple_of(block * INDEX_BLOCK, INDEX_BLOCK), INDEX_BLOCK)
-        slot = pl.ds(pl.multiple_of(block % STAGED_BLOCKS * INDEX_BLOCK, INDEX_BLOCK),
-                     INDEX_BLOCK)
-        return [pltpu.make_async_copy(hbm.at[source], smem.at[slot], self.staging_sem)
+        slot = _index_block(block, block % STAGED_BLOCKS * INDEX_BLOCK)
+        return [pltpu.make_async_copy(hbm.at[_index_block(block)], smem.at[slot],
+                                      self.staging_sem)
                 for hbm, smem in self.staged]
 
     def _start_staging(self, block: jax.Array) -> None:
