@@ -39,6 +39,17 @@ def tile_limit(device_limit: int, interpreted_limit: int = INTERPRETED_TILE,
     return _targets.device_or_interpreter(platform, device_limit, interpreted_limit)
 
 
+def core_ranges(num_blocks: int) -> tuple[int, int]:
+    """(ranges, blocks per range): `num_blocks` grid blocks cut into ranges of consecutive
+    blocks, one per TensorCore of the TPU target (a megacore v4 has 2; one range for a single
+    block), for kernels that carry state from block to block (a DMA ring, an accumulator) and
+    so walk a range in order on one core. The last range may be short: a kernel repeats its
+    last block there and must make the repeat do nothing."""
+    cores = _targets.current("tpu").num_cores or 1
+    per_range = -(-num_blocks // cores)
+    return -(-num_blocks // per_range), per_range
+
+
 def is_positive_int(n: object) -> bool:
     return isinstance(n, int) and not isinstance(n, bool) and n > 0
 

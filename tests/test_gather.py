@@ -512,6 +512,7 @@ def test_mosaic_ring_across_staging_blocks_and_ranges(target, num_random, ranges
     one is used; the backward's starts mid-block at each row block's first sorted position,
     and a hot row's 150 positions span two staging blocks."""
     from kernels import _targets
+    from kernels._blocks import core_ranges
     from kernels._pallas import on_target
     from kernels.gather import mosaic_config
 
@@ -521,7 +522,7 @@ def test_mosaic_ring_across_staging_blocks_and_ranges(target, num_random, ranges
     ct = random((ids.size, 130), jnp.bfloat16, seed=42)
     with on_target(_targets.TARGETS[target]):
         assert mosaic_config.ring_depth(130) == 64
-        assert mosaic_config.index_ranges(-(-ids.size // 128)) == ranges
+        assert core_ranges(-(-ids.size // 128)) == ranges
         out, pullback = jax.vjp(lambda t: gather(t, jnp.asarray(ids), mode="fill",
                                                  implementation="mosaic", interpret="strict"), x)
         dx = pullback(ct)[0]

@@ -352,6 +352,56 @@ def test_mosaic_cost_estimate_counts_the_tiles_blocks_move(shape, dtype, axis, l
     assert passes * lane_padding * x_bytes <= moved <= passes * lane_padding * x_bytes + (1 << 20)
 
 
+@pytest.mark.parametrize("target,ranges", [("v5e", 1), ("v4", 2)])
+@pytest.mark.parametrize("shape,axis,blocks", [((4096, 8192), -1, 256), ((1024, 65536), 0, 512)],
+                         ids=["layer_norm_4096x8192", "columns_1024x65536"])
+def test_mosaic_partial_rows_accumulate_across_group_blocks(target, ranges, shape, axis,
+                                                            blocks):
+    """Issue 25, item 3: the backward wrote a float32 dscale and doffset row per group block,
+    which XLA read back to sum: at 4096x8192 bfloat16 (16-row blocks) 256 rows, 8 MiB per
+    parameter each way beside the 192 MiB the kernel must move (x, dy, dx). Now a core walks
+    its range of blocks in order and adds their column sums into one row in VMEM: one row per
+    TensorCore, written once."""
+    from kernels import _targets
+    from kernels.compile import launches
+
+    x = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+    param = jax.ShapeDtypeStruct(_param_shape(shape, axis), jnp.float32)
+    loss = _loss(normalize, axis=axis, implementation="mosaic", interpret=False)
+    _, backward = launches(jax.grad(loss, argnums=(0, 1, 2)), x, param, param,
+                           target=_targets.TARGETS[target])
+    assert backward.params["name"] == "normalize_backward_mosaic"
+    num_partials, blocks_per_range, phases, _ = backward.params["grid_mapping"].grid
+    assert (num_partials, phases) == (ranges, 1)
+    assert blocks_per_range * ranges == blocks
+    reduced = _group_size(shape, axis)
+    assert [v.aval.shape for v in backward.outvars[1:]] == [(ranges, 1, reduced)] * 2
+
+
+@pytest.mark.parametrize("shape,axis,config", [
+    ((40, 130), -1, NormalizeConfig(block_groups=8, block_reduced=130)),
+    ((20, 300), 0, NormalizeConfig(block_groups=128, block_reduced=20))], ids=["rows", "columns"])
+@pytest.mark.parametrize("target", ["v5e", "v4"])
+def test_mosaic_partial_rows_across_ranges(target, shape, axis, config):
+    """The accumulated dscale/doffset rows in TPU interpret mode, against float64 truth: v5e
+    adds all group blocks into one row; the megacore v4 cuts them into 2 ranges, the second
+    short (rows: 5 whole blocks as 3 + 2; columns: 3 as 2 + 1, the last ragged), so its extra
+    step repeats the last block, which must add nothing."""
+    from kernels import _targets
+    from kernels._pallas import on_target
+
+    x, scale, offset = _inputs(shape, axis, jnp.float32, seed=31)
+    loss = _loss(normalize, axis=axis, implementation="mosaic", config=config,
+                 interpret="strict")
+    with on_target(_targets.TARGETS[target]):
+        grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, scale, offset)
+    with x64():
+        want = jax.grad(_loss(reference_normalize, axis=axis), argnums=(0, 1, 2))(
+            *(jnp.asarray(as_f64(a)) for a in (x, scale, offset)))
+    for got, expected in zip(grads, want):
+        assert_close(got, expected, jnp.float32, reduction_length=x.size)
+
+
 def test_mosaic_statistics_of_ragged_row_blocks_second_order():
     """Lane-dense statistics of 37 rows in blocks of 8 (the last block ragged) carry the
     second-order cotangents back into the backward kernel: grad of grad against the

@@ -62,7 +62,7 @@ table. Traffic: each gathered row read once, each output element written once.
 Forward, 16-bit and 8-bit tables: word-row DMAs into VMEM
 ---------------------------------------------------------
 grid = (ranges, batch, blocks_per_range): the cdiv(m, 128) index blocks in ranges of
-consecutive blocks, at most one per TensorCore (`index_ranges`: 2 on a megacore v4, else 1; a
+consecutive blocks, at most one per TensorCore (`core_ranges`: 2 on a megacore v4, else 1; a
 short last range's extra steps repeat its last block and do nothing), the first two axes
 "parallel", the last "arbitrary", so one core runs a range's steps in order and its ring runs
 across them. A range's first step fills the ring: stages its index block (and starts staging
@@ -120,13 +120,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from kernels._blocks import LANES
+from kernels._blocks import LANES, core_ranges
 from kernels._pallas import mapped_under_vmap, mosaic_call, pl, pltpu, vmem_limit
 from kernels.gather.common import (GatherConfig, Problem, ScatterPlan, gather_bytes,
                                    normalize_row, scatter_bytes)
 from kernels.gather.mosaic_config import (INDEX_BLOCK, STAGED_BLOCKS, check, gather_vmem_bytes,
-                                          index_ranges, resolve_config, ring_depth,
-                                          scatter_vmem_bytes)
+                                          resolve_config, ring_depth, scatter_vmem_bytes)
 from kernels.gather.mosaic_words import (BITS, row_of_word, rows_per_word_of, start_row_copy,
                                          word_operands, word_rows)
 
@@ -370,7 +369,7 @@ def gather(x: jax.Array, indices: jax.Array, p: Problem, *, config: GatherConfig
         operands = tuple(lax.bitcast_convert_type(a, bits) for a in (x, fill))
         dma_bytes = gather_bytes(p)  # the kernel copies rows into the output itself
     else:
-        num_ranges, blocks_per_range = index_ranges(num_blocks)
+        num_ranges, blocks_per_range = core_ranges(num_blocks)
         depth = ring_depth(p.columns)
 
         def out_index(r, b, k):  # a short last range's extra steps repeat its last block

@@ -1,8 +1,7 @@
 """How big the Mosaic gather and scatter-add kernels' blocks are (the kernels themselves are in
 `kernels/gather/mosaic.py`): the indices staged per SMEM block and the staged blocks held
 (`STAGED_BLOCKS`), the DMA ring's depth on a TPU and in the fast interpreter (`ring_depth`),
-the 16-bit forward's ranges of index blocks (`index_ranges`), the 32-bit forward's batch slabs,
-the backward's accumulator block (`resolve_config`), and the checks that decline a problem or
+the 32-bit forward's batch slabs, the backward's accumulator block (`resolve_config`), and the checks that decline a problem or
 reject a config (`check`)."""
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ from kernels import _targets
 from kernels._blocks import LANES, sublanes, tile_limit
 from kernels.gather.common import GatherConfig, Problem, check_int
 
-__all__ = ["INDEX_BLOCK", "STAGED_BLOCKS", "ring_depth", "index_ranges", "resolve_config", "check",
+__all__ = ["INDEX_BLOCK", "STAGED_BLOCKS", "ring_depth", "resolve_config", "check",
            "gather_vmem_bytes", "scatter_vmem_bytes"]
 
 INDEX_BLOCK = 128             # indices staged into SMEM at once (1-D int32 tile: 128 words)
@@ -46,17 +45,6 @@ def ring_depth(columns: int) -> int:
     depth = min(_MAX_RING, max(_MIN_RING, -(-_RING_BYTES // (4 * columns))))
     assert depth <= INDEX_BLOCK  # what `_Ring`'s staging allows
     return _targets.device_or_interpreter("tpu", depth, 1)
-
-
-def index_ranges(num_blocks: int) -> tuple[int, int]:
-    """(ranges, blocks per range): the word gather's index blocks cut into ranges of
-    consecutive blocks, at most one per TensorCore of the target (a megacore v4 has 2; one
-    range for a single block). The ring runs
-    across the steps of one range, so a range's steps run in order on one core. The last
-    range may be short: its extra steps repeat its last block and do nothing."""
-    cores = _targets.current("tpu").num_cores or 1
-    per_range = -(-num_blocks // cores)
-    return -(-num_blocks // per_range), per_range
 
 
 def _default_block_columns(columns: int) -> int:

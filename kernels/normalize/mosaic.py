@@ -1,18 +1,20 @@
 """normalize as Pallas kernels lowered through Mosaic (TPU): forward and fused backward.
 
 Each kernel's loop nest, per grid step (blocks: `mosaic_config.py`); x[o, b, c] is the VMEM
-block of slab o, group block b and chunk c of the reduced axis:
+block of slab o, group block b and chunk c of the reduced axis, and step (u, k, phase, c)
+works on block b = r·blocks_per_range + k of slab o, where u = o·ranges + r:
 
-    forward, step (o, b, phase, c), where with a residual x[o, b, c] means x + r, added on
+    forward, step (u, k, phase, c), where with a residual x[o, b, c] means x + r, added on
     load, and the step writing y also writes it to sum[o, b, c]:
         one chunk:  mean, rstd = moments(x[o, b, 0]);  y[o, b, 0] = affine((x - mean) * rstd)
         phase 0:    acc = merge(acc, moments(x[o, b, c]))              # VMEM scratch
         phase 1:    y[o, b, c] = affine((x[o, b, c] - mean(acc)) * rstd(acc))
-    backward, step (o, b, phase, c):
+    backward, step (u, k, phase, c):
         phase 0:    sums += (sum(dy·scale), sum(dy·scale·x̂)) over chunk c   # one chunk: in place
         phase 1:    dx[o, b, c] = input_gradient(x[o, b, c], dy[o, b, c], sums)
                                   (+ dsum[o, b, c], the sum output's cotangent, with a residual)
-                    dscale_partial[o·b, c] = column sums of dy·x̂;  doffset_partial: of dy
+                    dscale_partial[u, c] += column sums of dy·x̂;  doffset_partial: of dy
+                    # in VMEM through the range's blocks k; zeroed at k = 0
 
 Both kernels work on the 3-D view of `common` (rows `(1, groups, reduced)` or columns
 `(outer, reduced, groups)`) with VMEM blocks of `block_groups` groups by `block_reduced`
@@ -23,9 +25,14 @@ whole group (reduced <= 16384) and as many groups as keep a block near 128K elem
 
 Block schedule (forward and backward alike)
 -------------------------------------------
-grid = (outer, cdiv(groups, block_groups), phases, num_chunks), semantics ("parallel",
-"parallel", "arbitrary", "arbitrary"), num_chunks = cdiv(reduced, block_reduced).
-- One chunk per group (phases = 1, the common case): step (o, b, 0, 0) receives the block of x
+grid = (outer · ranges, blocks_per_range, phases, num_chunks), semantics ("parallel",
+"arbitrary", "arbitrary", "arbitrary"), num_chunks = cdiv(reduced, block_reduced). With one
+chunk per group the cdiv(groups, block_groups) group blocks are cut into ranges of consecutive
+blocks, one per TensorCore (`core_ranges`: 2 on a megacore v4, else 1; a short last range's
+extra step repeats its last block, and its masked groups add nothing); a core walks its range
+in order, adding each block's dscale/doffset column sums into one partial row that stays in
+VMEM. With two phases each block is its own range.
+- One chunk per group (phases = 1, the common case): step (u, k, 0, 0) receives the block of x
   (and dy) in VMEM through the BlockSpec pipeline, computes the statistics (forward) or the two
   per-group sums (backward) and writes y (or dx) in the same step: x is read from HBM once and y
   written once.
@@ -39,9 +46,10 @@ Statistics and their cotangents are (1, block_groups) blocks, lane-dense in both
 
 Ragged edges: padding past `reduced` may hold anything (NaN in TPU interpret mode), so it is
 masked out of every sum; padding past `groups` computes garbage whose writes are dropped, and
-is masked out of the backward's dscale/doffset sums. Each (o, b) writes its own partial dscale
-and doffset row of shape (1, reduced); XLA sums the rows afterwards (no
-atomics: the same result on every run).
+is masked out of the backward's dscale/doffset sums. Each range writes its own partial dscale
+and doffset row of shape (1, reduced) once; XLA sums the rows afterwards (no atomics: the same
+result on every run). One chunk per group: outer · ranges rows (1 for a layer norm on a v5e,
+however many blocks); two phases: one per block.
 
 Memory traffic: one read of x and one write of y per forward when a group fits one block (two
 reads otherwise); backward: x and dy read once (twice for multi-chunk groups), dx written once.
@@ -55,12 +63,16 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kernels._blocks import core_ranges
 from kernels._pallas import mosaic_call, pl, pltpu, vmem_limit
 from kernels.normalize import common
 from kernels.normalize.common import NormalizeConfig, Problem
 from kernels.normalize.mosaic_config import check, resolve_config, vmem_bytes
 
 __all__ = ["forward", "backward", "check", "resolve_config", "vmem_bytes"]
+
+# A range's steps run in order on one core (its partial rows accumulate across them).
+_SEMANTICS = ("parallel", "arbitrary", "arbitrary", "arbitrary")
 
 
 class _Schedule:
@@ -71,10 +83,26 @@ class _Schedule:
         self.num_blocks = pl.cdiv(p.groups, config.block_groups)
         self.num_chunks = pl.cdiv(p.reduced, config.block_reduced)
         self.phases = 1 if self.num_chunks == 1 else 2
-        self.grid = (p.outer, self.num_blocks, self.phases, self.num_chunks)
+        # Two phases walk every chunk of a block before the next block, so a partial row
+        # could not stay in VMEM from block to block: there each block is its own range.
+        self.num_ranges, self.blocks_per_range = (
+            core_ranges(self.num_blocks) if self.phases == 1 else (self.num_blocks, 1))
+        self.num_partials = p.outer * self.num_ranges
+        self.grid = (self.num_partials, self.blocks_per_range, self.phases, self.num_chunks)
 
     def _orient(self, group_part, reduced_part):
         return (group_part, reduced_part) if self.p.rows else (reduced_part, group_part)
+
+    def _slab_and_block(self, u, k):
+        """(slab, group block) of grid step (u, k, ...); a short last range's extra steps
+        repeat its last block."""
+        slab, index_range = u // self.num_ranges, u % self.num_ranges
+        return slab, jnp.minimum(index_range * self.blocks_per_range + k, self.num_blocks - 1)
+
+    def _unclamped_block(self):
+        """This step's group block before the clamp: past the last block on an extra step,
+        whose groups `group_valid` then masks out whole."""
+        return (pl.program_id(0) % self.num_ranges) * self.blocks_per_range + pl.program_id(1)
 
     def _chunk(self, phase, c, last_phase: bool):
         """The chunk a block visits at step (phase, c): one used in the last phase only stays
@@ -85,7 +113,8 @@ class _Schedule:
         """x, residual, dy, y, sum, dx, dsum. A block used in the last phase only (an output,
         or dsum) stays on chunk 0 during phase 0: an output is then written back once, after
         it is final, and an input fetched once."""
-        def index(o, b, phase, c):
+        def index(u, k, phase, c):
+            o, b = self._slab_and_block(u, k)
             return (o, *self._orient(b, self._chunk(phase, c, last_phase)))
         return pl.BlockSpec((None, *self._orient(self.block_groups, self.block_reduced)), index)
 
@@ -97,7 +126,8 @@ class _Schedule:
         transpose each block's column in VMEM (`load_stats`, `store_stats`). Outside the
         kernels XLA keeps (groups, 1) dense (lanes along groups), so the reshapes between the
         two are small copies of the statistics alone."""
-        def index(o, b, phase, c):
+        def index(u, k, phase, c):
+            o, b = self._slab_and_block(u, k)
             return (o * self.num_blocks + b, 0, 0) if self.p.rows else (o, 0, b)
         return pl.BlockSpec((None, 1, self.block_groups), index)
 
@@ -133,7 +163,7 @@ class _Schedule:
         is tiled 128 lanes wide in HBM, 128x its bytes (512 MiB for a float32 scale of the
         1M-element groups of a (1M, 64) standardization over axis 0). `last_phase`: used in
         phase 1 only (the forward's), so phase 0 does not fetch each chunk."""
-        def index(o, b, phase, c):
+        def index(u, k, phase, c):
             return (0, self._chunk(phase, c, last_phase))
         return pl.BlockSpec((1, self.block_reduced), index)
 
@@ -145,14 +175,21 @@ class _Schedule:
         return value if self.p.rows else value.T
 
     def partial_spec(self) -> pl.BlockSpec:
-        """One lane-dense (1, block_reduced) partial row per group block (as `param_spec`)."""
-        def index(o, b, phase, c):
-            return (o * self.num_blocks + b, 0, self._chunk(phase, c, last_phase=True))
+        """One lane-dense (1, block_reduced) chunk of partial row u (as `param_spec`) per step
+        (u, k, phase, c): the same block through a range's blocks k, so it stays in VMEM and
+        is written back once, at the range's end."""
+        def index(u, k, phase, c):
+            return (u, 0, self._chunk(phase, c, last_phase=True))
         return pl.BlockSpec((None, 1, self.block_reduced), index)
 
-    def store_partial(self, ref, value: jax.Array) -> None:
-        """Stores a tile's column sums, (1, block_reduced) or (block_reduced, 1)."""
-        ref[...] = value if self.p.rows else value.T
+    def add_partial(self, ref, value: jax.Array) -> None:
+        """Adds a tile's column sums, (1, block_reduced) or (block_reduced, 1), to the range's
+        partial row, zeroed at the range's first block."""
+        @pl.when(pl.program_id(1) == 0)
+        def _():
+            ref[...] = jnp.zeros_like(ref)
+
+        ref[...] += value if self.p.rows else value.T
 
     def reduced_valid(self, shape) -> jax.Array | None:
         """Mask of the elements of this step's chunk inside `reduced`; None if all are."""
@@ -164,11 +201,14 @@ class _Schedule:
         return index < self.p.reduced
 
     def group_valid(self, shape) -> jax.Array | None:
-        if self.p.groups % self.block_groups == 0:
+        """Mask of this step's groups inside `groups` (none on a range's extra step); None if
+        all are."""
+        if (self.p.groups % self.block_groups == 0
+                and self.num_ranges * self.blocks_per_range == self.num_blocks):
             return None
         axis = 1 - self.p.reduce_axis
-        index = pl.program_id(1) * self.block_groups + lax.broadcasted_iota(jnp.int32, shape,
-                                                                            axis)
+        index = (self._unclamped_block() * self.block_groups
+                 + lax.broadcasted_iota(jnp.int32, shape, axis))
         return index < self.p.groups
 
 
@@ -265,7 +305,7 @@ def forward(x: jax.Array, residual: jax.Array | None, scale: jax.Array | None,
         functools.partial(_forward_kernel, p=p, s=s),
         out_shape=(jax.ShapeDtypeStruct(p.view_shape, p.y_dtype), total, stats, stats),
         grid_spec=grid_spec,
-        dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary"),
+        dimension_semantics=_SEMANTICS,
         interpret=interpret,
         vmem_limit_bytes=vmem_limit(vmem_bytes(p, config)),
         flops=common.forward_flops_and_bytes(p)[0],
@@ -304,11 +344,11 @@ def _backward_kernel(x_ref, scale_ref, mean_ref, rstd_ref, gy_ref, gmean_ref, gr
         in_groups = s.group_valid(x.shape)
         group_axis = 1 - p.reduce_axis
         if dscale_ref is not None:
-            s.store_partial(dscale_ref, jnp.sum(_zero_invalid(g * xhat, _and(in_groups, valid)),
-                                                axis=group_axis, keepdims=True))
+            s.add_partial(dscale_ref, jnp.sum(_zero_invalid(g * xhat, _and(in_groups, valid)),
+                                              axis=group_axis, keepdims=True))
         if doffset_ref is not None:
-            s.store_partial(doffset_ref, jnp.sum(_zero_invalid(g, in_groups), axis=group_axis,
-                                                 keepdims=True))
+            s.add_partial(doffset_ref, jnp.sum(_zero_invalid(g, in_groups), axis=group_axis,
+                                               keepdims=True))
 
     if s.phases == 1:
         write(sums())
@@ -338,7 +378,7 @@ def backward(x, scale, mean, rstd, gy, gmean, grstd, gsum, p: Problem, *,
     None, is added to dx."""
     config = resolve_config(p, config)
     s = _Schedule(p, config)
-    num_partials = p.outer * s.num_blocks
+    num_partials = s.num_partials
     partial_shape = (num_partials, 1, p.reduced)
     partial = jax.ShapeDtypeStruct(partial_shape, p.stat_dtype)
     stats_block = s._orient(s.block_groups, 1)
@@ -358,7 +398,7 @@ def backward(x, scale, mean, rstd, gy, gmean, grstd, gsum, p: Problem, *,
         out_shape=(jax.ShapeDtypeStruct(p.view_shape, p.dtype),
                    partial if p.has_scale else None, partial if p.has_offset else None),
         grid_spec=grid_spec,
-        dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary"),
+        dimension_semantics=_SEMANTICS,
         interpret=interpret,
         vmem_limit_bytes=vmem_limit(vmem_bytes(p, config)),
         flops=common.backward_flops_and_bytes(p, num_partials, stat_cotangents)[0],
