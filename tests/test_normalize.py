@@ -90,9 +90,11 @@ def test_options(implementation, subtract_mean, epsilon, params):
 
 
 # Groups longer than one block, with a ragged last chunk, for each layout: the chunked paths
-# (merged moments, two-phase Mosaic grid) at sizes the interpreters run quickly. In the columns
+# (merged moments, two-phase Mosaic grid; Triton's backward sums two chunks in its programs,
+# three in a sums pass) at sizes the interpreters run quickly. In the columns
 # layout a Mosaic chunk with scale/offset is a multiple of 128 (the parameters' lane dim).
 CHUNKED = [((20, 300), -1, NormalizeConfig(block_groups=16, block_reduced=128)),
+           ((20, 200), -1, NormalizeConfig(block_groups=16, block_reduced=128)),
            ((300, 20), 0, NormalizeConfig(block_groups=20, block_reduced=128)),
            ((2, 300, 130), 1, NormalizeConfig(block_groups=128, block_reduced=128))]
 
@@ -214,12 +216,16 @@ def test_triton_programs_fill_an_h100(op, shape, dtype, axis):
 
 
 @pytest.mark.parametrize("shape,dtype", [((4096, 8192), jnp.bfloat16), ((4096, 8192), jnp.float32),
-                                         ((4096, 5000), jnp.float32)], ids=str)
-def test_triton_backward_reads_a_row_of_up_to_8192_once(shape, dtype):
-    """Issue 25, item 4: a row of up to 8192 elements is one chunk on 16 warps, so the backward
-    is one kernel that reads x and dy once (3 passes: x, dy, dx), not a sums pass re-reading
-    both first (5 passes, 4096-element chunks before). `test_compile` compiles it for sm_90
-    and sm_80 without spills (110-127 registers a thread)."""
+                                         ((4096, 5000), jnp.float32),
+                                         ((4096, 16384), jnp.bfloat16),
+                                         ((4096, 12000), jnp.float16)], ids=str)
+def test_triton_backward_reads_a_row_of_up_to_16384_once(shape, dtype):
+    """Issue 25, item 4: the backward of a row of up to 16384 elements is one kernel that reads
+    x and dy from HBM once (3 passes: x, dy, dx), not a sums pass re-reading both first (5
+    passes: rows over 4096 before). Up to 8192 a row is one chunk on 16 warps; 16-bit rows up
+    to 16384 two chunks of 8192, each program reading the other chunk for the sums (mostly
+    from L2; an estimate, not measured). `test_compile` compiles them for sm_90 and sm_80
+    without spills."""
     calls = _triton_kernels("layer_norm", shape, dtype, -1)
     backward = [eqn for eqn in calls if eqn.params["name"] != "normalize_forward_triton"]
     assert [eqn.params["name"] for eqn in backward] == ["normalize_backward_triton"]
@@ -608,6 +614,33 @@ def test_gradients_bfloat16(implementation):
     for got, expected, primal in zip(grads, want, (x, scale, offset)):
         assert got.dtype == primal.dtype
         assert_close(got, expected, jnp.bfloat16, reduction_length=64)
+
+
+@pytest.mark.parametrize("subtract_mean", [True, False], ids=["layer", "rms"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name)
+def test_triton_backward_sums_two_16_bit_chunks_in_program(dtype, subtract_mean):
+    """16-bit rows of two chunks (200 = 128 + a ragged 72 here; 16384 = 2 x 8192 on a GPU):
+    each backward program sums both chunks of its groups itself, no sums pass; gradients
+    against float64 truth."""
+    from kernels.compile import launches
+    from kernels import _targets
+
+    config = NormalizeConfig(block_groups=16, block_reduced=128)
+    x, scale, offset = _inputs((20, 200), -1, dtype, seed=37, param_dtype=dtype)
+    weights = random(x.shape, dtype, seed=38).astype(jnp.float32)
+    kwargs = dict(axis=-1, subtract_mean=subtract_mean)
+    loss = lambda f, **kw: lambda x, s, o: jnp.sum(f(x, s, o, **kwargs, **kw) * weights)
+    kernel_loss = loss(normalize, implementation="triton", config=config)
+    names = [eqn.params["name"] for eqn in launches(
+        jax.grad(kernel_loss, argnums=(0, 1, 2)), x, scale, offset,
+        target=_targets.DEFAULT["gpu"])]
+    assert "normalize_backward_triton" in names and "normalize_sums_triton" not in names
+    grads = jax.jit(jax.grad(kernel_loss, argnums=(0, 1, 2)))(x, scale, offset)
+    with x64():
+        want = jax.grad(loss(reference_normalize), argnums=(0, 1, 2))(
+            *(jnp.asarray(as_f64(a)) for a in (x, scale, offset)))
+    for got, expected in zip(grads, want):
+        assert_close(got, expected, dtype, reduction_length=200)
 
 
 @pytest.mark.parametrize("subtract_mean", [True, False], ids=["layer", "rms"])

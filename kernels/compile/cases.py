@@ -126,6 +126,8 @@ def _cases() -> dict[str, list[Case]]:
             _design(_normalize_case("layer_norm", (4096, 8192), bf16)),
             _normalize_case("rms_norm", (4096, 8192), bf16),
             _normalize_case("layer_norm", (4096, 6000), f32),  # one chunk, 127 registers
+            _normalize_case("layer_norm", (4096, 16384), bf16),  # two chunks, sums in program
+            _normalize_case("layer_norm", (4096, 12000), f32),  # two chunks, a sums pass
             _normalize_case("layer_norm", (512, 16384), f32),
             _normalize_case("rms_norm", (512, 16384), f32),
             _normalize_case("normalize", (4096, 8192), bf16, axis=0),

@@ -9,10 +9,12 @@ the tile of slab o, group block b and chunk c of the reduced axis:
         for c in chunks: y[o, b, c] = affine((x[o, b, c] - mean) * rstd)
     moments (split), program (o, b, s):  mean and M2 of the chunks of split s; XLA merges
     normalize (split), program (o, b, c):  y[o, b, c] = affine((x[o, b, c] - mean) * rstd)
-    sums (long groups), program (o, b, s):  sum(dy·scale) and sum(dy·scale·x̂) over split s
-    backward, program (o, q, c):
+    sums (groups of over 2 chunks), program (o, b, s):  sum(dy·scale), sum(dy·scale·x̂) over split s
+    backward, program (c, o, q):
         for b in (q, q + partials, ...):
-            dx[o, b, c] = input_gradient(x[o, b, c], dy[o, b, c], the group sums)
+            sums = the group sums: of tile (o, b, c) with one chunk; of tiles (o, b, 0) and
+                   (o, b, 1), re-read, with two; else the sums pass's
+            dx[o, b, c] = input_gradient(x[o, b, c], dy[o, b, c], sums)
                           (+ dsum[o, b, c], the sum output's cotangent, with a residual)
             dscale_acc += column sums of dy·x̂;  doffset_acc += column sums of dy
         dscale_partial[o·partials + q, c], doffset_partial[o·partials + q, c] = the accs
@@ -50,14 +52,19 @@ Forward
 
 Backward
 --------
-grid = (outer, num_partials, num_chunks). Inputs: x, dy, the saved mean and 1/std and their
-cotangents (zero unless this is a second-order gradient). Program (o, q, c) walks group blocks
+grid = (num_chunks, outer, num_partials), the chunk first (CUDA's fastest launch axis), so the
+programs of a block's chunks run side by side. Inputs: x, dy, the saved mean and 1/std and their
+cotangents (zero unless this is a second-order gradient). Program (c, o, q) walks group blocks
 q, q + num_partials, ... of slab o in chunk c: loads x and dy once, writes dx once, and adds the
 tile's column sums of dy·x̂ and dy to register accumulators; at the end it writes its chunk of
 partial row o·num_partials + q of dscale and doffset, which XLA sums (no float atomics: the same
 result on every run). dx needs two per-group sums, sum(dy·scale) and sum(dy·scale·x̂): with one
-chunk per group the tile holds them; otherwise `_sums_kernel` (grid (outer, num_blocks, splits),
-like `_moments_kernel`) computes them first, and XLA adds the splits. So a long row never makes
+chunk per group the tile holds them; with two of 16-bit data (rows of 8193-16384 elements;
+float32 ones spill registers) the program reads both chunks for them and then its own again (`triton_config.sums_in_program`), mostly from L2,
+where its neighbour, the program of the other chunk, is reading the same rows: x and dy come
+from HBM about once (an estimate, not measured on a GPU). Longer groups get them from
+`_sums_kernel` (grid (outer, num_blocks, splits), like `_moments_kernel`), run first, and XLA
+adds the splits: a second read of x and dy. So a long row never makes
 the backward write a float32 partial row per group row, and never runs fewer programs than the
 GPU has SMs when the problem has that many tiles.
 """
@@ -75,7 +82,7 @@ from kernels._pallas import pl, triton_call, triton_load, triton_store
 from kernels.normalize import common
 from kernels.normalize.common import NormalizeConfig, Problem
 from kernels.normalize.triton_config import (Schedule, check, num_partials, reduction_traffic,
-                                             resolve_config, schedule)
+                                             resolve_config, schedule, sums_in_program)
 
 __all__ = ["forward", "backward", "check", "resolve_config", "schedule"]
 
@@ -300,19 +307,23 @@ def _gradient_inputs(tiles: _Tiles, refs, outer, chunk, mean, rstd, p: Problem):
     return g, gs, common.normalized(x, mean, rstd, p)
 
 
+def _group_sums(tiles: _Tiles, refs, outer, first, count, mean, rstd,
+                p: Problem) -> common.RowSums:
+    """sum(dy·scale) and sum(dy·scale·x̂) over chunks [first, first + count) of the groups."""
+    def chunk_sums(chunk):
+        _, gs, xhat = _gradient_inputs(tiles, refs, outer, chunk, mean, rstd, p)
+        return common.row_sums(gs, xhat, tiles.mask(chunk), p)
+
+    return _fold(first, count, chunk_sums,
+                 lambda a, b: common.RowSums(a.gs + b.gs, a.gs_xhat + b.gs_xhat))
+
+
 def _sums_kernel(x_ref, scale_ref, mean_ref, rstd_ref, gy_ref, gs_ref, gs_xhat_ref, *,
                  p: Problem, config: NormalizeConfig, s: Schedule):
     outer, split = pl.program_id(0), pl.program_id(2)
     tiles = _Tiles(p, config, pl.program_id(1))
     mean, rstd = tiles.load_stats(mean_ref, outer), tiles.load_stats(rstd_ref, outer)
-
-    def chunk_sums(chunk):
-        _, gs, xhat = _gradient_inputs(tiles, (x_ref, gy_ref, scale_ref), outer, chunk, mean,
-                                       rstd, p)
-        return common.row_sums(gs, xhat, tiles.mask(chunk), p)
-
-    sums = _fold(*_split_range(s), chunk_sums,
-                 lambda a, b: common.RowSums(a.gs + b.gs, a.gs_xhat + b.gs_xhat))
+    sums = _group_sums(tiles, (x_ref, gy_ref, scale_ref), outer, *_split_range(s), mean, rstd, p)
     tiles.store_stats(gs_ref, outer, sums.gs, split)
     tiles.store_stats(gs_xhat_ref, outer, sums.gs_xhat, split)
 
@@ -323,8 +334,9 @@ def _backward_kernel(x_ref, scale_ref, mean_ref, rstd_ref, gy_ref, gmean_ref, gr
     """x: the normalized array (x + residual with a residual); gmean/grstd: None unless a
     second-order gradient; gsum: the cotangent of the forward's sum output (None without a
     residual or when the sum is unused), added to dx; gs/gs_xhat (the per-group sums from
-    `_sums_kernel`): None with one chunk per group; dscale/doffset: None without parameters."""
-    outer, program, chunk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    `_sums_kernel`): None where the programs compute them (`sums_in_program`); dscale/doffset:
+    None without parameters."""
+    chunk, outer, program = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     group_axis = 1 - p.reduce_axis
 
     def block_gradient(i, accumulators):
@@ -333,14 +345,18 @@ def _backward_kernel(x_ref, scale_ref, mean_ref, rstd_ref, gy_ref, gmean_ref, gr
         and write nothing."""
         tiles = _Tiles(p, config, program + i * partials)
         mean, rstd = tiles.load_stats(mean_ref, outer), tiles.load_stats(rstd_ref, outer)
-        g, gs, xhat = _gradient_inputs(tiles, (x_ref, gy_ref, scale_ref), outer, chunk, mean,
-                                       rstd, p)
-        valid = tiles.mask(chunk)
-        if gs_ref is None:
-            sums = common.row_sums(gs, xhat, valid, p)
-        else:
+        refs = (x_ref, gy_ref, scale_ref)
+        # Several chunks: the sums come first, so this chunk's tiles are not live beside the
+        # ones they read (float32 rows of 16384 spilled the other way round).
+        if s.num_chunks > 1 and gs_ref is None:
+            sums = _group_sums(tiles, refs, outer, 0, s.num_chunks, mean, rstd, p)
+        elif s.num_chunks > 1:
             sums = common.RowSums(tiles.load_stats(gs_ref, outer),
                                   tiles.load_stats(gs_xhat_ref, outer))
+        g, gs, xhat = _gradient_inputs(tiles, refs, outer, chunk, mean, rstd, p)
+        valid = tiles.mask(chunk)
+        if s.num_chunks == 1:
+            sums = common.row_sums(gs, xhat, valid, p)
         gmean, grstd = (None if ref is None else tiles.load_stats(ref, outer)
                         for ref in (gmean_ref, grstd_ref))
         dx = common.input_gradient(gs, xhat, rstd, sums, gmean, grstd, p)
@@ -372,7 +388,7 @@ def backward(x, scale, mean, rstd, gy, gmean, grstd, gsum, p: Problem, *,
     s = schedule(p, config)
     partials = num_partials(p, config, s)
     sums = (None, None)
-    if s.num_chunks > 1:  # the per-group sums dx needs come from a first pass
+    if not sums_in_program(p, s):  # the per-group sums dx needs come from a first pass
         split_sums = _call(
             functools.partial(_sums_kernel, p=p, config=config, s=s), p, config,
             (p.outer, s.num_blocks, s.splits), (_split_shape(p, s),) * 2,
@@ -385,7 +401,7 @@ def backward(x, scale, mean, rstd, gy, gmean, grstd, gsum, p: Problem, *,
                  partial if p.has_offset else None)
     dx, dscale, doffset = _call(
         functools.partial(_backward_kernel, p=p, config=config, s=s, partials=partials), p,
-        config, (p.outer, partials, s.num_chunks), out_shape,
+        config, (s.num_chunks, p.outer, partials), out_shape,
         common.backward_flops_and_bytes(p, p.outer * partials, gmean is not None,
                                         gsum is not None),
         "normalize_backward_triton", interpret, pl.cdiv(s.num_blocks, partials),

@@ -17,7 +17,7 @@ from kernels._pallas import pl
 from kernels.normalize import common
 from kernels.normalize.common import NormalizeConfig, Problem
 
-__all__ = ["resolve_config", "check", "Schedule", "schedule", "num_partials",
+__all__ = ["resolve_config", "check", "Schedule", "schedule", "sums_in_program", "num_partials",
            "reduction_traffic"]
 
 _DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
@@ -25,8 +25,14 @@ _MAX_TILE = 4096  # elements per tile (per input): what 4-8 warps hold in regist
 # A whole row up to this long is one chunk for 16-bit and float32 data, held by 16 warps, so
 # the backward reads x and dy once (no `_sums_kernel` pass). Compiled for sm_90 at 4096x8192:
 # the backward takes 110 (bfloat16) and 127 (float32) of the 128 registers a thread has at 16
-# warps, without spills; rows of 16384 spilled 260 and 576 bytes.
+# warps, without spills; rows of 16384 in one chunk spilled 260 and 576 bytes. Longer rows
+# are chunks of this many elements.
 _MAX_ROW = 8192
+# Groups of up to this many chunks of 16-bit data get their per-group sums inside the
+# backward's programs (`sums_in_program`), which re-read the group's other chunk: rows up to
+# 16384 in one pass. Compiled at 4096x16384 bfloat16: 127 registers, no spills (sm_90 and
+# sm_80); float32 rows of 12000-16384 spilled 28-124 bytes, so they keep the sums pass.
+_MAX_REREAD_CHUNKS = 2
 # The fast interpreter's tile: an XLA gather of more elements at once runs slower per element
 # on a CPU (measured: a 20000x64 standardization 7x faster in (4096, 64) tiles than in one).
 _INTERPRETED_TILE = 1 << 18
@@ -40,7 +46,8 @@ def resolve_config(p: Problem, config: NormalizeConfig | None) -> NormalizeConfi
     """Power-of-2 tiles of at most _MAX_TILE elements (half that for float64).
 
     Rows: the whole group in one chunk when it fits (a single row of up to _MAX_ROW elements
-    for 16-bit and float32 data, on 16 warps), then as many groups as fit. Columns: 32
+    for 16-bit and float32 data, on 16 warps; longer rows in chunks of that size), then as
+    many groups as fit. Columns: 32
     groups (a 128-byte contiguous run per reduced element, coalesced) then as many reduced
     elements as fit. `num_partials` stays None unless given: `num_partials()` picks it.
     """
@@ -51,8 +58,7 @@ def resolve_config(p: Problem, config: NormalizeConfig | None) -> NormalizeConfi
         whole_row = next_power_of_2(p.reduced)
         row_limit = max_tile if jnp.dtype(p.dtype).itemsize == 8 else tile_limit(
             _MAX_ROW, _INTERPRETED_TILE)
-        block_reduced = _or(config.block_reduced,
-                            whole_row if whole_row <= row_limit else max_tile)
+        block_reduced = _or(config.block_reduced, min(whole_row, row_limit))
         block_groups = _or(config.block_groups, min(
             next_power_of_2(p.groups), max(1, max_tile // max(1, block_reduced))))
     else:
@@ -96,6 +102,18 @@ def schedule(p: Problem, config: NormalizeConfig) -> Schedule:
     num_chunks = pl.cdiv(p.reduced, config.block_reduced)
     split = split_reduction(p.outer * num_blocks, num_chunks)
     return Schedule(num_blocks, num_chunks, split.splits, split.per_split)
+
+
+def sums_in_program(p: Problem, s: Schedule) -> bool:
+    """Whether the backward's programs compute a group's two sums themselves (one chunk, or
+    up to _MAX_REREAD_CHUNKS of 16-bit data re-read), or take them from a `_sums_kernel`
+    pass. A program
+    reading the other chunk of a group finds it mostly in L2: the backward's grid puts the
+    chunk first, so the programs of a block's chunks run side by side and each reads the
+    chunk the other is reading (an estimate; not measured on a GPU). x and dy then come from
+    HBM once, where the sums pass reads them a second time."""
+    return s.num_chunks == 1 or (s.num_chunks <= _MAX_REREAD_CHUNKS
+                                 and jnp.dtype(p.dtype).itemsize == 2)
 
 
 def num_partials(p: Problem, config: NormalizeConfig, s: Schedule) -> int:
