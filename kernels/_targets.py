@@ -102,11 +102,19 @@ INTERPRETER = {
 _PLATFORMS = {"gpu": ("gpu", "cuda", "rocm"), "tpu": ("tpu",)}
 
 
-def _by_device_kind(platform: str, device_kind: str) -> Target:
+def _by_device_kind(platform: str, device: Any) -> Target:
+    """The target whose kind `device` is; else the platform's default, but with the device's
+    own TensorCores where it says how many it has (a v5p's 2: kernels that cut their blocks
+    into one range per core, `_blocks.core_ranges`, would otherwise leave one idle)."""
     for target in TARGETS.values():
-        if target.platform == platform and device_kind.startswith(target.device_kind[:11]):
+        if (target.platform == platform
+                and device.device_kind.startswith(target.device_kind[:11])):
             return target
-    return DEFAULT[platform]
+    default = DEFAULT[platform]
+    cores = getattr(device, "num_cores", None)
+    if platform == "tpu" and isinstance(cores, int) and cores > 0 and cores != default.num_cores:
+        return dataclasses.replace(default, num_cores=cores)
+    return default
 
 
 # The abstract device of the mesh an op's operands live on, while the op traces (`for_operands`).
@@ -192,7 +200,7 @@ def current(platform: str) -> Target:
         return INTERPRETER[platform]
     for device in (*_program_devices(_OPERAND_DEVICE.get()), *jax.devices()):
         if device.platform in _PLATFORMS[platform]:
-            return _by_device_kind(platform, device.device_kind)
+            return _by_device_kind(platform, device)
     return DEFAULT[platform]
 
 

@@ -424,3 +424,24 @@ def test_backward_kernels_are_sized_for_the_operands_device(monkeypatch):
                                                 interpret=False))
     jax.jit(jax.grad(loss)).trace(x)
     assert len(seen) > 2 and set(seen) == {"v4"}, seen
+
+
+def test_an_unknown_tpu_kind_keeps_its_own_cores():
+    """A TPU this library has no target for (a v5p: 2 TensorCores a chip) gets the default
+    target's blocks but its own core count, so kernels that give each core a range of blocks
+    (the normalize backward's partial rows, the gather ring) use both cores."""
+    from jax.sharding import AbstractMesh, AxisType
+
+    from kernels import _targets
+    from kernels._blocks import core_ranges
+
+    device = jax.sharding.AbstractDevice(device_kind="TPU v5p", num_cores=2, platform="tpu")
+    mesh = AbstractMesh((1,), ("data",), axis_types=(AxisType.Explicit,), abstract_device=device)
+    with jax.sharding.use_abstract_mesh(mesh):
+        target = _targets.current("tpu")
+        assert (target.name, target.num_cores) == ("v5e", 2)
+        assert core_ranges(5) == (2, 3)
+    v4 = jax.sharding.AbstractDevice(device_kind="TPU v4", num_cores=2, platform="tpu")
+    mesh = AbstractMesh((1,), ("data",), axis_types=(AxisType.Explicit,), abstract_device=v4)
+    with jax.sharding.use_abstract_mesh(mesh):
+        assert _targets.current("tpu") is _targets.TARGETS["v4"]

@@ -90,8 +90,7 @@ def test_options(implementation, subtract_mean, epsilon, params):
 
 
 # Groups longer than one block, with a ragged last chunk, for each layout: the chunked paths
-# (merged moments, two-phase Mosaic grid; Triton's backward sums two chunks in its programs,
-# three in a sums pass) at sizes the interpreters run quickly. In the columns
+# (merged moments, two-phase Mosaic grid; Triton's backward: float32 sums in a sums pass) at sizes the interpreters run quickly. In the columns
 # layout a Mosaic chunk with scale/offset is a multiple of 128 (the parameters' lane dim).
 CHUNKED = [((20, 300), -1, NormalizeConfig(block_groups=16, block_reduced=128)),
            ((20, 200), -1, NormalizeConfig(block_groups=16, block_reduced=128)),

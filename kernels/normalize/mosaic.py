@@ -71,7 +71,8 @@ from kernels.normalize.mosaic_config import check, resolve_config, vmem_bytes
 
 __all__ = ["forward", "backward", "check", "resolve_config", "vmem_bytes"]
 
-# A range's steps run in order on one core (its partial rows accumulate across them).
+# A core walks its range of blocks in order: the backward's partial rows accumulate across
+# them, and a short range's repeated block revisits its outputs (in order, so written back once).
 _SEMANTICS = ("parallel", "arbitrary", "arbitrary", "arbitrary")
 
 

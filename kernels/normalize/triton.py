@@ -9,11 +9,11 @@ the tile of slab o, group block b and chunk c of the reduced axis:
         for c in chunks: y[o, b, c] = affine((x[o, b, c] - mean) * rstd)
     moments (split), program (o, b, s):  mean and M2 of the chunks of split s; XLA merges
     normalize (split), program (o, b, c):  y[o, b, c] = affine((x[o, b, c] - mean) * rstd)
-    sums (groups of over 2 chunks), program (o, b, s):  sum(dy·scale), sum(dy·scale·x̂) over split s
+    sums (unless sums_in_program), program (o, b, s):  sum(dy·scale), sum(dy·scale·x̂) of split s
     backward, program (c, o, q):
         for b in (q, q + partials, ...):
             sums = the group sums: of tile (o, b, c) with one chunk; of tiles (o, b, 0) and
-                   (o, b, 1), re-read, with two; else the sums pass's
+                   (o, b, 1), re-read, with two 16-bit ones; else the sums pass's
             dx[o, b, c] = input_gradient(x[o, b, c], dy[o, b, c], sums)
                           (+ dsum[o, b, c], the sum output's cotangent, with a residual)
             dscale_acc += column sums of dy·x̂;  doffset_acc += column sums of dy
@@ -55,12 +55,14 @@ Backward
 grid = (num_chunks, outer, num_partials), the chunk first (CUDA's fastest launch axis), so the
 programs of a block's chunks run side by side. Inputs: x, dy, the saved mean and 1/std and their
 cotangents (zero unless this is a second-order gradient). Program (c, o, q) walks group blocks
-q, q + num_partials, ... of slab o in chunk c: loads x and dy once, writes dx once, and adds the
+q, q + num_partials, ... of slab o in chunk c: loads x and dy (with two chunks, the other one
+too, for the sums), writes dx once, and adds the
 tile's column sums of dy·x̂ and dy to register accumulators; at the end it writes its chunk of
 partial row o·num_partials + q of dscale and doffset, which XLA sums (no float atomics: the same
 result on every run). dx needs two per-group sums, sum(dy·scale) and sum(dy·scale·x̂): with one
-chunk per group the tile holds them; with two of 16-bit data (rows of 8193-16384 elements;
-float32 ones spill registers) the program reads both chunks for them and then its own again (`triton_config.sums_in_program`), mostly from L2,
+chunk per group the tile holds them; with two of 16-bit data (by default rows of 8193-16384
+elements; float32 ones spill registers) the program reads both chunks for them, then its own
+again (`triton_config.sums_in_program`), mostly from L2,
 where its neighbour, the program of the other chunk, is reading the same rows: x and dy come
 from HBM about once (an estimate, not measured on a GPU). Longer groups get them from
 `_sums_kernel` (grid (outer, num_blocks, splits), like `_moments_kernel`), run first, and XLA
