@@ -50,6 +50,12 @@ def core_ranges(num_blocks: int) -> tuple[int, int]:
     return -(-num_blocks // per_range), per_range
 
 
+def range_block(index_range: Any, step: Any, blocks_per_range: int, num_blocks: int) -> Any:
+    """The block that step `step` of range `index_range` (`core_ranges`) works on: a short
+    last range's extra steps repeat its last block."""
+    return jnp.minimum(index_range * blocks_per_range + step, num_blocks - 1)
+
+
 def is_positive_int(n: object) -> bool:
     return isinstance(n, int) and not isinstance(n, bool) and n > 0
 

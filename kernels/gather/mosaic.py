@@ -120,7 +120,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from kernels._blocks import LANES, core_ranges
+from kernels._blocks import LANES, core_ranges, range_block
 from kernels._pallas import mapped_under_vmap, mosaic_call, pl, pltpu, vmem_limit
 from kernels.gather.common import (GatherConfig, Problem, ScatterPlan, gather_bytes,
                                    normalize_row, scatter_bytes)
@@ -372,8 +372,8 @@ def gather(x: jax.Array, indices: jax.Array, p: Problem, *, config: GatherConfig
         num_ranges, blocks_per_range = core_ranges(num_blocks)
         depth = ring_depth(p.columns)
 
-        def out_index(r, b, k):  # a short last range's extra steps repeat its last block
-            return b, jnp.minimum(r * blocks_per_range + k, num_blocks - 1), 0
+        def out_index(r, b, k):
+            return b, range_block(r, k, blocks_per_range, num_blocks), 0
 
         grid_spec = pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=0, grid=(num_ranges, p.batch, blocks_per_range),

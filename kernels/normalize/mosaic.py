@@ -63,7 +63,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kernels._blocks import core_ranges
+from kernels._blocks import core_ranges, range_block
 from kernels._pallas import mosaic_call, pl, pltpu, vmem_limit
 from kernels.normalize import common
 from kernels.normalize.common import NormalizeConfig, Problem
@@ -95,15 +95,9 @@ class _Schedule:
         return (group_part, reduced_part) if self.p.rows else (reduced_part, group_part)
 
     def _slab_and_block(self, u, k):
-        """(slab, group block) of grid step (u, k, ...); a short last range's extra steps
-        repeat its last block."""
-        slab, index_range = u // self.num_ranges, u % self.num_ranges
-        return slab, jnp.minimum(index_range * self.blocks_per_range + k, self.num_blocks - 1)
-
-    def _unclamped_block(self):
-        """This step's group block before the clamp: past the last block on an extra step,
-        whose groups `group_valid` then masks out whole."""
-        return (pl.program_id(0) % self.num_ranges) * self.blocks_per_range + pl.program_id(1)
+        """(slab, group block) of grid step (u, k, ...) (`range_block`)."""
+        return u // self.num_ranges, range_block(u % self.num_ranges, k, self.blocks_per_range,
+                                                 self.num_blocks)
 
     def _chunk(self, phase, c, last_phase: bool):
         """The chunk a block visits at step (phase, c): one used in the last phase only stays
@@ -207,9 +201,11 @@ class _Schedule:
         if (self.p.groups % self.block_groups == 0
                 and self.num_ranges * self.blocks_per_range == self.num_blocks):
             return None
+        # The step's block before the clamp: past the last one on an extra step, whose
+        # groups are then all masked.
+        block = (pl.program_id(0) % self.num_ranges) * self.blocks_per_range + pl.program_id(1)
         axis = 1 - self.p.reduce_axis
-        index = (self._unclamped_block() * self.block_groups
-                 + lax.broadcasted_iota(jnp.int32, shape, axis))
+        index = block * self.block_groups + lax.broadcasted_iota(jnp.int32, shape, axis)
         return index < self.p.groups
 
 

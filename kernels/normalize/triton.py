@@ -56,19 +56,18 @@ grid = (num_chunks, outer, num_partials), the chunk first (CUDA's fastest launch
 programs of a block's chunks run side by side. Inputs: x, dy, the saved mean and 1/std and their
 cotangents (zero unless this is a second-order gradient). Program (c, o, q) walks group blocks
 q, q + num_partials, ... of slab o in chunk c: loads x and dy (with two chunks, the other one
-too, for the sums), writes dx once, and adds the
-tile's column sums of dy·x̂ and dy to register accumulators; at the end it writes its chunk of
+too, for the sums), writes dx once, and adds the tile's column sums of dy·x̂ and dy to
+register accumulators; at the end it writes its chunk of
 partial row o·num_partials + q of dscale and doffset, which XLA sums (no float atomics: the same
 result on every run). dx needs two per-group sums, sum(dy·scale) and sum(dy·scale·x̂): with one
 chunk per group the tile holds them; with two of 16-bit data (by default rows of 8193-16384
 elements; float32 ones spill registers) the program reads both chunks for them, then its own
-again (`triton_config.sums_in_program`), mostly from L2,
-where its neighbour, the program of the other chunk, is reading the same rows: x and dy come
-from HBM about once (an estimate, not measured on a GPU). Longer groups get them from
-`_sums_kernel` (grid (outer, num_blocks, splits), like `_moments_kernel`), run first, and XLA
-adds the splits: a second read of x and dy. So a long row never makes
-the backward write a float32 partial row per group row, and never runs fewer programs than the
-GPU has SMs when the problem has that many tiles.
+again (`triton_config.sums_in_program`), mostly from L2, where its neighbour, the program of
+the other chunk, is reading the same rows: x and dy come from HBM about once (an estimate, not
+measured on a GPU). Longer groups get them from `_sums_kernel` (grid (outer, num_blocks,
+splits), like `_moments_kernel`), run first, and XLA adds the splits: a second read of x and
+dy. So a long row never makes the backward write a float32 partial row per group row, and
+never runs fewer programs than the GPU has SMs when the problem has that many tiles.
 """
 
 from __future__ import annotations
@@ -348,13 +347,11 @@ def _backward_kernel(x_ref, scale_ref, mean_ref, rstd_ref, gy_ref, gmean_ref, gr
         tiles = _Tiles(p, config, program + i * partials)
         mean, rstd = tiles.load_stats(mean_ref, outer), tiles.load_stats(rstd_ref, outer)
         refs = (x_ref, gy_ref, scale_ref)
-        # Several chunks: the sums come first, so this chunk's tiles are not live beside the
-        # ones they read (float32 rows of 16384 spilled the other way round).
-        if s.num_chunks > 1 and gs_ref is None:
-            sums = _group_sums(tiles, refs, outer, 0, s.num_chunks, mean, rstd, p)
-        elif s.num_chunks > 1:
+        if gs_ref is not None:  # from the sums pass
             sums = common.RowSums(tiles.load_stats(gs_ref, outer),
                                   tiles.load_stats(gs_xhat_ref, outer))
+        elif s.num_chunks > 1:  # before this chunk's tiles load, so they are not live together
+            sums = _group_sums(tiles, refs, outer, 0, s.num_chunks, mean, rstd, p)
         g, gs, xhat = _gradient_inputs(tiles, refs, outer, chunk, mean, rstd, p)
         valid = tiles.mask(chunk)
         if s.num_chunks == 1:

@@ -47,9 +47,8 @@ def resolve_config(p: Problem, config: NormalizeConfig | None) -> NormalizeConfi
 
     Rows: the whole group in one chunk when it fits (a single row of up to _MAX_ROW elements
     for 16-bit and float32 data, on 16 warps; longer rows in chunks of that size), then as
-    many groups as fit. Columns: 32
-    groups (a 128-byte contiguous run per reduced element, coalesced) then as many reduced
-    elements as fit. `num_partials` stays None unless given: `num_partials()` picks it.
+    many groups as fit. Columns: 32 groups (a 128-byte contiguous run per reduced element,
+    coalesced) then as many reduced elements as fit. `num_partials` stays None unless given: `num_partials()` picks it.
     """
     config = config or NormalizeConfig()
     max_tile = tile_limit(_MAX_TILE, _INTERPRETED_TILE) // (
@@ -107,11 +106,10 @@ def schedule(p: Problem, config: NormalizeConfig) -> Schedule:
 def sums_in_program(p: Problem, s: Schedule) -> bool:
     """Whether the backward's programs compute a group's two sums themselves (one chunk, or
     up to _MAX_REREAD_CHUNKS of 16-bit data re-read), or take them from a `_sums_kernel`
-    pass. A program
-    reading the other chunk of a group finds it mostly in L2: the backward's grid puts the
-    chunk first, so the programs of a block's chunks run side by side and each reads the
-    chunk the other is reading (an estimate; not measured on a GPU). x and dy then come from
-    HBM once, where the sums pass reads them a second time."""
+    pass. A program reading the other chunk of a group finds it mostly in L2: the backward's
+    grid puts the chunk first, so the programs of a block's chunks run side by side and each
+    reads the chunk the other is reading (an estimate; not measured on a GPU). x and dy then
+    come from HBM once, where the sums pass reads them a second time."""
     return s.num_chunks == 1 or (s.num_chunks <= _MAX_REREAD_CHUNKS
                                  and jnp.dtype(p.dtype).itemsize == 2)
 
