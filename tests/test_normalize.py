@@ -90,7 +90,8 @@ def test_options(implementation, subtract_mean, epsilon, params):
 
 
 # Groups longer than one block, with a ragged last chunk, for each layout: the chunked paths
-# (merged moments, two-phase Mosaic grid; Triton's backward: float32 sums in a sums pass) at sizes the interpreters run quickly. In the columns
+# (merged moments, two-phase Mosaic grid; Triton's backward: two chunks (200) summed in its
+# programs, three (300) by a sums pass) at sizes the interpreters run quickly. In the columns
 # layout a Mosaic chunk with scale/offset is a multiple of 128 (the parameters' lane dim).
 CHUNKED = [((20, 300), -1, NormalizeConfig(block_groups=16, block_reduced=128)),
            ((20, 200), -1, NormalizeConfig(block_groups=16, block_reduced=128)),
@@ -217,14 +218,16 @@ def test_triton_programs_fill_an_h100(op, shape, dtype, axis):
 @pytest.mark.parametrize("shape,dtype", [((4096, 8192), jnp.bfloat16), ((4096, 8192), jnp.float32),
                                          ((4096, 5000), jnp.float32),
                                          ((4096, 16384), jnp.bfloat16),
-                                         ((4096, 12000), jnp.float16)], ids=str)
+                                         ((4096, 12000), jnp.float16),
+                                         ((4096, 16384), jnp.float32),
+                                         ((512, 12000), jnp.float32)], ids=str)
 def test_triton_backward_reads_a_row_of_up_to_16384_once(shape, dtype):
     """Issue 25, item 4: the backward of a row of up to 16384 elements is one kernel that reads
     x and dy from HBM once (3 passes: x, dy, dx), not a sums pass re-reading both first (5
-    passes: rows over 4096 before). Up to 8192 a row is one chunk on 16 warps; 16-bit rows up
-    to 16384 two chunks of 8192, each program reading the other chunk for the sums (mostly
-    from L2; an estimate, not measured). `test_compile` compiles them for sm_90 and sm_80
-    without spills."""
+    passes: rows over 4096 before). Up to 8192 a row is one chunk on 16 warps; rows up to
+    16384 two chunks of 8192, each program reading the other chunk for the sums (mostly from
+    L2; an estimate, not measured). `test_compile` compiles them for sm_90 and sm_80 without
+    spills."""
     calls = _triton_kernels("layer_norm", shape, dtype, -1)
     backward = [eqn for eqn in calls if eqn.params["name"] != "normalize_forward_triton"]
     assert [eqn.params["name"] for eqn in backward] == ["normalize_backward_triton"]
@@ -616,11 +619,12 @@ def test_gradients_bfloat16(implementation):
 
 
 @pytest.mark.parametrize("subtract_mean", [True, False], ids=["layer", "rms"])
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name)
-def test_triton_backward_sums_two_16_bit_chunks_in_program(dtype, subtract_mean):
-    """16-bit rows of two chunks (200 = 128 + a ragged 72 here; 16384 = 2 x 8192 on a GPU):
-    each backward program sums both chunks of its groups itself, no sums pass; gradients
-    against float64 truth."""
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32],
+                         ids=lambda d: jnp.dtype(d).name)
+def test_triton_backward_sums_two_chunks_in_program(dtype, subtract_mean):
+    """Rows of two chunks (200 = 128 + a ragged 72 here; 16384 = 2 x 8192 on a GPU): each
+    backward program sums both chunks of its groups itself, in half-chunk tiles (64, 64, 64
+    and a ragged 8 here), no sums pass; gradients against float64 truth."""
     from kernels.compile import launches
     from kernels import _targets
 
@@ -833,10 +837,12 @@ def _residual_loss(fn, use_sum=True, **kwargs):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("use_sum", [True, False], ids=["sum_used", "sum_unused"])
-@pytest.mark.parametrize("shape,axis,subtract_mean", [((13, 70), -1, True),
-                                                      ((70, 13), 0, False)], ids=str)
+@pytest.mark.parametrize("shape,axis,subtract_mean,config", [
+    ((13, 70), -1, True, None), ((70, 13), 0, False, None),
+    # Two chunks: the backward's programs sum both, and add dsum where dx is written.
+    ((20, 200), -1, True, NormalizeConfig(block_groups=16, block_reduced=128))], ids=_case_id)
 def test_residual_gradients_match_float64_truth(implementation, dtype, use_sum, shape, axis,
-                                                subtract_mean):
+                                                subtract_mean, config):
     """dx = dresidual = the normalization's input gradient plus the sum's cotangent; scale and
     offset gradients too, against JAX's float64 gradient of the reference.
 
@@ -847,8 +853,10 @@ def test_residual_gradients_match_float64_truth(implementation, dtype, use_sum, 
     rounded sum against the truth at the exact one; nil for float32 data)."""
     x, residual, scale, offset = _residual_inputs(shape, axis, dtype, seed=42)
     kwargs = dict(axis=axis, subtract_mean=subtract_mean)
+    blocks = {} if config is None or implementation == "xla" else dict(
+        config=_chunked_config(implementation, config))
     grads = jax.jit(jax.grad(_residual_loss(normalize, use_sum, implementation=implementation,
-                                            **kwargs), argnums=(0, 1, 2, 3)))(
+                                            **blocks, **kwargs), argnums=(0, 1, 2, 3)))(
         x, residual, scale, offset)
 
     def at_the_sum(total, s, o):

@@ -12,8 +12,8 @@ the tile of slab o, group block b and chunk c of the reduced axis:
     sums (unless sums_in_program), program (o, b, s):  sum(dy·scale), sum(dy·scale·x̂) of split s
     backward, program (c, o, q):
         for b in (q, q + partials, ...):
-            sums = the group sums: of tile (o, b, c) with one chunk; of tiles (o, b, 0) and
-                   (o, b, 1), re-read, with two 16-bit ones; else the sums pass's
+            sums = the group sums: of tile (o, b, c) with one chunk; of chunks (o, b, 0) and
+                   (o, b, 1), re-read in half-chunk tiles, with two; else the sums pass's
             dx[o, b, c] = input_gradient(x[o, b, c], dy[o, b, c], sums)
                           (+ dsum[o, b, c], the sum output's cotangent, with a residual)
             dscale_acc += column sums of dy·x̂;  doffset_acc += column sums of dy
@@ -60,18 +60,20 @@ too, for the sums), writes dx once, and adds the tile's column sums of dy·x̂ a
 register accumulators; at the end it writes its chunk of
 partial row o·num_partials + q of dscale and doffset, which XLA sums (no float atomics: the same
 result on every run). dx needs two per-group sums, sum(dy·scale) and sum(dy·scale·x̂): with one
-chunk per group the tile holds them; with two of 16-bit data (by default rows of 8193-16384
-elements; float32 ones spill registers) the program reads both chunks for them, then its own
-again (`triton_config.sums_in_program`), mostly from L2, where its neighbour, the program of
-the other chunk, is reading the same rows: x and dy come from HBM about once (an estimate, not
-measured on a GPU). Longer groups get them from `_sums_kernel` (grid (outer, num_blocks,
-splits), like `_moments_kernel`), run first, and XLA adds the splits: a second read of x and
-dy. So a long row never makes the backward write a float32 partial row per group row, and
-never runs fewer programs than the GPU has SMs when the problem has that many tiles.
+chunk per group the tile holds them; with two (by default rows of 8193-16384 elements; float32
+ones with a residual are chunks of 4096, as 8192 spilled registers) the program reads both
+chunks for them, in half-chunk tiles, then its own again (`triton_config.sums_in_program`),
+mostly from L2, where its neighbour, the program of the other chunk, is reading the same rows:
+x and dy come from HBM about once (an estimate, not measured on a GPU). Longer groups get them
+from `_sums_kernel` (grid (outer, num_blocks, splits), like `_moments_kernel`), run first, and
+XLA adds the splits: a second read of x and dy. So a long row never makes the backward write a
+float32 partial row per group row, and never runs fewer programs than the GPU has SMs when the
+problem has that many tiles.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -339,6 +341,9 @@ def _backward_kernel(x_ref, scale_ref, mean_ref, rstd_ref, gy_ref, gmean_ref, gr
     None without parameters."""
     chunk, outer, program = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     group_axis = 1 - p.reduce_axis
+    # In-program sums read the group in half-chunk tiles: whole chunks left fewer registers
+    # for the program's own tile, and a float32 row of two chunks spilled 96-108 bytes.
+    sums_config = dataclasses.replace(config, block_reduced=max(1, config.block_reduced // 2))
 
     def block_gradient(i, accumulators):
         """dx of group block program + i·partials in this chunk; adds the block's column sums
@@ -351,7 +356,8 @@ def _backward_kernel(x_ref, scale_ref, mean_ref, rstd_ref, gy_ref, gmean_ref, gr
             sums = common.RowSums(tiles.load_stats(gs_ref, outer),
                                   tiles.load_stats(gs_xhat_ref, outer))
         elif s.num_chunks > 1:  # before this chunk's tiles load, so they are not live together
-            sums = _group_sums(tiles, refs, outer, 0, s.num_chunks, mean, rstd, p)
+            sums = _group_sums(_Tiles(p, sums_config, program + i * partials), refs, outer, 0,
+                               pl.cdiv(p.reduced, sums_config.block_reduced), mean, rstd, p)
         g, gs, xhat = _gradient_inputs(tiles, refs, outer, chunk, mean, rstd, p)
         valid = tiles.mask(chunk)
         if s.num_chunks == 1:
@@ -362,10 +368,11 @@ def _backward_kernel(x_ref, scale_ref, mean_ref, rstd_ref, gy_ref, gmean_ref, gr
         if gsum_ref is not None:
             dx = dx + tiles.load(gsum_ref, outer, chunk, p.stat_dtype)
         tiles.store(dx_ref, outer, chunk, dx)
-        # Groups past the edge loaded 0 but x̂ = -mean·rstd there: keep them out of the sums.
-        zero = jnp.zeros_like(g)
-        return (accumulators[0] + jnp.sum(jnp.where(valid, g * xhat, zero), axis=group_axis),
-                accumulators[1] + jnp.sum(jnp.where(valid, g, zero), axis=group_axis))
+        # No select for the padding (one made a float32 two-chunk row spill): g loads 0 there,
+        # and x̂ is finite in padded groups (their statistics load as 0); a 0·inf past the
+        # row's end (rstd = inf) lands in a column that is never stored.
+        return (accumulators[0] + jnp.sum(g * xhat, axis=group_axis),
+                accumulators[1] + jnp.sum(g, axis=group_axis))
 
     zeros = jnp.zeros((config.block_reduced,), p.stat_dtype)
     dscale, doffset = int32_loop(pl.cdiv(s.num_blocks, partials), block_gradient,
@@ -387,7 +394,7 @@ def backward(x, scale, mean, rstd, gy, gmean, grstd, gsum, p: Problem, *,
     s = schedule(p, config)
     partials = num_partials(p, config, s)
     sums = (None, None)
-    if not sums_in_program(p, s):  # the per-group sums dx needs come from a first pass
+    if not sums_in_program(s):  # the per-group sums dx needs come from a first pass
         split_sums = _call(
             functools.partial(_sums_kernel, p=p, config=config, s=s), p, config,
             (p.outer, s.num_blocks, s.splits), (_split_shape(p, s),) * 2,

@@ -24,14 +24,14 @@ _DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
 _MAX_TILE = 4096  # elements per tile (per input): what 4-8 warps hold in registers comfortably.
 # A whole row up to this long is one chunk for 16-bit and float32 data, held by 16 warps, so
 # the backward reads x and dy once (no `_sums_kernel` pass). Compiled for sm_90 at 4096x8192:
-# the backward takes 110 (bfloat16) and 127 (float32) of the 128 registers a thread has at 16
+# the backward takes 110 (bfloat16) and 120-128 (float32) of the 128 registers a thread has at 16
 # warps, without spills; rows of 16384 in one chunk spilled 260 and 576 bytes. Longer rows
 # are chunks of this many elements.
 _MAX_ROW = 8192
-# Groups of up to this many chunks of 16-bit data get their per-group sums inside the
-# backward's programs (`sums_in_program`), which re-read the group's other chunk: rows up to
-# 16384 in one pass. Compiled at 4096x16384 bfloat16: 127 registers, no spills (sm_90 and
-# sm_80); float32 rows of 12000-16384 spilled 28-124 bytes, so they keep the sums pass.
+# Groups of up to this many chunks get their per-group sums inside the backward's programs
+# (`sums_in_program`), which re-read the group's other chunk in half-chunk tiles: rows up to
+# 16384 in one pass. Compiled at 4096x16384 and 4096x12000 (sm_90 and sm_80): bfloat16 up to
+# 127 registers, float32 128, no spills (float32 with a residual: `_chunked_float32_residual`).
 _MAX_REREAD_CHUNKS = 2
 # The fast interpreter's tile: an XLA gather of more elements at once runs slower per element
 # on a CPU (measured: a 20000x64 standardization 7x faster in (4096, 64) tiles than in one).
@@ -46,17 +46,19 @@ def resolve_config(p: Problem, config: NormalizeConfig | None) -> NormalizeConfi
     """Power-of-2 tiles of at most _MAX_TILE elements (half that for float64).
 
     Rows: the whole group in one chunk when it fits (a single row of up to _MAX_ROW elements
-    for 16-bit and float32 data, on 16 warps; longer rows in chunks of that size), then as
-    many groups as fit. Columns: 32 groups (a 128-byte contiguous run per reduced element,
-    coalesced) then as many reduced elements as fit. `num_partials` stays None unless given: `num_partials()` picks it.
+    for 16-bit and float32 data, on 16 warps; longer rows in chunks of that size, or of
+    _MAX_TILE for float32 with a residual), then as many groups as fit. Columns: 32 groups (a
+    128-byte contiguous run per reduced element, coalesced) then as many reduced elements as
+    fit. `num_partials` stays None unless given: `num_partials()` picks it.
     """
     config = config or NormalizeConfig()
     max_tile = tile_limit(_MAX_TILE, _INTERPRETED_TILE) // (
         2 if jnp.dtype(p.dtype).itemsize == 8 else 1)
     if p.rows:
         whole_row = next_power_of_2(p.reduced)
-        row_limit = max_tile if jnp.dtype(p.dtype).itemsize == 8 else tile_limit(
-            _MAX_ROW, _INTERPRETED_TILE)
+        row_limit = tile_limit(_MAX_ROW, _INTERPRETED_TILE)
+        if jnp.dtype(p.dtype).itemsize == 8 or _chunked_float32_residual(p):
+            row_limit = max_tile
         block_reduced = _or(config.block_reduced, min(whole_row, row_limit))
         block_groups = _or(config.block_groups, min(
             next_power_of_2(p.groups), max(1, max_tile // max(1, block_reduced))))
@@ -70,6 +72,13 @@ def resolve_config(p: Problem, config: NormalizeConfig | None) -> NormalizeConfi
                     else 4 if tile >= 1024 else 1)
     return NormalizeConfig(block_groups, block_reduced, config.num_partials, num_warps,
                            _or(config.num_stages, 2))
+
+
+def _chunked_float32_residual(p: Problem) -> bool:
+    """A float32 row longer than _MAX_ROW with a residual: its backward's 8192-element chunk
+    also adds the sum's cotangent tile, and spilled 4-36 bytes (sm_90, sm_80) whether it
+    re-read the other chunk or took the sums pass's, so its chunks are _MAX_TILE."""
+    return p.has_residual and jnp.dtype(p.dtype) == jnp.float32 and p.reduced > _MAX_ROW
 
 
 def check(p: Problem, config: NormalizeConfig | None) -> None:
@@ -103,15 +112,14 @@ def schedule(p: Problem, config: NormalizeConfig) -> Schedule:
     return Schedule(num_blocks, num_chunks, split.splits, split.per_split)
 
 
-def sums_in_program(p: Problem, s: Schedule) -> bool:
-    """Whether the backward's programs compute a group's two sums themselves (one chunk, or
-    up to _MAX_REREAD_CHUNKS of 16-bit data re-read), or take them from a `_sums_kernel`
-    pass. A program reading the other chunk of a group finds it mostly in L2: the backward's
-    grid puts the chunk first, so the programs of a block's chunks run side by side and each
-    reads the chunk the other is reading (an estimate; not measured on a GPU). x and dy then
-    come from HBM once, where the sums pass reads them a second time."""
-    return s.num_chunks == 1 or (s.num_chunks <= _MAX_REREAD_CHUNKS
-                                 and jnp.dtype(p.dtype).itemsize == 2)
+def sums_in_program(s: Schedule) -> bool:
+    """Whether the backward's programs compute a group's two sums themselves (one chunk, or up
+    to _MAX_REREAD_CHUNKS re-read), or take them from a `_sums_kernel` pass. A program reading
+    the other chunk of a group finds it mostly in L2: the backward's grid puts the chunk first,
+    so the programs of a block's chunks run side by side and each reads the chunk the other is
+    reading (an estimate; not measured on a GPU). x and dy then come from HBM once, where the
+    sums pass reads them a second time."""
+    return s.num_chunks <= _MAX_REREAD_CHUNKS
 
 
 def num_partials(p: Problem, config: NormalizeConfig, s: Schedule) -> int:
