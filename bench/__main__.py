@@ -42,14 +42,18 @@ def record_path(device_kind: str) -> Path:
     return RECORDS / (re.sub(r"[^A-Za-z0-9]+", "_", device_kind).strip("_").lower() + ".json")
 
 
-def summary(ops: list[str], rows: list[dict], design_rows: list[dict] | None) -> str:
-    """What a person reads first: this machine, how far the kernels are proven, then per op its
-    default on each platform and why, what its kernels cost a CPU test here, and what the
-    design figures say for an H100 and a TPU v5e."""
+def summary(ops: list[str], rows: list[dict], design_rows: list[dict] | None,
+            timer: dict) -> str:
+    """What a person reads first: this machine and its timer, how far the kernels are proven,
+    then per op its default on each platform and why, what its kernels cost a CPU test here,
+    and what the design figures say for an H100 and a TPU v5e."""
     recorded = sorted(path.stem for path in RECORDS.glob("*.json"))
     lines = [
         f"jax {jax.__version__}, backend {jax.default_backend()}, devices "
         f"{sorted({d.device_kind for d in jax.devices()})}",
+        f"timer: {timer['method']}" + (f", floor {timer['floor_us']:.2f} us a call (rows whose "
+                                       "roofline floor is under it are marked)"
+                                       if "floor_us" in timer else ""),
         "proven: numerics of every kernel against the float64 reference, interpreted on a CPU "
         "(the test suite: the strict simulator on the device's schedule at small sizes, the "
         "fast interpreter at model-test sizes); compiled by the real back ends for sm_90, "
@@ -144,13 +148,22 @@ def main(argv: list[str] | None = None) -> int:
             # The simulator's rows take up to seconds each: fewer runs there.
             repeats = 3 if shapes == "strict" else args.repeats
             plan += [(case, implementations, repeats) for case in BENCHES[op].cases(shapes)]
+    # On a device every op is timed by the chained timer, whose floor is measured first.
+    timer = {"method": "chained" if on_accelerator else "waited per call"}
+    if on_accelerator:
+        timer["floor_us"] = harness.timer_floor_seconds() * 1e6
+        print(f"chained timer: floor {timer['floor_us']:.2f} us a call", file=sys.stderr,
+              flush=True)
+    roofline = harness.roofline_device(device_kind)
     # Progress and each row as it is measured go to stderr; the report, to stdout at the end.
     print(harness.header(), file=sys.stderr, flush=True)
     rows = []
     for number, (case, implementations, repeats) in enumerate(plan, 1):
         print(f"[{number}/{len(plan)}] {case.op} {case.shape} {case.dtype}: "
               f"{', '.join(name for name, _ in implementations)}", file=sys.stderr, flush=True)
-        measured = harness.measure(case, implementations, repeats, pipelined=on_accelerator)
+        measured = harness.measure(case, implementations, repeats, chained=on_accelerator)
+        if on_accelerator:
+            harness.mark_timer_floor(measured, timer["floor_us"], roofline)
         for row in measured:
             print(harness.format_row(row), file=sys.stderr, flush=True)
         rows += measured
@@ -160,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         print("design figures: tracing and compiling every launch for sm_90 and v5e ...",
               file=sys.stderr, flush=True)
         design_rows = list(design.rows(ops))
-    print(summary(ops, rows, design_rows))
+    print(summary(ops, rows, design_rows, timer))
     print("\nTimings. floor_*_us: roofline floor on that device from the op's flop and byte "
           "counts (max of compute time and memory time). Rows marked (interpret) run the "
           "GPU/TPU kernel code in Pallas' HLO interpreter on this CPU (interpret=None/True, "
@@ -186,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         path = record_path(device_kind)
         path.parent.mkdir(exist_ok=True)
         path.write_text(json.dumps({"device_kind": device_kind, "jax": jax.__version__,
-                                    "rows": rows}, indent=1))
+                                    "timer": timer, "rows": rows}, indent=1))
         print(f"recorded {len(rows)} rows in {path}")
     return 0
 

@@ -14,7 +14,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 # Peak figures for the roofline floor: dense matrix throughput per input dtype (FLOP/s; float32
 # at each platform's default matmul precision: TF32 on H100, one bfloat16 pass on TPU) and HBM
@@ -27,10 +29,11 @@ DEVICES = {
 }
 
 
-# A pipelined sample's length and its most calls (each call's output stays alive until the
-# sample's wait, so the cap bounds the memory a sample holds).
-_PIPELINED_SAMPLE_SECONDS = 0.01
-_MAX_PIPELINED_CALLS = 50
+# The chained timer (`chained_seconds`): a program of n dependent calls lasts about
+# _CHAIN_SECONDS, n within [2, _MAX_CHAINED_CALLS]; one program holds n copies of the op, all
+# compiled, so the cap bounds the compile time of a row (two programs: n and 2n calls).
+_CHAIN_SECONDS = 0.0025
+_MAX_CHAINED_CALLS = 32
 
 # Shape sets run interpreted on a CPU: model-test sizes with the default (fast) interpreter,
 # small grids with the "strict" simulator.
@@ -65,31 +68,85 @@ class Case:
 
 
 def median_seconds(fn: Callable[..., Any], *args: Any, repeats: int, warmup: int = 2,
-                   pipelined: bool = False) -> float:
-    """Median time of one `fn(*args)` call, waiting for the result (JAX dispatches
-    asynchronously: without the wait a benchmark times only the dispatch).
+                   chained: bool = False) -> float:
+    """Median time of one `fn(*args)` call.
 
-    `pipelined` (on a GPU or TPU): each sample enqueues enough calls back to back to last
-    about `_PIPELINED_SAMPLE_SECONDS` and waits once, as a model's step enqueues its kernels,
-    so the host's round trip (about 0.15 ms per blocked call on an H100 with jax 0.11) is
-    spread over the calls instead of swamping a 20-microsecond kernel. On a CPU each call is
-    waited for: that is what a test pays."""
+    On a CPU (`chained=False`) each call is waited for (JAX dispatches asynchronously: without
+    the wait a benchmark times only the dispatch); that is what a test pays. On a GPU or TPU
+    (`chained`) see `chained_seconds`: a waited call costs the host's round trip (0.04-0.15 ms
+    on an H100 with jax 0.11), which hid every kernel under about 40 µs in the first H100
+    record."""
+    if chained:
+        return chained_seconds(fn, *args, repeats=repeats, warmup=warmup)
     for _ in range(warmup):
         jax.block_until_ready(fn(*args))
-    calls = 1
-    if pipelined:
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        single = time.perf_counter() - start
-        calls = max(1, min(_MAX_PIPELINED_CALLS, round(_PIPELINED_SAMPLE_SECONDS / single)))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        results = [fn(*args) for _ in range(calls)]
-        jax.block_until_ready(results)
-        times.append((time.perf_counter() - start) / calls)
-        del results
-    return statistics.median(times)
+    return statistics.median(_waited_seconds(fn, args) for _ in range(repeats))
+
+
+def _waited_seconds(fn: Callable[..., Any], args: Sequence[Any]) -> float:
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    return time.perf_counter() - start
+
+
+def chained_seconds(fn: Callable[..., Any], *args: Any, repeats: int, warmup: int = 1) -> float:
+    """One call's time on a device, resolved to microseconds: `chain(fn, n)` and
+    `chain(fn, 2n)` are each timed as one waited program, and a call costs the difference over
+    n, which cancels what a program pays once (its dispatch and round trip, the first copy of
+    each operand). n makes the shorter program last about `_CHAIN_SECONDS`. What remains per
+    call beside the op is the chain's own link (`timer_floor_seconds`)."""
+    estimate = min(_waited_seconds(fn, args) for _ in range(warmup + 1))
+    calls = max(2, min(_MAX_CHAINED_CALLS, round(_CHAIN_SECONDS / estimate)))
+    programs = [chain(fn, calls), chain(fn, 2 * calls)]
+    for program in programs:
+        for _ in range(warmup):
+            jax.block_until_ready(program(*args))
+    short, long = ([_waited_seconds(program, args) for _ in range(repeats)]
+                   for program in programs)
+    return max(0.0, statistics.median(long) - statistics.median(short)) / calls
+
+
+def chain(fn: Callable[..., Any], calls: int) -> Callable[..., Any]:
+    """One compiled program of `calls` calls of `fn`, each depending on the one before through
+    a scalar, so XLA can neither merge the calls nor hoist them: each result passes an
+    optimization barrier (computed whole, not only the element read), its first element is
+    read, and the next call's operands are the same arrays with their first element rewritten
+    by a select on that scalar (`_linked`; the value is unchanged unless the scalar is NaN). A
+    rewrite updates the array in place, one element: a dependency through a whole operand
+    (x + 0 * result) would add a pass as large as the op. The program returns the last result."""
+    def program(*args):
+        result = None
+        for _ in range(calls):
+            if result is not None:
+                args = _linked(args, _first_element(result))
+            result = lax.optimization_barrier(fn(*args))
+        return result
+
+    return jax.jit(program)
+
+
+def _first_element(result: Any) -> jax.Array:
+    leaf = next(x for x in jax.tree.leaves(result) if jnp.size(x))
+    return jnp.ravel(leaf)[0].astype(jnp.float32)
+
+
+def _linked(args: Sequence[Any], scalar: jax.Array) -> tuple[Any, ...]:
+    """`args` with the first element of each array set to itself, or to its neighbour along the
+    first axis when `scalar` is NaN: a value XLA cannot know, so the next call waits for it."""
+    def link(x):
+        if not isinstance(x, jax.Array) or not x.size:
+            return x
+        first = (0,) * x.ndim
+        neighbour = (min(1, x.shape[0] - 1),) + first[1:] if x.ndim else first
+        return x.at[first].set(jnp.where(jnp.isnan(scalar), x[neighbour], x[first]))
+    return tuple(jax.tree.map(link, tuple(args)))
+
+
+def timer_floor_seconds(repeats: int = 10) -> float:
+    """The chained timer's floor on this device: one link of the chain with an op that does
+    nothing (the identity of a small array). Rows whose roofline floor is under it measure the
+    link (a few tiny launches), not the op (`below_timer_floor`)."""
+    return chained_seconds(lambda x: x, jnp.zeros((8, 128), jnp.float32), repeats=repeats)
 
 
 def max_relative_error(actual: Any, expected: Any) -> float:
@@ -125,6 +182,25 @@ def backward(case: Case, reference: Callable[..., Any], wrt: Sequence[int]) -> C
                 expected=gradient(reference, as_f32, np.float32), flops=None, bytes=None)
 
 
+# DEVICES' names as JAX's device kinds spell them.
+_DEVICE_KINDS = {"H100": ("H100",), "TPU v5e": ("TPU v5 lite", "TPU v5e")}
+
+
+def roofline_device(device_kind: str) -> str | None:
+    """The key of `DEVICES` for a JAX device kind ("NVIDIA H100 80GB HBM3" -> "H100")."""
+    return next((name for name, kinds in _DEVICE_KINDS.items()
+                 if any(kind in device_kind for kind in kinds)), None)
+
+
+def mark_timer_floor(rows: list[dict], floor_us: float, device: str | None) -> None:
+    """Sets each row's `below_timer_floor`: its roofline floor on `device` (this machine's) is
+    under the timer's floor, so its time is the timer's link, not the op (None where either is
+    unknown)."""
+    for row in rows:
+        floor = row.get(f"floor_{device}_us") if device else None
+        row["below_timer_floor"] = None if floor is None else floor < floor_us
+
+
 def roofline_floor_us(case: Case, device: str) -> float | None:
     spec = DEVICES[device]
     peak = spec["flops"].get(case.dtype)
@@ -140,9 +216,9 @@ def label(implementation: str, interpret: bool | str) -> str:
 
 
 def measure(case: Case, implementations: Sequence[tuple[str, bool | str]],
-            repeats: int, pipelined: bool = False) -> list[dict]:
+            repeats: int, chained: bool = False) -> list[dict]:
     """Rows for `case`: each (implementation, interpret) pair, then the baselines, timed by
-    `median_seconds` (`pipelined` on a GPU or TPU)."""
+    `median_seconds` (`chained` on a GPU or TPU, for the kernels and `xla` alike)."""
     rows, xla_seconds = [], None
     programs = [(name, interpret, jax.jit(case.run(name, interpret)))
                 for name, interpret in implementations]
@@ -152,7 +228,8 @@ def measure(case: Case, implementations: Sequence[tuple[str, bool | str]],
         part = name in case.parts
         try:
             seconds = median_seconds(fn, *case.args, repeats=repeats,
-                                     pipelined=pipelined and not interpret)
+                                     chained=chained and not interpret and name not in
+                                     case.baselines)
         except Exception as error:  # noqa: BLE001 - a kernel that fails is a row, not a crash
             if name == "xla":
                 raise
@@ -209,6 +286,8 @@ def format_row(row: dict) -> str:
     """One row of the table; '-' where a figure does not apply, and why a failed row failed."""
     line = "  ".join(("-" if row[name] is None else fmt.format(row[name])).ljust(width)
                      for name, fmt, width in _COLUMNS).rstrip()
+    if row.get("below_timer_floor"):
+        line += "  (roofline under the timer's floor)"
     return line + (f"  FAILED: {row['error']}" if "error" in row else "")
 
 

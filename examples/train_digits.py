@@ -68,7 +68,7 @@ class DigitsCNN(nnx.Module):
 
     def __call__(self, images: jax.Array) -> jax.Array:
         rows = self.row_embedding(jnp.arange(images.shape[1]))  # (8, 16): one per image row
-        h = self.norm1(nnx.relu(self.conv1(images)) + rows[:, None, :])
+        h = self.norm1(nnx.relu(self.conv1(images)) + rows[None, :, None, :])
         h = nnx.relu(self.conv2(h)).reshape(images.shape[0], -1)
         return self.out(self.norm2(nnx.relu(self.hidden(h))))
 
@@ -81,7 +81,10 @@ def _loss(model: DigitsCNN, images: jax.Array, labels: jax.Array) -> jax.Array:
 @nnx.jit
 def _train_step(model: DigitsCNN, optimizer: nnx.Optimizer, images, labels) -> jax.Array:
     loss, grads = nnx.value_and_grad(_loss)(model, images, labels)
-    optimizer.update(model, grads)
+    # optax's Adam mixes its int32 step count with floats, which JAX's strict dtype promotion
+    # refuses: the update keeps the standard promotion, so the step runs under either setting.
+    with jax.numpy_dtype_promotion("standard"):
+        optimizer.update(model, grads)
     return loss
 
 

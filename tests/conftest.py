@@ -1,8 +1,17 @@
-import pytest
+import os
 
-from kernels import _pallas
-from kernels.compile import use_compile_only_devices
-from tests.support import IMPLEMENTATIONS
+# JAX's strictest numpy settings, as JAX's own suite runs: no implicit rank promotion, no
+# implicit dtype promotion. Set in the environment before jax starts, so the subprocesses of the
+# sharding, program and example tests run under them too. Tests of mixed-dtype promotion set
+# "standard" back locally (`tests.support.standard_promotion`).
+os.environ["JAX_NUMPY_RANK_PROMOTION"] = "raise"
+os.environ["JAX_NUMPY_DTYPE_PROMOTION"] = "strict"
+
+import pytest  # noqa: E402
+
+from kernels import _pallas  # noqa: E402
+from kernels.compile import use_compile_only_devices  # noqa: E402
+from tests.support import IMPLEMENTATIONS  # noqa: E402
 
 # The suite compiles for GPUs and TPUs it does not have (before any test starts jax).
 use_compile_only_devices()

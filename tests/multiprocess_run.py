@@ -39,7 +39,7 @@ def main(process_id: int, port: int, impl: str) -> None:
     def step(table, w, ids, impl):
         x = kernels.gather(table, ids, mode="fill", fill_value=0.0, implementation=impl)
         h = kernels.matmul(x, w, implementation=impl)
-        return jnp.sum(kernels.layer_norm(h, implementation=impl) ** 2 * jnp.arange(24.0))
+        return jnp.sum(kernels.layer_norm(h, implementation=impl) ** 2 * jnp.arange(24.0)[None, :])
 
     grad = jax.value_and_grad(step, argnums=(0, 1))
     loss, (d_table, d_w) = jax.jit(grad, static_argnums=3)(arrays["table"], arrays["w"],

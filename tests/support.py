@@ -67,6 +67,13 @@ def weighted_sum(y: jax.Array) -> jax.Array:
     return jnp.sum(y * jnp.asarray(weights, y.dtype))
 
 
+def standard_promotion() -> contextlib.AbstractContextManager:
+    """JAX's standard dtype promotion for a block. The suite runs under
+    `jax_numpy_dtype_promotion="strict"` (tests/conftest.py); only the tests of mixed-dtype
+    promotion, and code of others' that strict rejects (Flax's own layers), set it back."""
+    return jax.numpy_dtype_promotion("standard")
+
+
 @contextlib.contextmanager
 def x64() -> Iterator[None]:
     """64-bit types enabled for the block (float64 inputs, int64 indices)."""

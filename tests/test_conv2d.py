@@ -16,7 +16,7 @@ from jax.test_util import check_grads
 import reference
 from kernels.conv2d import Conv2dConfig, conv2d, mosaic_config
 from tests.support import (Contract, KERNELS, SUPPORTS_FLOAT64, as_f64, assert_close,
-                           assert_lowers, random, weighted_sum, x64)
+                           assert_lowers, random, standard_promotion, weighted_sum, x64)
 
 # Kernels interpreted by default run strict here (TPU interpret mode for Mosaic), on small grids.
 pytestmark = pytest.mark.usefixtures("strict_interpret")
@@ -113,9 +113,13 @@ def test_nchw(implementation):
 
 def test_mixed_dtypes_and_preferred_element_type(implementation):
     x, w = random((1, 5, 6, 3), jnp.bfloat16, 1), random((3, 3, 3, 4), jnp.float16, 2)
-    out = conv2d(x, w, implementation=implementation)
-    assert out.dtype == jnp.float32 == reference.conv2d(x, w).dtype
+    with standard_promotion():
+        out = conv2d(x, w, implementation=implementation)
+        assert out.dtype == jnp.float32 == reference.conv2d(x, w).dtype
     _check(x, w, out, jnp.bfloat16)
+    # Under the suite's strict promotion mixed operands raise, as jnp's promotion does.
+    with pytest.raises(jax.dtypes.TypePromotionError):
+        conv2d(x, w, implementation=implementation)
     x, w = random((1, 5, 6, 3), jnp.bfloat16, 3), random((3, 3, 3, 4), jnp.bfloat16, 4)
     out = conv2d(x, w, implementation=implementation, preferred_element_type=jnp.float32)
     assert out.dtype == jnp.float32

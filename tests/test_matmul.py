@@ -13,7 +13,7 @@ import reference
 from kernels.matmul import MatmulConfig, matmul
 from tests.support import (FLOAT_DTYPES, KERNELS, SUPPORTS_FLOAT64, Contract, as_f64,
                            assert_close, assert_lowers, random, tolerance, walked_pipeline_bytes,
-                           weighted_sum, x64)
+                           standard_promotion, weighted_sum, x64)
 
 # Kernels interpreted by default run strict here (TPU interpret mode for Mosaic), on small grids.
 pytestmark = pytest.mark.usefixtures("strict_interpret")
@@ -28,7 +28,8 @@ RANK_1 = [((33,), (33,)), ((33,), (33, 7)), ((5, 33), (33,)), ((33,), (2, 33, 7)
 def _check_against_ground_truth(a, b, out, dtype=None, dot=True):
     expected = np.matmul(as_f64(a), as_f64(b))
     chex.assert_shape(out, expected.shape)
-    assert out.dtype == jnp.matmul(a, b).dtype
+    with standard_promotion():
+        assert out.dtype == jnp.matmul(a, b).dtype
     assert_close(out, expected, dtype or out.dtype, reduction_length=a.shape[-1], dot=dot)
 
 
@@ -56,9 +57,18 @@ def test_batch_dims_and_rank_1(implementation, a_shape, b_shape):
                          ids=["bf16-f16", "f32-bf16", "f16-f32"])
 def test_mixed_dtypes_promote_like_jnp_matmul(implementation, a_dtype, b_dtype):
     a, b = random((19, 40), a_dtype, 5), random((40, 23), b_dtype, 6)
-    out = matmul(a, b, implementation=implementation)
+    with standard_promotion():
+        out = matmul(a, b, implementation=implementation)
     assert out.dtype == jnp.float32
     # The ground truth multiplies the same rounded inputs: a float32 product's tolerance.
+    _check_against_ground_truth(a, b, out, jnp.float32)
+    # Under the suite's strict promotion the op raises where jnp.matmul does, and a
+    # preferred_element_type makes both take the mixed operands.
+    with pytest.raises(jax.dtypes.TypePromotionError):
+        jnp.matmul(a, b)
+    with pytest.raises(jax.dtypes.TypePromotionError):
+        matmul(a, b, implementation=implementation)
+    out = matmul(a, b, preferred_element_type=jnp.float32, implementation=implementation)
     _check_against_ground_truth(a, b, out, jnp.float32)
 
 

@@ -607,7 +607,8 @@ def test_gradients_bfloat16(implementation):
     # A linear loss: its cotangent does not depend on the (bfloat16-rounded) output.
     # bfloat16-representable, so the cotangent reaching the kernel (cast to y's dtype) is exact.
     weights = random(x.shape, jnp.bfloat16, seed=21).astype(jnp.float32)
-    loss = lambda f, **kw: lambda x, s, o: jnp.sum(f(x, s, o, **kw) * weights)
+    loss = lambda f, **kw: lambda x, s, o: jnp.sum(
+        f(x, s, o, **kw).astype(jnp.float32) * weights)
     grads = jax.grad(loss(normalize, implementation=implementation), argnums=(0, 1, 2))(
         x, scale, offset)
     with x64():  # JAX's gradient of the reference in float64: the ground truth.
@@ -632,7 +633,8 @@ def test_triton_backward_sums_two_chunks_in_program(dtype, subtract_mean):
     x, scale, offset = _inputs((20, 200), -1, dtype, seed=37, param_dtype=dtype)
     weights = random(x.shape, dtype, seed=38).astype(jnp.float32)
     kwargs = dict(axis=-1, subtract_mean=subtract_mean)
-    loss = lambda f, **kw: lambda x, s, o: jnp.sum(f(x, s, o, **kwargs, **kw) * weights)
+    loss = lambda f, **kw: lambda x, s, o: jnp.sum(
+        f(x, s, o, **kwargs, **kw).astype(jnp.float32) * weights)
     kernel_loss = loss(normalize, implementation="triton", config=config)
     names = [eqn.params["name"] for eqn in launches(
         jax.grad(kernel_loss, argnums=(0, 1, 2)), x, scale, offset,

@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 
+from kernels._dtypes import promoted
 from reference.conv2d import Geometry, output_size
 
 
@@ -101,7 +102,7 @@ class Problem(NamedTuple):
 
     @property
     def compute_dtype(self) -> jnp.dtype:
-        return jnp.result_type(self.x_dtype, self.w_dtype)
+        return promoted(self.x_dtype, self.w_dtype)
 
     @property
     def accumulator_dtype(self) -> jnp.dtype:

@@ -122,7 +122,7 @@ def _depthwise_kernel(x_ref, w_ref, out_ref, *, p: Problem, layout: Layout):
     acc = None
     for tap, (kh, kw) in enumerate(_taps(p)):
         window = _window(x_ref, p, layout, kh, kw, (0,)).astype(jnp.float32)
-        product = window * w_ref[pl.ds(tap, 1), :].astype(jnp.float32)
+        product = window * w_ref[pl.ds(tap, 1), :].astype(jnp.float32)[None]
         acc = product if acc is None else acc + product
     out_ref[...] = acc.astype(out_ref.dtype)
 

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import kernels
+from kernels._dtypes import promoted
 from reference.normalize import statistics_dtype
 
 Implementation = str | tuple[str, ...] | None
@@ -163,7 +164,7 @@ def normalize(x: jax.Array, scale: jax.Array | None, bias: jax.Array | None, *,
         # Normalizing x in its own statistics dtype is normalizing it upcast, so the kernel
         # takes x as it is and rounds once to out_dtype (no copy of x cast, none of y); only a
         # float64 computation of narrower data casts x first.
-        compute_dtype = jnp.promote_types(x.dtype, out_dtype)
+        compute_dtype = promoted(x.dtype, out_dtype)
         same = statistics_dtype(compute_dtype) == statistics_dtype(x.dtype)
         input_dtype = x.dtype if same else compute_dtype
     if input_dtype != x.dtype:

@@ -170,12 +170,18 @@ def _sum_segments(load, starts, stops, rows_per_step: int, acc):
     return lax.fori_loop(jnp.int32(0), (longest + rows_per_step - 1) // rows_per_step, add, acc)
 
 
+def _cells(valid: jax.Array, column_valid: jax.Array) -> jax.Array:
+    """The mask of rows `valid` (any rank) by the block's columns, broadcast explicitly so the
+    kernel holds under jax_numpy_rank_promotion="raise"."""
+    return valid[..., None] & column_valid.reshape((1,) * valid.ndim + (-1,))
+
+
 def _cotangent_rows(order_ref, g_ref, batch, columns, column_valid):
     """load(positions, valid) of the cotangent rows at sorted positions (positions of any
     rank: the rows come back with a trailing column axis)."""
     def load(positions, valid):
         sources = triton_load(order_ref.at[positions], mask=valid, other=0)
-        return _load_rows(g_ref, batch, sources, columns, valid[..., None] & column_valid)
+        return _load_rows(g_ref, batch, sources, columns, _cells(valid, column_valid))
     return load
 
 
@@ -204,7 +210,7 @@ def _scatter_add_kernel(order_ref, row_starts_ref, row_pieces_ref, g_ref, partia
 
     def piece_partials(positions, valid):
         return _load_rows(partials_ref, batch, positions, columns,
-                          valid[..., None] & column_valid)
+                          _cells(valid, column_valid))
 
     def row_group(i, carry):
         # Rows past the table's end have an empty segment (clamped bounds) and store nothing.

@@ -19,6 +19,7 @@ from jax import lax
 
 import reference
 from kernels import _dispatch, partition
+from kernels._dtypes import promoted
 from kernels._op import Op
 from kernels.matmul import mosaic, sharding, triton
 from kernels.matmul.common import MatmulConfig, make_problem
@@ -75,7 +76,7 @@ def _gradient(lhs, rhs, transpose_lhs, transpose_rhs, s: _Static, like: jax.Arra
     out_batch = np.broadcast_shapes(lhs.shape[:-2], rhs.shape[:-2])
     reduced = tuple(out_batch) != tuple(batch)
     # Broadcast batches are summed in the accumulator dtype, then rounded once.
-    out_dtype = jnp.promote_types(like.dtype, jnp.float32) if reduced else like.dtype
+    out_dtype = promoted(like.dtype, jnp.float32) if reduced else like.dtype
     static = s._replace(config=None, transpose_a=transpose_lhs, transpose_b=transpose_rhs,
                         out_dtype=out_dtype)
     return partition.like(_sum_to_batch(_product(lhs, rhs, static), batch, like.dtype), like)

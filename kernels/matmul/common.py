@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels._dtypes import promoted
+
 
 @dataclasses.dataclass(frozen=True)
 class MatmulConfig:
@@ -69,7 +71,7 @@ class Problem(NamedTuple):
     @property
     def compute_dtype(self) -> jnp.dtype:
         """Both operands are cast to this inside the kernel before the dot."""
-        return jnp.result_type(self.a_dtype, self.b_dtype)
+        return promoted(self.a_dtype, self.b_dtype)
 
     @property
     def accumulator_dtype(self) -> jnp.dtype:

@@ -198,8 +198,15 @@ def normalized(x: jax.Array, mean: jax.Array, rstd: jax.Array, p: Problem) -> ja
 
 
 def affine(xhat: jax.Array, scale: jax.Array | None, offset: jax.Array | None) -> jax.Array:
-    y = xhat if scale is None else xhat * scale
-    return y if offset is None else y + offset
+    y = xhat if scale is None else xhat * of_rank(scale, xhat.ndim)
+    return y if offset is None else y + of_rank(offset, xhat.ndim)
+
+
+def of_rank(param: jax.Array, ndim: int) -> jax.Array:
+    """A scale or offset (a tile's (1, reduced), or the view's parameter shape) with leading
+    unit dims up to `ndim`: broadcast explicitly, so the code holds under
+    jax_numpy_rank_promotion="raise"."""
+    return param.reshape((1,) * (ndim - param.ndim) + param.shape)
 
 
 class RowSums(NamedTuple):
@@ -251,7 +258,7 @@ def backward_jnp(p: Problem, x, scale, mean, rstd, gy, gmean, grstd, gsum=None,
     dtype = p.stat_dtype
     xhat = normalized(x.astype(dtype), mean, rstd, p)
     g = gy.astype(dtype)
-    gs = g if scale is None else g * scale
+    gs = g if scale is None else g * of_rank(scale, g.ndim)
     sums = RowSums(total(jnp.sum(gs, axis=axis, keepdims=True)),
                    total(jnp.sum(gs * xhat, axis=axis, keepdims=True)))
     dx = input_gradient(gs, xhat, rstd, sums, gmean, grstd, p)
