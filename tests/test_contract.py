@@ -19,7 +19,7 @@ from bench.__main__ import BENCHES
 from kernels import defaults, programs
 from kernels.compile import CASES
 from kernels.ops import OPS
-from tests.support import IMPLEMENTATIONS
+from tests.support import IMPLEMENTATIONS, assert_close, weighted_sum, x64
 from tests.test_conv2d import CONTRACT as CONV2D
 from tests.test_gather import CONTRACT as GATHER
 from tests.test_matmul import CONTRACT as MATMUL
@@ -109,3 +109,28 @@ def test_vmap_over_every_operand(name, implementation):
     out = jax.vmap(contract.call(implementation))(*stacked)
     for k, inputs in enumerate(examples):
         contract.check(out[k], *inputs)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_strict_settings_with_x64(name, implementation):
+    """Forward and gradient under the suite's strict rank and dtype promotion
+    (tests/conftest.py) with jax_enable_x64 on too, where Python scalars and default integers are
+    64-bit beside the kernels' 32-bit arithmetic; the gradient against JAX's gradient of the
+    reference in float64."""
+    assert jax.config.jax_numpy_rank_promotion == "raise"
+    assert jax.config.jax_numpy_dtype_promotion == "strict"
+    contract = CONTRACTS[name]
+    with x64():
+        inputs = contract.repeated(0)
+        op = contract.call(implementation)
+        contract.check(jax.jit(op)(*inputs), *inputs)
+        floats = tuple(i for i, a in enumerate(inputs) if jnp.issubdtype(a.dtype, jnp.floating))
+        loss = lambda f: lambda *a: weighted_sum(f(*a))  # noqa: E731
+        got = jax.jit(jax.grad(loss(op), argnums=floats))(*inputs)
+        wide = [a.astype(jnp.float64) if i in floats else a for i, a in enumerate(inputs)]
+        want = jax.grad(loss(contract.call("xla")), argnums=floats)(*wide)
+    for gradient, truth, i in zip(got, want, floats):
+        assert gradient.dtype == inputs[i].dtype
+        assert_close(gradient, truth, inputs[i].dtype,
+                     reduction_length=max(a.size for a in inputs))
