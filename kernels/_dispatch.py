@@ -34,6 +34,7 @@ import jax
 from jax._src.core import ShardingTypeError as _ShardingTypeError  # not public in jax 0.10-0.12
 from jax.extend import core as jax_core
 from jax.interpreters import ad, batching, mlir
+from jax.sharding import NamedSharding
 
 from kernels import _targets, defaults, partition
 
@@ -158,11 +159,18 @@ def run(
     call: Callable[..., Any],
     *operands: Any,
     config: Any = None,
+    out_sharding: NamedSharding | None = None,
 ) -> Any:
-    """`call(name, interpret, *operands)` with the implementation `choose` picks for each
-    platform the program may be lowered for (see the module docstring). `operands` is a
-    pytree of arrays (None for an absent one); `call` traces the chosen implementation;
-    `config` is the caller's (see `choose`).
+    """`call(name, interpret, out_sharding, *operands)` with the implementation `choose` picks
+    for each platform the program may be lowered for (see the module docstring). `operands` is
+    a pytree of arrays (None for an absent one); `call` traces the chosen implementation;
+    `config` is the caller's (see `choose`); `out_sharding` the caller's, checked
+    (`partition.out_sharding`).
+
+    Without an `out_sharding`, where JAX's own op (`xla`) cannot type its output's sharding on
+    Explicit axes (a contraction over a sharded dim, a table sharded along the gathered axis),
+    it is given the sharding the kernels give (`_kernels_sharding`), so the default runs where
+    a kernel would.
 
     Where nothing accepts the inputs on some platforms only (an explicit Mosaic kernel on Auto
     mesh axes: fine interpreted on CPU devices, impossible on TPUs), or where a platform's
@@ -182,7 +190,15 @@ def run(
 
     def traced(choice: tuple[str, bool | str], operands: tuple[Any, ...]) -> Any:
         with _targets.for_operands(arrays):
-            return call(*choice, *operands)
+            try:
+                return call(*choice, out_sharding, *operands)
+            except _ShardingTypeError:
+                if choice[0] != "xla" or out_sharding is not None:
+                    raise
+                sharding = _kernels_sharding(op, interpret, checks, call, operands, config)
+                if sharding is None:
+                    raise
+                return call(*choice, sharding, *operands)
 
     def branch(choice: tuple[str, bool | str] | str) -> Callable[..., Any]:
         def run_branch(*operands):
@@ -212,6 +228,22 @@ def run(
         *operands, default=distinct[choices[other]],
         **{platform: distinct[choices[platform]] for platform in kernel_platforms
            if choices[platform] != choices[other]})
+
+
+def _kernels_sharding(op: str, interpret: Interpret, checks: Mapping[str, Callable[[], None]],
+                      call: Callable[..., Any], operands: tuple[Any, ...],
+                      config: Any) -> NamedSharding | None:
+    """The sharding of the (first) output that the first kernel taking these inputs gives,
+    from its abstract evaluation (traced, not run), or None where none takes them."""
+    arrays = [x for x in jax.tree.leaves(operands)]
+    for name in IMPLEMENTATIONS[1:]:
+        try:
+            choice = choose(op, name, interpret, checks, "cpu", arrays, config)
+        except NotImplementedError:
+            continue
+        out = jax.eval_shape(lambda *ops: call(*choice, None, *ops), *operands)
+        return jax.tree.leaves(out)[0].sharding
+    return None
 
 
 # The identity to tracing and differentiation, but lowering or running it raises

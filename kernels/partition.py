@@ -31,10 +31,20 @@ Which of three paths runs depends on what is known while tracing:
   (`match_varying`), so that the gradient of a replicated operand is summed over devices by
   JAX's own transpose rule, as for any jnp op.
 
+`out_sharding=` (every op takes it, as JAX's own ops do) is a type on Explicit axes only: JAX
+refuses Auto and Manual axes in it, and applies none elsewhere. There an op passes the mesh axes
+it asks of each output dim to its rule through the static (`requested`, the same field the Auto
+path fills from XLA's wish for the result), so a rule that sums partials over a sharded
+contraction reduce-scatters into that sharding instead of all-reducing (`reduction`); whatever
+a rule cannot give (a replicated operand asked sharded, say) is resharded after it
+(`constrain`).
+
 Which path runs is decided from the program's mesh as tracing sees it (the mesh in scope, or
 the one jit records in its operands' types), never from the devices this process has: a CPU
 host compiling for 8 GPUs has one. On one device, and under `vmap` (custom_partitioning has no
-batching rule), the kernel runs unpartitioned. XLA's TPU compiler cannot partition a
+batching rule), the kernel runs unpartitioned, except on a mesh of Explicit axes, even of one
+device: there the operands' types name mesh axes, which Pallas refuses, so it runs in
+shard_map. XLA's TPU compiler cannot partition a
 custom_partitioning call (jax-ml/jax#38196): the dispatch declines a compiled Mosaic kernel on
 Auto axes (`check_partitionable`), so the default falls back to `xla` there, and Explicit axes
 or shard_map run the kernels per shard. Under Auto axes a Mosaic kernel asked to run in TPU
@@ -51,13 +61,15 @@ from typing import Any
 
 import jax
 from jax import lax
+from jax._src.sharding_impls import canonicalize_sharding  # JAX's ops' own out_sharding check
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from kernels import _pallas, _targets
 
 __all__ = ["Layout", "Plan", "partitioned", "match_varying", "Reduction", "reduction", "spec",
-           "dims_of", "sharding", "reshape", "like", "strategy", "check_partitionable"]
+           "dims_of", "sharding", "reshape", "like", "strategy", "check_partitionable",
+           "out_sharding", "requested", "merged", "split", "constrain"]
 
 Axes = tuple[str, ...]  # the mesh axes one dim is sharded over, major first
 Dims = tuple[Axes, ...]  # per dim of one array
@@ -210,7 +222,7 @@ def strategy(operands: Sequence[Any]) -> tuple[str, Any]:
     if _in_manual_context(operands):
         return "manual", None
     mesh = _explicit_mesh(operands)
-    if mesh is not None and mesh.size > 1:
+    if mesh is not None:  # one device too: Pallas takes no operand typed sharded
         return "explicit", mesh
     mesh = _program_mesh(operands)
     return ("whole", None) if mesh is None else ("auto", mesh)
@@ -278,7 +290,8 @@ class _Partitioned:
         dims = tuple(None if x is None else _dims(jax.typeof(x).sharding, x.ndim)
                      for x in operands)
         axis_sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
-        plan = self.rule(self.on_target, static, Layout(shapes, dims, axis_sizes))
+        plan = self.rule(self.on_target, static,
+                         Layout(shapes, dims, axis_sizes, _requested_of(static)))
         arrays = [jax.sharding.reshard(x, NamedSharding(mesh, spec(d)))
                   for x, d in zip(operands, plan.in_dims)
                   if x is not None]
@@ -345,6 +358,12 @@ def _interpreter_sized(static: Any) -> bool:
     return type(static) is tuple and any(map(_interpreter_sized, static))
 
 
+def _requested_of(static: Any) -> tuple[Dims | None, ...] | None:
+    """The output dims an op asks of a launch on Explicit axes (its static's `requested`: one
+    entry per output, from `out_sharding`), or None."""
+    return getattr(static, "requested", None)
+
+
 def _without_simulator(static: Any) -> Any:
     """`static` with "strict" given way to the HLO interpreter: XLA's partitioner cannot lower
     TPU interpret mode's ordered host callbacks (the same kernel code runs, without the memory
@@ -399,3 +418,48 @@ def like(cotangent: Any, primal: jax.Array) -> Any:
     if jax.typeof(cotangent).sharding.spec == want.spec:
         return cotangent
     return jax.sharding.reshard(cotangent, want)
+
+
+def out_sharding(value: Any, op: str, ndim: int) -> NamedSharding | None:
+    """`out_sharding=` of an op whose output has `ndim` dims, checked as JAX's own ops check it
+    (a NamedSharding, or a PartitionSpec under `jax.set_mesh`; Explicit axes only), before
+    anything is traced. Returns it as a NamedSharding, or None."""
+    sharding = canonicalize_sharding(value, op)
+    if sharding is not None and len(sharding.spec) > ndim:
+        raise ValueError(f"{op}: out_sharding {sharding.spec} has more entries than the "
+                         f"output's {ndim} dims")
+    return sharding
+
+
+def requested(sharding: NamedSharding | None, ndim: int) -> Dims | None:
+    """The mesh axes `sharding` (an op's `out_sharding`) asks of each of `ndim` output dims
+    where it is a type (some axis Explicit), else None: JAX applies none on Auto axes."""
+    if sharding is None or not any(t == AxisType.Explicit for t in sharding.mesh.axis_types):
+        return None
+    return _dims(sharding, ndim)
+
+
+def merged(shape: Sequence[int], dims: Sequence[Axes]) -> Axes:
+    """The axes of dims of `shape` (sharded as `dims`) reshaped into one, where each device
+    then holds one contiguous block of it: those of the first dim longer than 1, when no later
+    dim is sharded; else () (no such block; the op reshards afterwards). `split` undoes it."""
+    longer = [d for d, size in enumerate(shape) if size > 1]
+    if not longer or any(dims[d] for d in longer[1:]):
+        return ()
+    return tuple(dims[longer[0]])
+
+
+def split(axes: Axes, shape: Sequence[int]) -> Dims:
+    """Per dim of `shape`, the axes of one dim reshaped into `shape`: all on the first dim
+    longer than 1 (the inverse of `merged`)."""
+    longer = next((d for d, size in enumerate(shape) if size > 1), 0)
+    return tuple(tuple(axes) if d == longer else () for d in range(len(shape)))
+
+
+def constrain(x: jax.Array, sharding: NamedSharding | None) -> jax.Array:
+    """`x` with the `out_sharding` its op was asked for, where that is a type (Explicit axes)
+    and the rule did not already give it: a reshard, XLA's cheapest collective for it."""
+    dims = requested(sharding, x.ndim)
+    if dims is None or dims_of(x) == dims:
+        return x
+    return jax.sharding.reshard(x, NamedSharding(sharding.mesh, spec(dims)))

@@ -234,11 +234,17 @@ PROGRAMS = {
         lambda impl: lambda t, i: kernels.gather(t, i, mode="fill", fill_value=0,
                                                  **_options(impl)),
         (((4096, 256), _BF16, P(None, "model")), ((1024,), _I32, P("data")))),
+    # Where JAX's own op alone raises on Explicit axes (it asks for an out_sharding): the
+    # default (`xla` there) is given the sharding the kernels give.
+    "matmul_k": Program(
+        "matmul", "(256, 512) @ (512, 1024) bf16, K sharded (row-parallel)",
+        lambda impl: lambda a, b: kernels.matmul(a, b, **_options(impl)),
+        (((256, 512), _BF16, P(None, "model")), ((512, 1024), _BF16, P("model", None)))),
+    "gather_vocab": Program(
+        "gather", "(4096, 256) bf16 table sharded by rows (vocab-parallel), 1024 ids sharded",
+        lambda impl: lambda t, i: kernels.gather(t, i, **_options(impl)),
+        (((4096, 256), _BF16, P("model", None)), ((1024,), _I32, P("data")))),
 }
-# Shardings that JAX's own ops (the `xla` implementation, so the default where it is `xla`)
-# accept on Explicit axes: a contraction over a sharded dim, say, needs an `out_sharding` there.
-# The fake-device and lowering suites cover the kernels' rules on the others (K-sharded
-# matmul, vocab-parallel gather, normalized axis sharded).
 
 
 def expects_kernels(program: Program, target: str, mesh_kind: str,

@@ -143,11 +143,12 @@ def conv2d(
     data_format: str = "NHWC",
     precision: lax.PrecisionLike = None,
     preferred_element_type: jnp.dtype | None = None,
+    out_sharding: Any = None,
 ) -> jax.Array:
     """`lax.conv_general_dilated` with kernel "HWIO" for "NHWC" and "OIHW" for "NCHW".
 
     Mixed input dtypes are promoted with `jnp.result_type` first (lax itself requires equal
-    dtypes).
+    dtypes). `out_sharding`: the result's sharding, as `lax.conv_general_dilated` takes it.
     """
     x, w = jnp.asarray(x), jnp.asarray(w)
     g = geometry(x.shape, w.shape, stride=stride, padding=padding, dilation=dilation,
@@ -158,4 +159,4 @@ def conv2d(
         rhs_dilation=g.rhs_dilation,
         dimension_numbers=(data_format, DATA_FORMATS[data_format], data_format),
         feature_group_count=g.groups, precision=precision,
-        preferred_element_type=preferred_element_type)
+        preferred_element_type=preferred_element_type, out_sharding=out_sharding)

@@ -749,3 +749,28 @@ def test_triton_declines_tables_past_int32_offsets():
     out = jax.eval_shape(lambda x, i: gather(x, i, implementation=("triton", "xla")), table,
                          indices)
     assert out.shape == (4, 2**15)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "triton", "mosaic"])
+def test_a_one_device_explicit_mesh(implementation):
+    """On a mesh of Explicit axes of one device the operands' types name mesh axes, which
+    Pallas refuses (sharded refs, non-Manual axes): the kernels run in shard_map there too; and
+    JAX's own gather, which cannot type this table and these ids alone, gets the kernels'
+    sharding (the ids' and the table's columns)."""
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((1, 1), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    table = random((10, 4), jnp.float32, seed=3)
+    ids = np.array([-13, 12, 25, 3, -1, 9], np.int32)
+    with jax.set_mesh(mesh):
+        x = jax.device_put(table, NamedSharding(mesh, P(None, "model")))
+        i = jax.device_put(jnp.asarray(ids), NamedSharding(mesh, P("data")))
+        got = gather(x, i, mode="clip", implementation=implementation)
+        dx = jax.grad(lambda x: jnp.sum(gather(x, i, mode="clip",
+                                               implementation=implementation)))(x)
+    assert got.sharding.spec == P("data", "model")
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(expected_gather(table, ids, 0,
+                                                                              "clip")))
+    assert_close(dx, expected_gradient(table.shape, np.ones((6, 4)), ids, 0, "clip"),
+                 jnp.float32, reduction_length=len(ids))

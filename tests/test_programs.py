@@ -102,4 +102,4 @@ def test_command_line_compiles_programs():
     assert any(line.startswith("ok") and "None" in line and "all-reduce" in line
                for line in lines), lines
     assert any(line.startswith("refused") and "mosaic" in line for line in lines), lines
-    assert "Explicit" in proc.stdout and "2 programs, 0 failed to compile, 1 refused" in proc.stdout
+    assert "Explicit" in proc.stdout and "4 programs, 0 failed to compile, 2 refused" in proc.stdout

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from kernels import _dispatch, partition
 from kernels._op import Op
@@ -54,6 +55,9 @@ class _Static(NamedTuple):
     precision: Any
     geometry: Geometry
     out_dtype: jnp.dtype
+    # The mesh axes asked of the NHWC output's dims on Explicit axes (partition.Layout
+    # .requested): sharded input channels then reduce-scatter into them. The forward's only.
+    requested: tuple[partition.Dims | None] | None = None
 
 
 def _is_pointwise(p: Problem, config: Conv2dConfig | None) -> bool:
@@ -110,6 +114,7 @@ def _conv_fwd(x, w, s):
 
 def _conv_bwd(s: _Static, residuals, dy):
     x, w = residuals
+    s = s._replace(requested=None)
     dx = _input_gradient(dy, w, s, x.shape[1:3], x.dtype)
     dw = _weight_gradient(x, dy, s._replace(out_dtype=jnp.dtype(w.dtype)), w.shape[:2])
     return partition.like(dx, x), partition.like(dw, w)
@@ -249,6 +254,7 @@ def conv2d(
     data_format: str = "NHWC",
     precision: lax.PrecisionLike = None,
     preferred_element_type: jnp.dtype | None = None,
+    out_sharding: NamedSharding | PartitionSpec | None = None,
     implementation: str | tuple[str, ...] | None = None,
     interpret: bool | str | None = None,
     config: Conv2dConfig | None = None,
@@ -260,6 +266,8 @@ def conv2d(
     of ints or ((top, bottom), (left, right)). `feature_group_count` groups the channels
     (depthwise: equal to the input channels). Mixed dtypes promote as `jnp.result_type`; the
     result has `preferred_element_type` if given. 16-bit inputs accumulate in float32.
+    `out_sharding` as `lax.conv_general_dilated` takes it (on Explicit axes: sharded input
+    channels reduce-scatter into it).
 
     The kernels work in NHWC/HWIO: NCHW input is transposed in the wrapper (an XLA copy each
     way). `implementation` and `interpret` choose the kernel as in docs/design.md; `config` sets the
@@ -278,18 +286,23 @@ def conv2d(
     problem = make_problem(tuple(x.shape[d] for d in nhwc), tuple(w.shape[d] for d in hwio),
                            x.dtype, w.dtype, geometry, out_dtype)
     checks = {kernel: functools.partial(_check, kernel, problem, config) for kernel in OP.kernels}
+    out_sharding = partition.out_sharding(out_sharding, "conv2d", 4)
 
-    def call(name, interpret, x, w):
+    def call(name, interpret, out_sharding, x, w):
         if name == "xla":
             return reference_conv2d(
                 x, w, stride=stride, padding=padding, dilation=dilation,
                 feature_group_count=feature_group_count, data_format=data_format,
-                precision=precision, preferred_element_type=preferred_element_type)
+                precision=precision, preferred_element_type=preferred_element_type,
+                out_sharding=out_sharding)
         if data_format == "NCHW":
             x, w = x.transpose(0, 2, 3, 1), w.transpose(2, 3, 1, 0)
-        static = _Static(name, interpret, config, precision, geometry, out_dtype)
+        wanted = partition.requested(out_sharding, 4)
+        static = _Static(name, interpret, config, precision, geometry, out_dtype,
+                         None if wanted is None else (tuple(wanted[d] for d in nhwc),))
         out = _jitted_conv(*partition.match_varying(x, w), static)
-        return out.transpose(0, 3, 1, 2) if data_format == "NCHW" else out
+        out = out.transpose(0, 3, 1, 2) if data_format == "NCHW" else out
+        return partition.constrain(out, out_sharding)
 
     return _dispatch.run("conv2d", implementation, interpret, checks, call, x, w,
-                         config=config)
+                         config=config, out_sharding=out_sharding)

@@ -5,7 +5,10 @@
 arguments, parameter names, shapes, dtypes, initializers and dtype promotion are Flax's, so a
 checkpoint of either loads into the other. Each adds `implementation=` and `interpret=` (passed
 to the op, as everywhere in `kernels`), and `Embed` adds `mode=` for out-of-range ids
-(default "fill", NaN rows: what Flax's `jnp.take` gives).
+(default "fill", NaN rows: what Flax's `jnp.take` gives). Every layer takes `out_sharding`, which
+it hands to its op: NNX layers as a call argument, as Flax's NNX Linear, Conv and Embed take it
+(LayerNorm and RMSNorm too), Linen layers as a field, Linen's way of configuring a layer (Flax's
+Linen layers take none).
 
 Linear/Dense and Conv keep Flax's own `__call__` and replace only the product it calls
 (`dot_general`, `conv_general_dilated`) with `kernels.matmul` / `kernels.conv2d`; so bias,
@@ -17,7 +20,7 @@ What Flax offers that these do not (each raises an error naming the argument):
 - Conv: `input_dilation` (transposed-convolution style lhs dilation) and 3-D convolutions
   (`kernels.conv2d` is 2-D; 1-D convolutions run as 2-D ones of height 1);
 - Linear/Dense, Conv: a custom `dot_general` / `conv_general_dilated` (the point of these
-  layers is to replace them), `out_sharding`;
+  layers is to replace them);
 - LayerNorm, RMSNorm: `axis_name`/`axis_index_groups` (statistics across devices), `mask`, and
   `feature_axes` outside `reduction_axes`. `use_fast_variance` is accepted and has no effect:
   the kernels compute the variance as the mean squared deviation, the more accurate formula.
@@ -32,8 +35,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec
 
 import kernels
+from kernels import partition
 from kernels._dtypes import promoted
 from reference.normalize import statistics_dtype
 
@@ -48,34 +53,33 @@ def as_implementation(implementation: Any) -> Implementation:
     return implementation
 
 
-def no_out_sharding(out_sharding: Any, layer: str) -> None:
-    if out_sharding is not None:
-        raise NotImplementedError(f"kernels.flax {layer}: out_sharding is not supported; shard "
-                                  "the inputs (the ops partition over a mesh themselves)")
-
-
 @dataclasses.dataclass(frozen=True)
 class MatmulDotGeneral:
-    """The `dot_general` Flax's Linear/Dense call, as `kernels.matmul` of the inputs flattened
-    to rows (one large product instead of a batched one)."""
+    """The `dot_general` Flax's Linear/Dense call, as `kernels.matmul` (which folds the inputs'
+    batch dims into rows: one large product instead of a batched one). `out_sharding`: the
+    Linen layer's field, where Flax's call passes none."""
 
     implementation: Implementation = None
     interpret: bool | str | None = None
+    out_sharding: Any = None
 
     def __call__(self, lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
                  precision: Any = None, preferred_element_type: Any = None,
                  out_sharding: Any = None) -> jax.Array:
-        no_out_sharding(out_sharding, "Linear")
         if rhs.ndim != 2 or tuple(map(tuple, dimension_numbers[0])) != ((lhs.ndim - 1,), (0,)) \
                 or any(dimension_numbers[1]):
             raise NotImplementedError(
                 "kernels.flax Linear: only the product of the last input axis with the kernel's "
                 f"first, got dimension_numbers={dimension_numbers}")
-        rows = lhs.reshape(-1, lhs.shape[-1]) if lhs.ndim != 2 else lhs
-        out = kernels.matmul(rows, rhs, precision=precision,
-                             preferred_element_type=preferred_element_type,
-                             implementation=self.implementation, interpret=self.interpret)
-        return out.reshape(lhs.shape[:-1] + rhs.shape[1:])
+        return kernels.matmul(lhs, rhs, precision=precision,
+                              preferred_element_type=preferred_element_type,
+                              out_sharding=_either(out_sharding, self.out_sharding),
+                              implementation=self.implementation, interpret=self.interpret)
+
+
+def _either(call: Any, field: Any) -> Any:
+    """The call's `out_sharding` (NNX) or the layer's field (Linen): one of them is None."""
+    return field if call is None else call
 
 
 _CHANNELS_LAST = {1: ("NWC", "WIO", "NWC"), 2: ("NHWC", "HWIO", "NHWC")}
@@ -88,6 +92,7 @@ class Conv2dGeneralDilated:
 
     implementation: Implementation = None
     interpret: bool | str | None = None
+    out_sharding: Any = None
 
     def __call__(self, lhs: jax.Array, rhs: jax.Array, window_strides: Sequence[int],
                  padding: Any, lhs_dilation: Sequence[int] | None = None,
@@ -95,7 +100,7 @@ class Conv2dGeneralDilated:
                  feature_group_count: int = 1, batch_group_count: int = 1,
                  precision: Any = None, preferred_element_type: Any = None,
                  out_sharding: Any = None) -> jax.Array:
-        no_out_sharding(out_sharding, "Conv")
+        out_sharding = _either(out_sharding, self.out_sharding)
         spatial = lhs.ndim - 2
         if spatial not in _CHANNELS_LAST:
             raise NotImplementedError(
@@ -117,10 +122,16 @@ class Conv2dGeneralDilated:
             strides, dilation = (1,) + strides, (1,) + dilation
             if not isinstance(padding, str):
                 padding = ((0, 0),) + tuple(map(tuple, padding))
+            sharding = partition.out_sharding(out_sharding, "kernels.flax Conv", 3)
+            if sharding is not None:  # (N, W, O) as the 2-D output's (N, 1, W, O)
+                spec = tuple(sharding.spec) + (None,) * (3 - len(sharding.spec))
+                out_sharding = NamedSharding(sharding.mesh, PartitionSpec(spec[0], None,
+                                                                          *spec[1:]))
         out = kernels.conv2d(lhs, rhs, stride=strides, padding=padding, dilation=dilation,
                              feature_group_count=feature_group_count, precision=precision,
                              preferred_element_type=preferred_element_type,
-                             implementation=self.implementation, interpret=self.interpret)
+                             out_sharding=out_sharding, implementation=self.implementation,
+                             interpret=self.interpret)
         return out[:, 0] if spatial == 1 else out
 
 
@@ -144,12 +155,13 @@ def normalize(x: jax.Array, scale: jax.Array | None, bias: jax.Array | None, *,
               epsilon: float, subtract_mean: bool, out_dtype: Any, layer: str,
               implementation: Implementation, interpret: bool | str | None,
               axis_name: Any = None, mask: Any = None, residual: jax.Array | None = None,
-              input_dtype: Any = None) -> jax.Array | tuple[jax.Array, jax.Array]:
+              input_dtype: Any = None, out_sharding: Any = None
+              ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Flax's LayerNorm (`subtract_mean`) or RMSNorm of `x` with its feature-shaped `scale` and
     `bias`, by `kernels.normalize`, returned in `out_dtype`. `input_dtype`: the dtype Flax casts
     x to before normalizing (nnx: its promotion); by default (Linen) the wider of x's dtype and
     `out_dtype`, statistics in float32. With `residual`: the layer of `x + residual`, and that
-    sum (`kernels.normalize`'s fused residual add)."""
+    sum (`kernels.normalize`'s fused residual add). `out_sharding`: the layer's output's."""
     if axis_name is not None:
         raise NotImplementedError(f"kernels.flax {layer}: axis_name (statistics across devices) "
                                   "is not supported")
@@ -174,29 +186,32 @@ def normalize(x: jax.Array, scale: jax.Array | None, bias: jax.Array | None, *,
                              feature_axes=feature_axes, epsilon=epsilon,
                              subtract_mean=subtract_mean, out_dtype=out_dtype, layer=layer,
                              implementation=implementation, interpret=interpret,
-                             input_dtype=input_dtype), total
+                             input_dtype=input_dtype, out_sharding=out_sharding), total
         x = x.astype(input_dtype)
     return kernels.normalize(x, _as_reduced_shape(scale, x.shape, reduced, features),
                              _as_reduced_shape(bias, x.shape, reduced, features),
                              axis=reduced, epsilon=epsilon, subtract_mean=subtract_mean,
-                             residual=residual, out_dtype=out_dtype,
+                             residual=residual, out_dtype=out_dtype, out_sharding=out_sharding,
                              implementation=implementation, interpret=interpret)
 
 
 def embed(embedding: jax.Array, ids: jax.Array, *, mode: str | None,
-          implementation: Implementation, interpret: bool | str | None) -> jax.Array:
+          implementation: Implementation, interpret: bool | str | None,
+          out_sharding: Any = None) -> jax.Array:
     """Flax's Embed lookup, by `kernels.gather` (Flax broadcasts a one-row table whatever the
     ids)."""
     if not jnp.issubdtype(ids.dtype, jnp.integer):
         raise ValueError('Input type must be an integer or unsigned integer.')
     if embedding.shape[0] == 1:
-        return jnp.broadcast_to(embedding[0], ids.shape + embedding.shape[1:])
-    return kernels.gather(embedding, ids, axis=0, mode=mode, implementation=implementation,
-                          interpret=interpret)
+        out = jnp.broadcast_to(embedding[0], ids.shape + embedding.shape[1:])
+        return partition.constrain(out, partition.out_sharding(out_sharding, "kernels.flax Embed",
+                                                               out.ndim))
+    return kernels.gather(embedding, ids, axis=0, mode=mode, out_sharding=out_sharding,
+                          implementation=implementation, interpret=interpret)
 
 
 def attend(query: jax.Array, embedding: jax.Array, *, implementation: Implementation,
-           interpret: bool | str | None) -> jax.Array:
+           interpret: bool | str | None, out_sharding: Any = None) -> jax.Array:
     """Flax's Embed.attend: the query against every embedding row, by `kernels.matmul`."""
-    return MatmulDotGeneral(implementation, interpret)(
-        query, embedding.T, (((query.ndim - 1,), (0,)), ((), ())))
+    return kernels.matmul(query, embedding.T, out_sharding=out_sharding,
+                          implementation=implementation, interpret=interpret)

@@ -1,6 +1,7 @@
 """Flax Linen layers on `kernels`' ops: drop-ins for `flax.linen.Dense`, `Conv`, `LayerNorm`,
 `RMSNorm` and `Embed` (see `kernels.flax` for what they share with Flax's and what they do not
-take). Each is Flax's own module with the fields `implementation` and `interpret` added:
+take). Each is Flax's own module with the fields `implementation`, `interpret` and
+`out_sharding` (the sharding of the layer's output, given to its op) added:
 
     from kernels.flax import linen as knn
     layer = knn.Dense(128, implementation="triton")
@@ -8,7 +9,7 @@ take). Each is Flax's own module with the fields `implementation` and `interpret
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -20,9 +21,9 @@ __all__ = ["Dense", "Conv", "LayerNorm", "RMSNorm", "Embed"]
 
 
 class _KernelOp:
-    """What every layer adds: the fields `implementation` and `interpret` (each layer declares
-    them: Linen makes fields of a module's own annotations) and, for Dense and Conv, the op
-    handed to Flax's own `__call__` in place of the field named in `_replaces`."""
+    """What every layer adds: the fields `implementation`, `interpret` and `out_sharding` (each
+    layer declares them: Linen makes fields of a module's own annotations) and, for Dense and
+    Conv, the op handed to Flax's own `__call__` in place of the field named in `_replaces`."""
 
     _replaces: ClassVar[tuple[str, type] | None] = None
 
@@ -36,7 +37,8 @@ class _KernelOp:
                     raise TypeError(
                         f"kernels.flax.linen.{type(self).__name__}: {name} is what this layer "
                         "replaces with kernels' op; use Flax's layer for a custom one")
-                object.__setattr__(self, name, op(self.implementation, self.interpret))
+                object.__setattr__(self, name, op(self.implementation, self.interpret,
+                                                  self.out_sharding))
         super().__post_init__()
 
 
@@ -45,6 +47,7 @@ class Dense(_KernelOp, nn.Dense):
 
     implementation: common.Implementation = None
     interpret: bool | str | None = None
+    out_sharding: Any = None
     _replaces = ("dot_general", common.MatmulDotGeneral)
 
 
@@ -53,6 +56,7 @@ class Conv(_KernelOp, nn.Conv):
 
     implementation: common.Implementation = None
     interpret: bool | str | None = None
+    out_sharding: Any = None
     _replaces = ("conv_general_dilated", common.Conv2dGeneralDilated)
 
 
@@ -76,7 +80,8 @@ class _Normalization(_KernelOp):
             x, scale, bias, reduction_axes=self.reduction_axes, feature_axes=self.feature_axes,
             epsilon=self.epsilon, subtract_mean=subtract_mean, out_dtype=out_dtype,
             layer=type(self).__name__, implementation=self.implementation,
-            interpret=self.interpret, axis_name=self.axis_name, mask=mask, residual=residual)
+            interpret=self.interpret, axis_name=self.axis_name, mask=mask, residual=residual,
+            out_sharding=self.out_sharding)
 
 
 class LayerNorm(_Normalization, nn.LayerNorm):
@@ -84,6 +89,7 @@ class LayerNorm(_Normalization, nn.LayerNorm):
 
     implementation: common.Implementation = None
     interpret: bool | str | None = None
+    out_sharding: Any = None
 
     @nn.compact
     def __call__(self, x: jax.Array, *, mask: jax.Array | None = None,
@@ -97,6 +103,7 @@ class RMSNorm(_Normalization, nn.RMSNorm):
 
     implementation: common.Implementation = None
     interpret: bool | str | None = None
+    out_sharding: Any = None
 
     @nn.compact
     def __call__(self, x: jax.Array, *, mask: jax.Array | None = None,
@@ -107,15 +114,17 @@ class RMSNorm(_Normalization, nn.RMSNorm):
 
 class Embed(_KernelOp, nn.Embed):
     """`flax.linen.Embed` whose lookup is `kernels.gather` with `mode` for out-of-range ids
-    ("fill", Flax's NaN rows, by default) and whose `attend` is `kernels.matmul`."""
+    ("fill", Flax's NaN rows, by default) and whose `attend` is `kernels.matmul`
+    (`out_sharding` is the lookup's: the logits of `attend` have other dims)."""
 
     mode: str | None = "fill"
     implementation: common.Implementation = None
     interpret: bool | str | None = None
+    out_sharding: Any = None
 
     def __call__(self, inputs: jax.Array) -> jax.Array:
         (embedding,) = self.promote_dtype(self.embedding, dtype=self.dtype, inexact=False)
-        return common.embed(embedding, inputs, mode=self.mode,
+        return common.embed(embedding, inputs, mode=self.mode, out_sharding=self.out_sharding,
                             implementation=self.implementation, interpret=self.interpret)
 
     def attend(self, query: jax.Array) -> jax.Array:

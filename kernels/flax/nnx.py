@@ -59,7 +59,8 @@ class _Normalization(_KernelOptions):
     """LayerNorm's and RMSNorm's call: Flax's parameters and promotion, `kernels.normalize`."""
 
     def _normalize(self, x: jax.Array, mask: jax.Array | None, subtract_mean: bool,
-                   residual: jax.Array | None) -> jax.Array | tuple[jax.Array, jax.Array]:
+                   residual: jax.Array | None, out_sharding: Any
+                   ) -> jax.Array | tuple[jax.Array, jax.Array]:
         scale = self.scale[...] if self.scale is not None else None
         bias = self.bias[...] if getattr(self, "bias", None) is not None else None
         promoted, scale, bias = self.promote_dtype((x, scale, bias), dtype=self.dtype)
@@ -68,7 +69,7 @@ class _Normalization(_KernelOptions):
             epsilon=self.epsilon, subtract_mean=subtract_mean, out_dtype=promoted.dtype,
             layer=type(self).__name__, implementation=self.implementation,
             interpret=self.interpret, axis_name=self.axis_name, mask=mask, residual=residual,
-            input_dtype=promoted.dtype)
+            input_dtype=promoted.dtype, out_sharding=out_sharding)
 
 
 class LayerNorm(_Normalization, nnx.LayerNorm):
@@ -80,9 +81,11 @@ class LayerNorm(_Normalization, nnx.LayerNorm):
         self._set_options(implementation, interpret)
 
     def __call__(self, x: jax.Array, *, mask: jax.Array | None = None,
-                 residual: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
-        """With `residual`: `(layer(x + residual), x + residual)`, from one fused kernel."""
-        return self._normalize(x, mask, True, residual)
+                 residual: jax.Array | None = None, out_sharding: Any = None
+                 ) -> jax.Array | tuple[jax.Array, jax.Array]:
+        """With `residual`: `(layer(x + residual), x + residual)`, from one fused kernel;
+        `out_sharding` is the layer's output's (the sum keeps x's)."""
+        return self._normalize(x, mask, True, residual, out_sharding)
 
 
 class RMSNorm(_Normalization, nnx.RMSNorm):
@@ -94,9 +97,11 @@ class RMSNorm(_Normalization, nnx.RMSNorm):
         self._set_options(implementation, interpret)
 
     def __call__(self, x: jax.Array, *, mask: jax.Array | None = None,
-                 residual: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
-        """With `residual`: `(layer(x + residual), x + residual)`, from one fused kernel."""
-        return self._normalize(x, mask, False, residual)
+                 residual: jax.Array | None = None, out_sharding: Any = None
+                 ) -> jax.Array | tuple[jax.Array, jax.Array]:
+        """With `residual`: `(layer(x + residual), x + residual)`, from one fused kernel;
+        `out_sharding` is the layer's output's (the sum keeps x's)."""
+        return self._normalize(x, mask, False, residual, out_sharding)
 
 
 class Embed(_KernelOptions, nnx.Embed):
@@ -112,14 +117,12 @@ class Embed(_KernelOptions, nnx.Embed):
         self._set_options(implementation, interpret)
 
     def __call__(self, inputs: jax.Array, out_sharding: Any = None) -> jax.Array:
-        common.no_out_sharding(out_sharding, "Embed")
         (embedding,) = self.promote_dtype((self.embedding[...],), dtype=self.dtype,
                                           inexact=False)
-        return common.embed(embedding, inputs, mode=self.mode,
+        return common.embed(embedding, inputs, mode=self.mode, out_sharding=out_sharding,
                             implementation=self.implementation, interpret=self.interpret)
 
     def attend(self, query: jax.Array, out_sharding: Any = None) -> jax.Array:
-        common.no_out_sharding(out_sharding, "Embed")
         query, embedding = self.promote_dtype((query, self.embedding[...]), dtype=self.dtype)
-        return common.attend(query, embedding, implementation=self.implementation,
-                             interpret=self.interpret)
+        return common.attend(query, embedding, out_sharding=out_sharding,
+                             implementation=self.implementation, interpret=self.interpret)

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 from reference.gather import (bounded_indices, check_arguments, default_fill_value,
                               host_indices)
 from reference.gather import gather as reference_gather
@@ -41,6 +42,9 @@ class _Static(NamedTuple):
     problem: Problem
     scatter_mode: str  # the backward's rule: "drop", "clip" or "wrap"
     table_axes: tuple[str, ...] = ()  # explicit mesh axes of the gathered dim (see sharding)
+    # The mesh axes asked of the gather's (batch, m, columns) output on Explicit axes
+    # (partition.Layout.requested): a vocab-parallel table's sum then reduce-scatters into them.
+    requested: tuple[partition.Dims | None] | None = None
 
 
 def _gather_whole(x3: jax.Array, indices: jax.Array, s: _Static) -> jax.Array:
@@ -78,7 +82,7 @@ def _gather_bwd(s: _Static, indices, g):
     p = s.problem
     if not jnp.issubdtype(p.dtype, jnp.inexact):  # integer tables have no gradient
         return np.zeros((p.batch, p.n, p.columns), jax.dtypes.float0), _float0_zeros(indices)
-    return _scatter_add(g, indices, s), _float0_zeros(indices)
+    return _scatter_add(g, indices, s._replace(requested=None)), _float0_zeros(indices)
 
 
 _gather.defvjp(_gather_fwd, _gather_bwd)
@@ -122,11 +126,13 @@ def gather(
     axis: int = 0,
     mode: str | None = None,
     fill_value: Any = None,
+    out_sharding: NamedSharding | PartitionSpec | None = None,
     implementation: str | tuple[str, ...] | None = None,
     interpret: bool | str | None = None,
     config: GatherConfig | None = None,
 ) -> jax.Array:
-    """`x.at[(slice(None),) * axis + (indices,)].get(mode=mode, fill_value=fill_value)`.
+    """`x.at[(slice(None),) * axis + (indices,)].get(mode=mode, fill_value=fill_value,
+    out_sharding=out_sharding)`.
 
     mode: None, "promise_in_bounds" or "clip" clamp out-of-range indices to the edge; "drop" or
     "fill" give `fill_value` (default: NaN for inexact dtypes, the minimum for signed integers,
@@ -135,13 +141,19 @@ def gather(
     x.shape[axis + 1:]`. Any dtype of `x`, any integer dtype of `indices`, and NumPy's answer
     for every index value (no narrow-dtype overflow). The gradient with respect to `x` is
     JAX's: a scatter-add of the cotangent under the same mode (the default mode drops
-    out-of-range indices in the backward). `implementation` and `interpret` choose the kernel as
-    in docs/design.md; `config` sets block sizes.
+    out-of-range indices in the backward). `out_sharding` as `.at[].get` takes it (on Explicit
+    axes: a table sharded along `axis` reduce-scatters into it); without it on Explicit axes
+    the result has the indices' sharding, the table's other dims keep theirs and the gathered
+    rows are whole. `implementation` and `interpret` choose the kernel as in docs/design.md;
+    `config` sets block sizes.
     """
     x, indices = jnp.asarray(x), host_indices(indices)
     axis = _validate(x, indices, axis, mode, config)
     out_shape = x.shape[:axis] + indices.shape + x.shape[axis + 1:]
+    out_sharding = partition.out_sharding(out_sharding, "gather", len(out_shape))
     batch, n, columns = table_view(x.shape, axis)
+    # The output dims that each dim of the kernels' (batch, m, columns) output is made of.
+    groups = (x.shape[:axis], indices.shape, x.shape[axis + 1:])
     # The kernels carry bool as uint8 (1 byte, the same values).
     kernel_dtype = jnp.dtype(jnp.uint8) if x.dtype == jnp.bool_ else x.dtype
     fill = None
@@ -155,29 +167,36 @@ def gather(
     # Host indices stay NumPy constants: as operands they would be narrowed to 32 bits.
     host = None if isinstance(indices, jax.Array) else indices
 
-    def call(name, interpret, x, *traced_indices):
+    def call(name, interpret, out_sharding, x, *traced_indices):
         indices = traced_indices[0] if traced_indices else host
-        # The output keeps the indices' sharding and the table's on its other dims.
-        table_dims = partition.dims_of(x)
-        out_dims = (*table_dims[:axis], *partition.dims_of(indices), *table_dims[axis + 1:])
         if name == "xla":
-            # On an Explicit mesh JAX's gather asks for that sharding when the table and the
-            # indices are sharded over different axes; with the gathered axis sharded, JAX
-            # decides.
-            out_sharding = None if table_dims[axis] else partition.sharding(out_dims, x)
             return reference_gather(x, indices, axis=axis, mode=mode, fill_value=fill_value,
                                     out_sharding=out_sharding)
         if math.prod(out_shape) == 0:
-            return jnp.zeros(out_shape, x.dtype)
+            return partition.constrain(jnp.zeros(out_shape, x.dtype), out_sharding)
         flat_indices = jnp.asarray(bounded_indices(indices, n, mode)).reshape(-1)
-        static = _Static(name, interpret, config, problem, SCATTER_MODE[mode], table_dims[axis])
+        wanted = partition.requested(out_sharding, len(out_shape))
+        static = _Static(name, interpret, config, problem, SCATTER_MODE[mode],
+                         partition.dims_of(x)[axis],
+                         None if wanted is None else (_view_dims(wanted, groups),))
         table = x.astype(kernel_dtype).reshape(batch, n, columns)
         out = _jitted_gather(*partition.match_varying(table, flat_indices), static)
-        return partition.reshape(out.astype(x.dtype), out_shape, out_dims)
+        out_dims = sum(map(partition.split, partition.dims_of(out), groups), ())
+        out = partition.reshape(out.astype(x.dtype), out_shape, out_dims)
+        return partition.constrain(out, out_sharding)
 
     operands = (x,) if host is not None else (x, indices)
     return _dispatch.run("gather", implementation, interpret, checks, call, *operands,
-                         config=config)
+                         config=config, out_sharding=out_sharding)
+
+
+def _view_dims(dims: partition.Dims, groups: tuple[tuple[int, ...], ...]) -> partition.Dims:
+    """The output `dims` as the kernels' (batch, m, columns) output's: each group merged."""
+    view, start = [], 0
+    for shape in groups:
+        view.append(partition.merged(shape, dims[start:start + len(shape)]))
+        start += len(shape)
+    return tuple(view)
 
 
 def _check(module, problem: Problem, config: GatherConfig | None, dtype: Any) -> None:

@@ -125,7 +125,8 @@ from kernels._pallas import mapped_under_vmap, mosaic_call, pl, pltpu, vmem_limi
 from kernels.gather.common import (GatherConfig, Problem, ScatterPlan, gather_bytes,
                                    normalize_row, scatter_bytes)
 from kernels.gather.mosaic_config import (INDEX_BLOCK, STAGED_BLOCKS, check, gather_vmem_bytes,
-                                          resolve_config, ring_depth, scatter_vmem_bytes)
+                                          positions_per_iteration, resolve_config, ring_depth,
+                                          scatter_vmem_bytes)
 from kernels.gather.mosaic_words import (BITS, row_of_word, rows_per_word_of, start_row_copy,
                                          word_operands, word_rows)
 
@@ -261,7 +262,7 @@ class _Ring:
 
         # Loops rather than one with branches: a branch around a DMA into the ring makes the
         # interpreter copy the whole ring at every position.
-        lax.fori_loop(lo, next_block_from, step, 0)
+        self._walk(lo, next_block_from, step)
 
         @pl.when(jnp.logical_and(cross_at >= lo, cross_at < drain_from))
         def _():
@@ -269,8 +270,23 @@ class _Ring:
             pl.when((block + 2) * INDEX_BLOCK < self.end)(
                 lambda: self._start_staging(block + 2))
 
-        lax.fori_loop(next_block_from, drain_from, step, 0)
-        lax.fori_loop(drain_from, hi, drain, 0)
+        self._walk(next_block_from, drain_from, step)
+        self._walk(drain_from, hi, drain)
+
+    def _walk(self, lo: jax.Array, hi: jax.Array, body: Callable[..., Any]) -> None:
+        """`body(j, carry)` for j in [lo, hi), in order, `positions_per_iteration` positions to a
+        loop iteration (the rest in a loop of one)."""
+        per = positions_per_iteration()
+        if per > 1:
+            def positions(i, carry):
+                for k in range(per):
+                    body(lo + i * per + k, carry)
+                return carry
+
+            whole = jnp.maximum(hi - lo, 0) // per
+            lax.fori_loop(jnp.int32(0), whole, positions, 0)
+            lo = lo + whole * per
+        lax.fori_loop(lo, hi, body, 0)
 
 
 def _valid_positions(block: jax.Array, p: Problem) -> jax.Array:

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec
 
 import reference
 from kernels import _dispatch, partition
@@ -39,6 +40,9 @@ class _Static(NamedTuple):
     transpose_a: bool
     transpose_b: bool
     out_dtype: jnp.dtype
+    # The mesh axes asked of the product's dims on Explicit axes (partition.Layout.requested):
+    # a sharded K then reduce-scatters into them.
+    requested: tuple[partition.Dims | None] | None = None
 
 
 def _run_whole(a: jax.Array, b: jax.Array, s: _Static) -> jax.Array:
@@ -77,8 +81,11 @@ def _gradient(lhs, rhs, transpose_lhs, transpose_rhs, s: _Static, like: jax.Arra
     reduced = tuple(out_batch) != tuple(batch)
     # Broadcast batches are summed in the accumulator dtype, then rounded once.
     out_dtype = promoted(like.dtype, jnp.float32) if reduced else like.dtype
+    # A gradient is asked for its primal's sharding: a contraction over a sharded dim then
+    # reduce-scatters into it (on Explicit axes; XLA asks so itself on Auto axes).
     static = s._replace(config=None, transpose_a=transpose_lhs, transpose_b=transpose_rhs,
-                        out_dtype=out_dtype)
+                        out_dtype=out_dtype,
+                        requested=None if reduced else (partition.dims_of(like),))
     return partition.like(_sum_to_batch(_product(lhs, rhs, static), batch, like.dtype), like)
 
 
@@ -123,6 +130,17 @@ def _validated(a: jax.Array, b: jax.Array,
     return a, b
 
 
+def _folds(a_shape: tuple[int, ...], b_shape: tuple[int, ...]) -> bool:
+    """x @ W: a's batch dims fold into M when b is a plain matrix (or vector)."""
+    return len(b_shape) <= 2 and len(a_shape) > 2
+
+
+def _result_shape(a_shape: tuple[int, ...], b_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """`jnp.matmul`'s result shape: broadcast batch dims, then M and N where a and b have them."""
+    batch = np.broadcast_shapes(a_shape[:-2], b_shape[:-2])
+    return (*batch, *a_shape[-2:-1] * (len(a_shape) > 1), *b_shape[-1:] * (len(b_shape) > 1))
+
+
 def _as_batched_matrices(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array, tuple]:
     """Reshapes (never copies) the operands to equal-rank batched matrices.
 
@@ -130,15 +148,25 @@ def _as_batched_matrices(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Arr
     """
     a2 = a[None, :] if a.ndim == 1 else a
     b2 = b[:, None] if b.ndim == 1 else b
-    batch = np.broadcast_shapes(a2.shape[:-2], b2.shape[:-2])
-    out_shape = (*batch, *([a2.shape[-2]] if a.ndim > 1 else []),
-                 *([b2.shape[-1]] if b.ndim > 1 else []))
-    if b2.ndim == 2 and a2.ndim > 2:  # x @ W: fold a's batch into M.
+    out_shape = _result_shape(a.shape, b.shape)
+    if _folds(a.shape, b.shape):
         return a2.reshape(math.prod(a2.shape[:-1]), a2.shape[-1]), b2, out_shape
     rank = max(a2.ndim, b2.ndim)
     a2 = a2.reshape((1,) * (rank - a2.ndim) + a2.shape)
     b2 = b2.reshape((1,) * (rank - b2.ndim) + b2.shape)
     return a2, b2, out_shape
+
+
+def _requested_product(dims: partition.Dims, a_shape: tuple[int, ...],
+                       b_shape: tuple[int, ...]) -> partition.Dims:
+    """The dims `dims` asked of `jnp.matmul`'s result, as the batched product's: a rank-1
+    operand's missing M or N asks nothing; folded batch dims ask their merge of M."""
+    dims = list(dims)
+    n = dims.pop() if len(b_shape) > 1 else ()
+    m = dims.pop() if len(a_shape) > 1 else ()
+    if _folds(a_shape, b_shape):
+        return partition.merged(a_shape[:-1], [*dims, m]), n
+    return (*dims, m, n)
 
 
 def matmul(
@@ -147,31 +175,41 @@ def matmul(
     *,
     precision: lax.PrecisionLike = None,
     preferred_element_type: jnp.dtype | None = None,
+    out_sharding: NamedSharding | PartitionSpec | None = None,
     implementation: str | tuple[str, ...] | None = None,
     interpret: bool | str | None = None,
     config: MatmulConfig | None = None,
 ) -> jax.Array:
-    """`jnp.matmul(a, b, precision=..., preferred_element_type=...)` as a Pallas kernel.
+    """`jnp.matmul(a, b, precision=..., preferred_element_type=..., out_sharding=...)` as a
+    Pallas kernel.
 
     Operands of rank >= 1 with broadcasting batch dims, any M, N, K, any float dtype (16-bit
-    inputs accumulate in float32). `implementation` and `interpret` choose the kernel as in
-    docs/design.md; `config` sets block sizes (`None` picks them from the shapes).
+    inputs accumulate in float32). `out_sharding` as `jnp.matmul` takes it (on Explicit axes: a
+    contraction over a sharded dim reduce-scatters into it). `implementation` and `interpret`
+    choose the kernel as in docs/design.md; `config` sets block sizes (`None` picks them from
+    the shapes).
     """
     a, b = _validated(a, b, config)
     if isinstance(precision, list):
         precision = tuple(precision)
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(a, b))
     a2, b2 = jax.eval_shape(lambda a, b: _as_batched_matrices(a, b)[:2], a, b)
+    out_sharding = partition.out_sharding(out_sharding, "matmul",
+                                          len(_result_shape(a.shape, b.shape)))
     problem = make_problem(a2, b2, False, False, out_dtype)
     checks = OP.checks(problem, config)
 
-    def call(name, interpret, a, b):
+    def call(name, interpret, out_sharding, a, b):
         if name == "xla":
             return reference.matmul(a, b, precision=precision,
-                                    preferred_element_type=preferred_element_type)
+                                    preferred_element_type=preferred_element_type,
+                                    out_sharding=out_sharding)
         a2, b2, out_shape = _as_batched_matrices(a, b)
-        static = _Static(name, interpret, config, precision, False, False, out_dtype)
-        return _jitted_product(*partition.match_varying(a2, b2), static).reshape(out_shape)
+        dims = partition.requested(out_sharding, len(out_shape))
+        static = _Static(name, interpret, config, precision, False, False, out_dtype,
+                         None if dims is None else (_requested_product(dims, a.shape, b.shape),))
+        out = _jitted_product(*partition.match_varying(a2, b2), static).reshape(out_shape)
+        return partition.constrain(out, out_sharding)
 
     return _dispatch.run("matmul", implementation, interpret, checks, call, a, b,
-                         config=config)
+                         config=config, out_sharding=out_sharding)

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
+from jax.sharding import NamedSharding, PartitionSpec
 
 from kernels import _dispatch, partition
 from kernels._op import Op
@@ -134,7 +135,7 @@ def _validate_options(subtract_mean: bool, config: NormalizeConfig | None, op: s
 
 
 def _normalize(x, scale, offset, residual, axis, epsilon, subtract_mean, out_dtype,
-               implementation, interpret, config, op):
+               out_sharding, implementation, interpret, config, op):
     x = jnp.asarray(x)
     scale, offset, residual = (None if a is None else jnp.asarray(a)
                                for a in (scale, offset, residual))
@@ -146,13 +147,16 @@ def _normalize(x, scale, offset, residual, axis, epsilon, subtract_mean, out_dty
                       epsilon, scale is not None, offset is not None, residual is not None,
                       None if y_dtype == x.dtype else y_dtype)
     checks = OP.checks(problem, config)
+    out_sharding = partition.out_sharding(out_sharding, op, x.ndim)
 
-    def call(name, interpret, x, scale, offset, residual):
+    def call(name, interpret, out_sharding, x, scale, offset, residual):
+        # y is elementwise in x: asked another sharding, only y moves (the sum keeps x's).
         if name == "xla" or x.size == 0:
             # Size zero: an empty result of the right shape, nothing for a kernel to do.
-            return reference_normalize(x, scale, offset, axis=axis, epsilon=epsilon,
-                                       subtract_mean=bool(subtract_mean), residual=residual,
-                                       out_dtype=y_dtype)
+            out = reference_normalize(x, scale, offset, axis=axis, epsilon=epsilon,
+                                      subtract_mean=bool(subtract_mean), residual=residual,
+                                      out_dtype=y_dtype)
+            return _with_sharding(out, out_sharding)
         # The only copy: normalized axes that are not contiguous are moved last (common.plan).
         def view(a):
             return None if a is None else (a if perm is None else jnp.transpose(a, perm)
@@ -169,10 +173,18 @@ def _normalize(x, scale, offset, residual, axis, epsilon, subtract_mean, out_dty
         static = _Static(name, interpret, config, problem)
         operands = partition.match_varying(view(x), view(residual), *params)
         y, total, _, _ = _jitted_forward(*operands, static)
-        return unview(y) if residual is None else (unview(y), unview(total))
+        return _with_sharding(unview(y) if residual is None else (unview(y), unview(total)),
+                              out_sharding)
 
     return _dispatch.run(op, implementation, interpret, checks, call, x, scale, offset,
-                         residual, config=config)
+                         residual, config=config, out_sharding=out_sharding)
+
+
+def _with_sharding(out, out_sharding):
+    """y (alone or first of (y, x + residual)) with `out_sharding`."""
+    if isinstance(out, tuple):
+        return partition.constrain(out[0], out_sharding), out[1]
+    return partition.constrain(out, out_sharding)
 
 
 def normalize(
@@ -185,6 +197,7 @@ def normalize(
     subtract_mean: bool = True,
     residual: jax.Array | None = None,
     out_dtype: jnp.dtype | None = None,
+    out_sharding: NamedSharding | PartitionSpec | None = None,
     implementation: str | tuple[str, ...] | None = None,
     interpret: bool | str | None = None,
     config: NormalizeConfig | None = None,
@@ -197,11 +210,12 @@ def normalize(
     float64 `x`); the result has `out_dtype` (default `x.dtype`), rounded once.
     `residual` (x's shape and dtype): normalizes `x + residual` and returns the pair
     `(y, x + residual)`, both from one kernel, which reads x and residual once.
+    `out_sharding`: y's sharding, as JAX's ops take it (the sum keeps x's).
     `implementation` and `interpret` choose the kernel as in docs/design.md; `config` sets
     block sizes. See `reference.normalize` for the meaning in plain jnp.
     """
     return _normalize(x, scale, offset, residual, axis, epsilon, subtract_mean, out_dtype,
-                      implementation, interpret, config, "normalize")
+                      out_sharding, implementation, interpret, config, "normalize")
 
 
 def layer_norm(
@@ -213,6 +227,7 @@ def layer_norm(
     epsilon: float = 1e-5,
     residual: jax.Array | None = None,
     out_dtype: jnp.dtype | None = None,
+    out_sharding: NamedSharding | PartitionSpec | None = None,
     implementation: str | tuple[str, ...] | None = None,
     interpret: bool | str | None = None,
     config: NormalizeConfig | None = None,
@@ -220,7 +235,7 @@ def layer_norm(
     """`normalize(x, scale, offset, axis=axis, epsilon=epsilon, ...)`; with `residual`, the
     pair `(layer_norm(x + residual), x + residual)`."""
     return _normalize(x, scale, offset, residual, axis, epsilon, True, out_dtype,
-                      implementation, interpret, config, "layer_norm")
+                      out_sharding, implementation, interpret, config, "layer_norm")
 
 
 def rms_norm(
@@ -231,6 +246,7 @@ def rms_norm(
     epsilon: float = 1e-6,
     residual: jax.Array | None = None,
     out_dtype: jnp.dtype | None = None,
+    out_sharding: NamedSharding | PartitionSpec | None = None,
     implementation: str | tuple[str, ...] | None = None,
     interpret: bool | str | None = None,
     config: NormalizeConfig | None = None,
@@ -238,4 +254,4 @@ def rms_norm(
     """`normalize(x, scale, axis=axis, epsilon=epsilon, subtract_mean=False, ...)`; with
     `residual`, the pair `(rms_norm(x + residual), x + residual)`."""
     return _normalize(x, scale, None, residual, axis, epsilon, False, out_dtype,
-                      implementation, interpret, config, "rms_norm")
+                      out_sharding, implementation, interpret, config, "rms_norm")
