@@ -192,12 +192,13 @@ def roofline_device(device_kind: str) -> str | None:
                  if any(kind in device_kind for kind in kinds)), None)
 
 
-def mark_timer_floor(rows: list[dict], floor_us: float, device: str | None) -> None:
+def mark_timer_floor(rows: list[dict], floor_us: float, device: str | None,
+                     timer: str = "chained") -> None:
     """Sets each row's `below_timer_floor`: its roofline floor on `device` (this machine's) is
-    under the timer's floor, so its time is the timer's link, not the op (None where either is
-    unknown)."""
+    under the floor of the timer that timed it (`timer`), so its time is the timer's own, not
+    the op's (None where either is unknown, or another timer timed the row: a host baseline)."""
     for row in rows:
-        floor = row.get(f"floor_{device}_us") if device else None
+        floor = row.get(f"floor_{device}_us") if device and row.get("timer") == timer else None
         row["below_timer_floor"] = None if floor is None else floor < floor_us
 
 
@@ -226,10 +227,10 @@ def measure(case: Case, implementations: Sequence[tuple[str, bool | str]],
     programs += [(name, False, fn) for name, fn in case.parts.items()]
     for name, interpret, fn in programs:
         part = name in case.parts
+        # Host baselines (NumPy, SciPy) cannot be chained inside a compiled program.
+        chain_it = chained and not interpret and name not in case.baselines
         try:
-            seconds = median_seconds(fn, *case.args, repeats=repeats,
-                                     chained=chained and not interpret and name not in
-                                     case.baselines)
+            seconds = median_seconds(fn, *case.args, repeats=repeats, chained=chain_it)
         except Exception as error:  # noqa: BLE001 - a kernel that fails is a row, not a crash
             if name == "xla":
                 raise
@@ -240,7 +241,7 @@ def measure(case: Case, implementations: Sequence[tuple[str, bool | str]],
         if name == "xla":
             xla_seconds = seconds
         rows.append(_row(case, label(name, interpret), "interpreted" if interpret else "speed", {
-            "median_ms": seconds * 1e3,
+            "median_ms": seconds * 1e3, "timer": "chained" if chain_it else "waited",
             # Interpreted rows are correctness rows, and a part does not do the op's work:
             # throughput, error and roofline figures would mislead there.
             "GB/s": None if interpret or part or case.bytes is None

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from bench import harness
 from bench.__main__ import main, record_path
@@ -68,7 +70,7 @@ def test_record_needs_a_device_and_names_its_file(capsys):
 
 
 def test_bench_report_and_csv_and_plots(capsys, tmp_path):
-    """The report on stdout opens with the summary (device, what is proven, then per op its
+    """The report on stdout opens with the summary (device, timer, what is proven, then per op its
     default on each platform and why, and the design figures in a line per device), then the
     timing rows, then the design figures grouped per case; stderr shows progress and each row
     as it is measured; --csv and --plot write every row and one PNG per op."""
@@ -79,10 +81,11 @@ def test_bench_report_and_csv_and_plots(capsys, tmp_path):
                  "--csv", str(csv_path), "--plot", str(plots)]) == 0
     out, err = capsys.readouterr()
     lines = out.splitlines()
-    assert lines[0].startswith("jax ") and lines[1].startswith("proven: ")
-    assert lines[2].startswith("ran on a device: ") and lines[4] == "gather"
-    assert lines[5].startswith("  default on GPU: xla (bench/records/nvidia_h100_80gb_hbm3.json: ")
-    assert any(line.startswith("  default here (cpu): xla") for line in lines[5:12])
+    assert lines[0].startswith("jax ") and lines[1] == "timer: waited per call"
+    assert lines[2].startswith("proven: ")
+    assert lines[3].startswith("ran on a device: ") and lines[5] == "gather"
+    assert lines[6].startswith("  default on GPU: xla (bench/records/nvidia_h100_80gb_hbm3.json: ")
+    assert any(line.startswith("  default here (cpu): xla") for line in lines[6:13])
     assert any(line.startswith("  design H100: 3 launches; fewest waves ") for line in lines)
     assert any(line.startswith("  design TPU v5e: 2 launches; ") for line in lines)
     assert "[1/2] gather " in err and "[2/2] gather backward " in err
@@ -152,3 +155,45 @@ def test_design_figures_of_a_strided_convolution():
     assert len(phases) == 4 and rows[0]["kernel"] == "conv2d_triton"
     assert sum(r["flops"] for r in phases) <= 1.1 * rows[0]["op_flops"]
     assert "flops vs op" in design.table(rows)
+
+
+def test_chained_program_holds_every_call_and_their_values():
+    """The device timer's program (`harness.chain`): n calls that XLA neither merges nor
+    hoists, each result passed whole through an optimization barrier, and the links leave the
+    operands' values as they are (a CPU checks the method, never a timing)."""
+    a, b = random((64, 32), jnp.float32, 1), random((32, 16), jnp.float32, 2)
+    fn = jax.jit(lambda a, b: matmul(a, b, implementation="xla"))
+    program = harness.chain(fn, 5)
+    lowered = program.lower(a, b)
+    assert lowered.as_text().count("optimization_barrier") == 5
+    # After XLA's optimizations: five whole products, none merged, hoisted or narrowed to the
+    # element the link reads.
+    assert lowered.compile().as_text().count(" = f32[64,16]{1,0} dot(") == 5
+    np.testing.assert_array_equal(np.asarray(program(a, b)), np.asarray(fn(a, b)))
+    ids = jnp.asarray([3, 1, 4, 1, 5], jnp.int32)  # integer operands are linked too
+    assert np.array_equal(harness.chain(lambda i: i * 2, 3)(ids), ids * 2)
+
+
+def test_chained_program_launches_every_kernel_on_an_h100():
+    """Compiled by XLA's GPU compiler for an H100 (compile-only), the chained program of a
+    Triton kernel launches it once per call."""
+    from kernels import programs
+
+    mesh = programs.mesh_for("sm_90", 1, "one")
+    args = [jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=jax.NamedSharding(mesh, P()))
+            for shape in ((256, 128), (128, 64))]
+    fn = lambda a, b: matmul(a, b, implementation="triton", interpret=False)  # noqa: E731
+    report = programs.compile_program("chain", harness.chain(fn, 4), args, mesh,
+                                      target="sm_90", mesh_kind="one",
+                                      implementation="triton")
+    assert report.compiled, report.error
+    assert report.kernel_calls == 4
+
+
+def test_rows_under_the_timer_floor_are_marked():
+    rows = [{"floor_H100_us": floor, "timer": timer} for floor, timer in
+            [(2.0, "chained"), (80.0, "chained"), (None, "chained"), (2.0, "waited")]]
+    harness.mark_timer_floor(rows, 5.0, harness.roofline_device("NVIDIA H100 80GB HBM3"))
+    assert [r["below_timer_floor"] for r in rows] == [True, False, None, None]
+    assert harness.roofline_device("TPU v5 lite") == "TPU v5e"
+    assert harness.roofline_device("cpu") is None

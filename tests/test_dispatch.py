@@ -384,7 +384,8 @@ def test_a_platform_that_declines_fails_only_where_lowered_for(monkeypatch):
 
     monkeypatch.setattr(_dispatch, "choose", choose)
     def fn(x):
-        return _dispatch.run("op", "xla", None, {}, lambda name, interpret, x: jnp.sin(x), x)
+        return _dispatch.run("op", "xla", None, {},
+                             lambda name, interpret, out_sharding, x: jnp.sin(x), x)
 
     def loss(x):
         return jnp.sum(fn(x))
