@@ -8,6 +8,7 @@ available here, next to the `xla` reference measured in the same run.
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -92,9 +93,10 @@ def _waited_seconds(fn: Callable[..., Any], args: Sequence[Any]) -> float:
 def chained_seconds(fn: Callable[..., Any], *args: Any, repeats: int, warmup: int = 1) -> float:
     """One call's time on a device, resolved to microseconds: `chain(fn, n)` and
     `chain(fn, 2n)` are each timed as one waited program, and a call costs the difference over
-    n, which cancels what a program pays once (its dispatch and round trip, the first copy of
-    each operand). n makes the shorter program last about `_CHAIN_SECONDS`. What remains per
-    call beside the op is the chain's own link (`timer_floor_seconds`)."""
+    n, which cancels what a program pays once (its dispatch and round trip, the first link's
+    copy of each operand, a parameter it may not update in place). n makes the shorter program
+    last about `_CHAIN_SECONDS`. What remains per call beside the op is the chain's own link
+    (`timer_floor_seconds`). NaN where noise leaves the longer program no slower: unresolved."""
     estimate = min(_waited_seconds(fn, args) for _ in range(warmup + 1))
     calls = max(2, min(_MAX_CHAINED_CALLS, round(_CHAIN_SECONDS / estimate)))
     programs = [chain(fn, calls), chain(fn, 2 * calls)]
@@ -103,17 +105,20 @@ def chained_seconds(fn: Callable[..., Any], *args: Any, repeats: int, warmup: in
             jax.block_until_ready(program(*args))
     short, long = ([_waited_seconds(program, args) for _ in range(repeats)]
                    for program in programs)
-    return max(0.0, statistics.median(long) - statistics.median(short)) / calls
+    difference = statistics.median(long) - statistics.median(short)
+    return difference / calls if difference > 0 else math.nan
 
 
 def chain(fn: Callable[..., Any], calls: int) -> Callable[..., Any]:
     """One compiled program of `calls` calls of `fn`, each depending on the one before through
     a scalar, so XLA can neither merge the calls nor hoist them: each result passes an
-    optimization barrier (computed whole, not only the element read), its first element is
-    read, and the next call's operands are the same arrays with their first element rewritten
-    by a select on that scalar (`_linked`; the value is unchanged unless the scalar is NaN). A
-    rewrite updates the array in place, one element: a dependency through a whole operand
-    (x + 0 * result) would add a pass as large as the op. The program returns the last result."""
+    optimization barrier (computed whole, not only the element read), its first element's bits
+    are read, and the next call's operands are the same arrays with their first element
+    rewritten by a select on those bits (`_linked`; the value is unchanged unless they are one
+    arbitrary pattern). A rewrite updates the array in place, one element: a dependency through
+    a whole operand (x + 0 * result) would add a pass as large as the op. Every operand is
+    linked, so no part of a call (a wrapper's work on one operand) is shared between calls. The
+    program returns the last result."""
     def program(*args):
         result = None
         for _ in range(calls):
@@ -125,28 +130,43 @@ def chain(fn: Callable[..., Any], calls: int) -> Callable[..., Any]:
     return jax.jit(program)
 
 
+# A bit pattern the link compares a result's first element with: any constant XLA cannot
+# prove unequal to a value it does not know (a comparison of a float with itself, or of a
+# converted integer with NaN, it might fold).
+_LINK_PATTERN = 0x5A5A5A5A
+
+
 def _first_element(result: Any) -> jax.Array:
-    leaf = next(x for x in jax.tree.leaves(result) if jnp.size(x))
-    return jnp.ravel(leaf)[0].astype(jnp.float32)
+    """The bits of `result`'s first element (of its first non-empty leaf) as uint32."""
+    leaf = next((x for x in jax.tree.leaves(result) if jnp.size(x)), jnp.zeros((1,), jnp.uint32))
+    element = jnp.ravel(leaf)[0]
+    if element.dtype == jnp.bool_ or element.dtype.itemsize != 4:
+        element = element.astype(jnp.float32)
+    return lax.bitcast_convert_type(element, jnp.uint32)
 
 
-def _linked(args: Sequence[Any], scalar: jax.Array) -> tuple[Any, ...]:
+def _linked(args: Sequence[Any], bits: jax.Array) -> tuple[Any, ...]:
     """`args` with the first element of each array set to itself, or to its neighbour along the
-    first axis when `scalar` is NaN: a value XLA cannot know, so the next call waits for it."""
+    first axis when `bits` match `_LINK_PATTERN`: a value XLA cannot know, so the next call
+    waits for it."""
+    arbitrary = bits == _LINK_PATTERN
+
     def link(x):
         if not isinstance(x, jax.Array) or not x.size:
             return x
         first = (0,) * x.ndim
         neighbour = (min(1, x.shape[0] - 1),) + first[1:] if x.ndim else first
-        return x.at[first].set(jnp.where(jnp.isnan(scalar), x[neighbour], x[first]))
+        return x.at[first].set(jnp.where(arbitrary, x[neighbour], x[first]))
     return tuple(jax.tree.map(link, tuple(args)))
 
 
 def timer_floor_seconds(repeats: int = 10) -> float:
     """The chained timer's floor on this device: one link of the chain with an op that does
-    nothing (the identity of a small array). Rows whose roofline floor is under it measure the
-    link (a few tiny launches), not the op (`below_timer_floor`)."""
-    return chained_seconds(lambda x: x, jnp.zeros((8, 128), jnp.float32), repeats=repeats)
+    nothing (the first of two small arrays: a link rewrites each operand, and the ops here
+    take one to four). Rows whose roofline floor is under it measure the link (a few tiny
+    launches), not the op (`below_timer_floor`)."""
+    small = jnp.zeros((8, 128), jnp.float32)
+    return chained_seconds(lambda x, y: x, small, small, repeats=repeats)
 
 
 def max_relative_error(actual: Any, expected: Any) -> float:
@@ -244,9 +264,9 @@ def measure(case: Case, implementations: Sequence[tuple[str, bool | str]],
             "median_ms": seconds * 1e3, "timer": "chained" if chain_it else "waited",
             # Interpreted rows are correctness rows, and a part does not do the op's work:
             # throughput, error and roofline figures would mislead there.
-            "GB/s": None if interpret or part or case.bytes is None
+            "GB/s": None if interpret or part or case.bytes is None or not seconds > 0
             else case.bytes / seconds / 1e9,
-            "TFLOP/s": None if interpret or part or case.flops is None
+            "TFLOP/s": None if interpret or part or case.flops is None or not seconds > 0
             else case.flops / seconds / 1e12,
             "max_rel_err": None if part else max_relative_error(fn(*case.args), case.expected),
             **{f"floor_{d}_us": None if part else roofline_floor_us(case, d) for d in DEVICES},

@@ -176,7 +176,7 @@ def run(
     mesh axes: fine interpreted on CPU devices, impossible on TPUs), or where a platform's
     choice cannot be traced with these shardings, lowering for those platforms raises the
     reason (`_declined`), before anything is compiled."""
-    arrays = [x for x in jax.tree.leaves(operands)]
+    arrays = jax.tree.leaves(operands)
     choices: dict[str, Any] = {}
     for platform in LOWERING_PLATFORMS:
         try:
@@ -234,14 +234,15 @@ def _kernels_sharding(op: str, interpret: Interpret, checks: Mapping[str, Callab
                       call: Callable[..., Any], operands: tuple[Any, ...],
                       config: Any) -> NamedSharding | None:
     """The sharding of the (first) output that the first kernel taking these inputs gives,
-    from its abstract evaluation (traced, not run), or None where none takes them."""
-    arrays = [x for x in jax.tree.leaves(operands)]
+    from its abstract evaluation (traced, not run), or None where none takes them (the caller
+    then raises JAX's own error)."""
+    arrays = jax.tree.leaves(operands)
     for name in IMPLEMENTATIONS[1:]:
         try:
             choice = choose(op, name, interpret, checks, "cpu", arrays, config)
-        except NotImplementedError:
+            out = jax.eval_shape(lambda *ops: call(*choice, None, *ops), *operands)
+        except Exception:  # noqa: BLE001 - a kernel that cannot say leaves JAX's error
             continue
-        out = jax.eval_shape(lambda *ops: call(*choice, None, *ops), *operands)
         return jax.tree.leaves(out)[0].sharding
     return None
 

@@ -69,7 +69,8 @@ from kernels import _pallas, _targets
 
 __all__ = ["Layout", "Plan", "partitioned", "match_varying", "Reduction", "reduction", "spec",
            "dims_of", "sharding", "reshape", "like", "strategy", "check_partitionable",
-           "out_sharding", "requested", "merged", "split", "constrain"]
+           "out_sharding", "requested", "merged", "mergeable", "split", "axis_sizes",
+           "constrain"]
 
 Axes = tuple[str, ...]  # the mesh axes one dim is sharded over, major first
 Dims = tuple[Axes, ...]  # per dim of one array
@@ -444,16 +445,36 @@ def merged(shape: Sequence[int], dims: Sequence[Axes]) -> Axes:
     then holds one contiguous block of it: those of the first dim longer than 1, when no later
     dim is sharded; else () (no such block; the op reshards afterwards). `split` undoes it."""
     longer = [d for d, size in enumerate(shape) if size > 1]
-    if not longer or any(dims[d] for d in longer[1:]):
+    if not longer or not mergeable(shape, dims):
         return ()
     return tuple(dims[longer[0]])
 
 
-def split(axes: Axes, shape: Sequence[int]) -> Dims:
-    """Per dim of `shape`, the axes of one dim reshaped into `shape`: all on the first dim
-    longer than 1 (the inverse of `merged`)."""
-    longer = next((d for d, size in enumerate(shape) if size > 1), 0)
-    return tuple(tuple(axes) if d == longer else () for d in range(len(shape)))
+def mergeable(shape: Sequence[int], dims: Sequence[Axes]) -> bool:
+    """Whether dims of `shape` sharded as `dims` reshape into one with each device's part one
+    contiguous block, as `merged` takes it: no dim after the first longer than 1 is sharded."""
+    longer = [d for d, size in enumerate(shape) if size > 1]
+    return not any(dims[d] for d in longer[1:])
+
+
+def split(axes: Axes, shape: Sequence[int], axis_sizes: Mapping[str, int]) -> Dims:
+    """Per dim of `shape`, the axes of one dim reshaped into `shape`, major first: each dim
+    takes the next axes while it divides into them, so a dim split to one element a device
+    passes the rest on (JAX merges (2, 8) sharded ("data", "model") on a (2, 4) mesh into
+    ("data", "model"); `merged`'s one sharded dim comes back on that dim)."""
+    rest, dims = list(axes), []
+    for size in shape:
+        taken: list[str] = []
+        while rest and size % math.prod(axis_sizes[a] for a in (*taken, rest[0])) == 0:
+            taken.append(rest.pop(0))
+        dims.append(tuple(taken))
+    return tuple(dims) if not rest else (tuple(axes),) + ((),) * (len(shape) - 1)
+
+
+def axis_sizes(x: jax.Array) -> dict[str, int]:
+    """The axis sizes of the Explicit mesh `x` lives on ({} on none)."""
+    mesh = _explicit_mesh([x])
+    return {} if mesh is None else dict(zip(mesh.axis_names, mesh.axis_sizes))
 
 
 def constrain(x: jax.Array, sharding: NamedSharding | None) -> jax.Array:

@@ -96,7 +96,7 @@ def arrays(specs, mesh):
     for i, (shape, spec) in enumerate(specs):
         if isinstance(shape, str):  # indices of every kind of index: negative, past either end
             value = (jnp.arange(64, dtype=jnp.int32) * 37) % 260 - 130
-            value = value.reshape(8, 8) if shape == "ids2d" else value
+            value = value.reshape({"ids2d": (8, 8), "ids2x32": (2, 32)}.get(shape, (64,)))
         else:
             value = jax.random.normal(jax.random.key(i), shape, jnp.float32)
         out.append(jax.device_put(value, NamedSharding(mesh, spec)))
@@ -221,6 +221,15 @@ OUT_SHARDING_CASES = {
         lambda impl: lambda x, w, s: kernels.conv2d(x, w, out_sharding=s, implementation=impl),
         [((4, 6, 6, 8), P("data", None, None, "model")), ((3, 3, 8, 8), P(None, None, "model"))],
         P("data", None, None, "model"), P("data", None, None, "model")),
+    # Indices sharded on both dims (2 rows, one a device along "data"): the output keeps both.
+    "gather/2d-indices-both": (
+        lambda impl: lambda x, i, s: kernels.gather(x, i, out_sharding=s, implementation=impl),
+        [((96, 16), P()), ("ids2x32", P("data", "model"))], None, P("data", "model")),
+    # Sequence-parallel activations into a dense layer: rows sharded on the sequence, not the
+    # batch, so the batch is not folded into M (a reshape JAX refuses on Explicit axes).
+    "matmul/sequence-sharded": (
+        lambda impl: lambda a, b, s: kernels.matmul(a, b, out_sharding=s, implementation=impl),
+        [((4, 16, 32), P(None, "model", None)), ((32, 48), P())], None, P(None, "model")),
     "layer_norm/replicated": (
         lambda impl: lambda x, r, s: sum(kernels.layer_norm(x, residual=r, out_sharding=s,
                                                             implementation=impl)[:1]),

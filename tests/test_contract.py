@@ -77,6 +77,12 @@ def test_bad_implementation_interpret_and_config_name_the_op(name):
         call(implementation="triton", interpret="yes")
     with pytest.raises(TypeError, match=f"{name}: config must be a {config_type} or None"):
         call(config={"block_m": 16})
+    # out_sharding as JAX's own ops check it, and no more entries than the output has dims.
+    with pytest.raises(TypeError, match=f"`out_sharding` argument of {name}"):
+        call(out_sharding="data")
+    mesh = jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+    with pytest.raises(ValueError, match=f"{name}: out_sharding .* more entries"):
+        call(out_sharding=jax.NamedSharding(mesh, jax.P(*(None,) * 5)))
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)

@@ -120,7 +120,8 @@ def test_sharding_and_collectives(results, impl, case, mesh):
 # reduce-scatter into the sharding asked for.
 OUT_SHARDING_CASES = ("matmul/K", "gather/vocab", "conv2d/in-channels",
                       "matmul/K-reduce-scatter", "matmul/K-both", "gather/vocab-reduce-scatter",
-                      "conv2d/in-channels-reduce-scatter", "layer_norm/replicated",
+                      "conv2d/in-channels-reduce-scatter", "gather/2d-indices-both",
+                      "matmul/sequence-sharded", "layer_norm/replicated",
                       "layer_norm/residual-sum")
 REDUCE_SCATTERS = {"matmul/K-reduce-scatter", "matmul/K-both", "gather/vocab-reduce-scatter",
                    "conv2d/in-channels-reduce-scatter"}

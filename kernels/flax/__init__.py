@@ -73,13 +73,10 @@ class MatmulDotGeneral:
                 f"first, got dimension_numbers={dimension_numbers}")
         return kernels.matmul(lhs, rhs, precision=precision,
                               preferred_element_type=preferred_element_type,
-                              out_sharding=_either(out_sharding, self.out_sharding),
+                              out_sharding=self.out_sharding if out_sharding is None
+                              else out_sharding,
                               implementation=self.implementation, interpret=self.interpret)
 
-
-def _either(call: Any, field: Any) -> Any:
-    """The call's `out_sharding` (NNX) or the layer's field (Linen): one of them is None."""
-    return field if call is None else call
 
 
 _CHANNELS_LAST = {1: ("NWC", "WIO", "NWC"), 2: ("NHWC", "HWIO", "NHWC")}
@@ -100,7 +97,7 @@ class Conv2dGeneralDilated:
                  feature_group_count: int = 1, batch_group_count: int = 1,
                  precision: Any = None, preferred_element_type: Any = None,
                  out_sharding: Any = None) -> jax.Array:
-        out_sharding = _either(out_sharding, self.out_sharding)
+        out_sharding = self.out_sharding if out_sharding is None else out_sharding
         spatial = lhs.ndim - 2
         if spatial not in _CHANNELS_LAST:
             raise NotImplementedError(

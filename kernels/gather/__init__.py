@@ -170,6 +170,13 @@ def gather(
     def call(name, interpret, out_sharding, x, *traced_indices):
         indices = traced_indices[0] if traced_indices else host
         if name == "xla":
+            if out_sharding is None and not partition.dims_of(x)[axis]:
+                # The kernels' sharding, which JAX's gather alone may not type (the table and
+                # the indices sharded over different axes) even where no kernel takes the
+                # table; a table sharded along `axis` gets the kernels' from the dispatch.
+                table_dims = partition.dims_of(x)
+                out_sharding = partition.sharding(
+                    (*table_dims[:axis], *partition.dims_of(indices), *table_dims[axis + 1:]), x)
             return reference_gather(x, indices, axis=axis, mode=mode, fill_value=fill_value,
                                     out_sharding=out_sharding)
         if math.prod(out_shape) == 0:
@@ -181,7 +188,9 @@ def gather(
                          None if wanted is None else (_view_dims(wanted, groups),))
         table = x.astype(kernel_dtype).reshape(batch, n, columns)
         out = _jitted_gather(*partition.match_varying(table, flat_indices), static)
-        out_dims = sum(map(partition.split, partition.dims_of(out), groups), ())
+        sizes = partition.axis_sizes(out)
+        out_dims = sum((partition.split(axes, shape, sizes)
+                        for axes, shape in zip(partition.dims_of(out), groups)), ())
         out = partition.reshape(out.astype(x.dtype), out_shape, out_dims)
         return partition.constrain(out, out_sharding)
 

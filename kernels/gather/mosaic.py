@@ -277,16 +277,15 @@ class _Ring:
         """`body(j, carry)` for j in [lo, hi), in order, `positions_per_iteration` positions to a
         loop iteration (the rest in a loop of one)."""
         per = positions_per_iteration()
+        whole = jnp.maximum(hi - lo, 0) // per if per > 1 else 0
         if per > 1:
-            def positions(i, carry):
+            def positions(i, carry, first=lo):
                 for k in range(per):
-                    body(lo + i * per + k, carry)
+                    body(first + i * per + k, carry)
                 return carry
 
-            whole = jnp.maximum(hi - lo, 0) // per
             lax.fori_loop(jnp.int32(0), whole, positions, 0)
-            lo = lo + whole * per
-        lax.fori_loop(lo, hi, body, 0)
+        lax.fori_loop(lo + whole * per if per > 1 else lo, hi, body, 0)
 
 
 def _valid_positions(block: jax.Array, p: Problem) -> jax.Array:

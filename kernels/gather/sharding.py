@@ -35,7 +35,7 @@ def _owner(layout: Layout, vocab: tuple[str, ...], n_local: int, row: jax.Array,
 
 
 def _sum_owned(partial: jax.Array, sum_shards: Reduction) -> jax.Array:
-    """Sum over the vocab shards of rows that only one shard filled, bit-exactly."""
+    """`sum_shards` (over the vocab shards) of rows that only one shard filled, bit-exactly."""
     bits = jnp.dtype(f"uint{8 * partial.dtype.itemsize}")
     return lax.bitcast_convert_type(sum_shards(lax.bitcast_convert_type(partial, bits)),
                                     partial.dtype)

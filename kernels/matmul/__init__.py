@@ -130,9 +130,13 @@ def _validated(a: jax.Array, b: jax.Array,
     return a, b
 
 
-def _folds(a_shape: tuple[int, ...], b_shape: tuple[int, ...]) -> bool:
-    """x @ W: a's batch dims fold into M when b is a plain matrix (or vector)."""
-    return len(b_shape) <= 2 and len(a_shape) > 2
+def _folds(a: jax.Array, b: jax.Array) -> bool:
+    """x @ W: a's batch dims fold into M when b is a plain matrix (or vector), unless a is
+    sharded on a dim after its first of a's rows longer than 1 (each device's rows would not be
+    one block of M, a reshape JAX refuses on Explicit axes: the product is batched instead)."""
+    if b.ndim > 2 or a.ndim <= 2:
+        return False
+    return partition.mergeable(a.shape[:-1], partition.dims_of(a)[:-1])
 
 
 def _result_shape(a_shape: tuple[int, ...], b_shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -149,7 +153,7 @@ def _as_batched_matrices(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Arr
     a2 = a[None, :] if a.ndim == 1 else a
     b2 = b[:, None] if b.ndim == 1 else b
     out_shape = _result_shape(a.shape, b.shape)
-    if _folds(a.shape, b.shape):
+    if _folds(a, b):
         return a2.reshape(math.prod(a2.shape[:-1]), a2.shape[-1]), b2, out_shape
     rank = max(a2.ndim, b2.ndim)
     a2 = a2.reshape((1,) * (rank - a2.ndim) + a2.shape)
@@ -157,15 +161,14 @@ def _as_batched_matrices(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Arr
     return a2, b2, out_shape
 
 
-def _requested_product(dims: partition.Dims, a_shape: tuple[int, ...],
-                       b_shape: tuple[int, ...]) -> partition.Dims:
-    """The dims `dims` asked of `jnp.matmul`'s result, as the batched product's: a rank-1
+def _requested_product(dims: partition.Dims, a: jax.Array, b: jax.Array) -> partition.Dims:
+    """The dims `dims` asked of `jnp.matmul(a, b)`'s result, as the batched product's: a rank-1
     operand's missing M or N asks nothing; folded batch dims ask their merge of M."""
     dims = list(dims)
-    n = dims.pop() if len(b_shape) > 1 else ()
-    m = dims.pop() if len(a_shape) > 1 else ()
-    if _folds(a_shape, b_shape):
-        return partition.merged(a_shape[:-1], [*dims, m]), n
+    n = dims.pop() if b.ndim > 1 else ()
+    m = dims.pop() if a.ndim > 1 else ()
+    if _folds(a, b):
+        return partition.merged(a.shape[:-1], [*dims, m]), n
     return (*dims, m, n)
 
 
@@ -207,7 +210,7 @@ def matmul(
         a2, b2, out_shape = _as_batched_matrices(a, b)
         dims = partition.requested(out_sharding, len(out_shape))
         static = _Static(name, interpret, config, precision, False, False, out_dtype,
-                         None if dims is None else (_requested_product(dims, a.shape, b.shape),))
+                         None if dims is None else (_requested_product(dims, a, b),))
         out = _jitted_product(*partition.match_varying(a2, b2), static).reshape(out_shape)
         return partition.constrain(out, out_sharding)
 
