@@ -107,6 +107,18 @@ def loss_of(fn):
     return lambda *a: jnp.sum(jnp.nan_to_num(fn(*a)) ** 2)
 
 
+def _differences(out, out_whole, grads, grads_whole) -> dict:
+    """The largest differences of a sharded call's value and gradients from the unsharded
+    call's, whether their NaNs match, and the value's scale."""
+    return {
+        "value_error": float(np.nanmax(np.abs(np.asarray(out) - np.asarray(out_whole)))),
+        "nan_match": bool(np.array_equal(np.isnan(out), np.isnan(out_whole))),
+        "grad_error": max(float(np.max(np.abs(np.asarray(g) - np.asarray(w))))
+                          for g, w in zip(grads, grads_whole)),
+        "scale": float(np.nanmax(np.abs(np.asarray(out_whole)))),
+    }
+
+
 def run_case(impl, name, fn, specs, axis_type, xla_fn):
     mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(axis_type, axis_type))
     args = arrays(specs, mesh)
@@ -118,11 +130,7 @@ def run_case(impl, name, fn, specs, axis_type, xla_fn):
     out_whole, grads_whole = jax.jit(fn)(*whole), jax.jit(grad)(*whole)
     record = {
         "impl": impl, "case": name, "mesh": axis_type.name,
-        "value_error": float(np.nanmax(np.abs(np.asarray(out) - np.asarray(out_whole)))),
-        "nan_match": bool(np.array_equal(np.isnan(out), np.isnan(out_whole))),
-        "grad_error": max(float(np.max(np.abs(np.asarray(g) - np.asarray(w))))
-                          for g, w in zip(grads, grads_whole)),
-        "scale": float(np.nanmax(np.abs(np.asarray(out_whole)))),
+        **_differences(out, out_whole, grads, grads_whole),
         "forward": collectives(forward),
         "backward": collectives(backward),
         "out_spec": str(out.sharding.spec),
@@ -261,11 +269,7 @@ def run_out_sharding(impl, name):
     return {
         "impl": str(impl), "case": f"out_sharding/{name}",
         "mesh": "Explicit" if impl else "Explicit, default",
-        "value_error": float(np.nanmax(np.abs(np.asarray(out) - np.asarray(out_whole)))),
-        "nan_match": bool(np.array_equal(np.isnan(out), np.isnan(out_whole))),
-        "grad_error": max(float(np.max(np.abs(np.asarray(g) - np.asarray(w))))
-                          for g, w in zip(grads, grads_whole)),
-        "scale": float(np.nanmax(np.abs(np.asarray(out_whole)))),
+        **_differences(out, out_whole, grads, grads_whole),
         "forward": collectives(forward),
         "out_spec": str(out.sharding.spec),
         "same_spec": bool(out.sharding.is_equivalent_to(NamedSharding(mesh, want), out.ndim)),

@@ -415,27 +415,6 @@ def test_triton_scatter_add_pieces_cover_each_row_once(layout):
                  reduction_length=len(ids))
 
 
-@pytest.mark.parametrize("mode", ["wrap", "clip", "fill"])
-def test_xla_on_an_explicit_mesh_keeps_the_mode(mode):
-    """On an Explicit mesh the xla implementation passes JAX's gather an out_sharding (the
-    table sharded by columns, the ids by data); out-of-range ids keep their mode's answer
-    there as with no mesh (`jnp.take` has no out_sharding, so wrap is applied to the ids
-    first: it was clipped, 12 reading row 9 instead of row 2)."""
-    from jax.sharding import AxisType, NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    mesh = jax.make_mesh((1, 1), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
-    table = random((10, 4), jnp.float32, seed=3)
-    ids = np.array([-13, 12, 25, 3, -1, 9], np.int32)
-    with jax.set_mesh(mesh):
-        x = jax.device_put(table, NamedSharding(mesh, P(None, "model")))
-        i = jax.device_put(jnp.asarray(ids), NamedSharding(mesh, P("data")))
-        got = gather(x, i, mode=mode, fill_value=-2.0, implementation="xla")
-    # The same gather with no mesh: JAX's answer for the mode (checked against NumPy above).
-    expected = reference_gather(table, ids, mode=mode, fill_value=-2.0)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
-
-
 @pytest.mark.parametrize("scatter_mode", ["clip", "drop", "wrap"])
 def test_scatter_plan_matches_numpy_without_a_loop(scatter_mode):
     """The backward's plan (sorted positions, each row's segment start) and the Triton piece
@@ -752,25 +731,29 @@ def test_triton_declines_tables_past_int32_offsets():
 
 
 @pytest.mark.parametrize("implementation", ["xla", "triton", "mosaic"])
-def test_a_one_device_explicit_mesh(implementation):
-    """On a mesh of Explicit axes of one device the operands' types name mesh axes, which
-    Pallas refuses (sharded refs, non-Manual axes): the kernels run in shard_map there too; and
-    JAX's own gather, which cannot type this table and these ids alone, gets the kernels'
-    sharding (the ids' and the table's columns)."""
+@pytest.mark.parametrize("mode", ["wrap", "clip", "fill"])
+def test_a_one_device_explicit_mesh(mode, implementation):
+    """On a mesh of Explicit axes of one device, the table sharded by columns and the ids by
+    data: out-of-range ids keep their mode's answer as with no mesh (`jnp.take` has no
+    out_sharding, so xla applies wrap to the ids first: it was clipped, 12 reading row 9
+    instead of row 2); the kernels run in shard_map there too (the operands' types name mesh
+    axes, which Pallas refuses: sharded refs, non-Manual axes); the output has the ids' and the
+    table's columns' sharding."""
     from jax.sharding import AxisType, NamedSharding
     from jax.sharding import PartitionSpec as P
 
     mesh = jax.make_mesh((1, 1), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
     table = random((10, 4), jnp.float32, seed=3)
     ids = np.array([-13, 12, 25, 3, -1, 9], np.int32)
+    op = functools.partial(gather, mode=mode, fill_value=-2.0, implementation=implementation)
     with jax.set_mesh(mesh):
         x = jax.device_put(table, NamedSharding(mesh, P(None, "model")))
         i = jax.device_put(jnp.asarray(ids), NamedSharding(mesh, P("data")))
-        got = gather(x, i, mode="clip", implementation=implementation)
-        dx = jax.grad(lambda x: jnp.sum(gather(x, i, mode="clip",
-                                               implementation=implementation)))(x)
+        got = op(x, i)
+        dx = jax.grad(lambda x: jnp.sum(op(x, i)))(x)
     assert got.sharding.spec == P("data", "model")
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(expected_gather(table, ids, 0,
-                                                                              "clip")))
-    assert_close(dx, expected_gradient(table.shape, np.ones((6, 4)), ids, 0, "clip"),
+    # The same gather with no mesh: JAX's answer for the mode (checked against NumPy above).
+    expected = reference_gather(table, ids, mode=mode, fill_value=-2.0)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+    assert_close(dx, expected_gradient(table.shape, np.ones((6, 4)), ids, 0, mode),
                  jnp.float32, reduction_length=len(ids))
