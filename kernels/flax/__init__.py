@@ -78,7 +78,6 @@ class MatmulDotGeneral:
                               implementation=self.implementation, interpret=self.interpret)
 
 
-
 _CHANNELS_LAST = {1: ("NWC", "WIO", "NWC"), 2: ("NHWC", "HWIO", "NHWC")}
 
 

@@ -276,16 +276,17 @@ class _Ring:
     def _walk(self, lo: jax.Array, hi: jax.Array, body: Callable[..., Any]) -> None:
         """`body(j, carry)` for j in [lo, hi), in order, `positions_per_iteration` positions to a
         loop iteration (the rest in a loop of one)."""
-        per = positions_per_iteration()
-        whole = jnp.maximum(hi - lo, 0) // per if per > 1 else 0
+        per, start = positions_per_iteration(), lo
         if per > 1:
-            def positions(i, carry, first=lo):
+            def positions(i, carry):
                 for k in range(per):
-                    body(first + i * per + k, carry)
+                    body(lo + i * per + k, carry)
                 return carry
 
+            whole = jnp.maximum(hi - lo, 0) // per
             lax.fori_loop(jnp.int32(0), whole, positions, 0)
-        lax.fori_loop(lo + whole * per if per > 1 else lo, hi, body, 0)
+            start = lo + whole * per
+        lax.fori_loop(start, hi, body, 0)
 
 
 def _valid_positions(block: jax.Array, p: Problem) -> jax.Array:

@@ -131,9 +131,9 @@ def _validated(a: jax.Array, b: jax.Array,
 
 
 def _folds(a: jax.Array, b: jax.Array) -> bool:
-    """x @ W: a's batch dims fold into M when b is a plain matrix (or vector), unless a is
-    sharded on a dim after its first of a's rows longer than 1 (each device's rows would not be
-    one block of M, a reshape JAX refuses on Explicit axes: the product is batched instead)."""
+    """x @ W: a's batch dims fold into M when b is a plain matrix (or vector), unless a dim of
+    a's rows after the first one longer than 1 is sharded (each device's rows would not be one
+    block of M, a reshape JAX refuses on Explicit axes): the product is batched instead."""
     if b.ndim > 2 or a.ndim <= 2:
         return False
     return partition.mergeable(a.shape[:-1], partition.dims_of(a)[:-1])
