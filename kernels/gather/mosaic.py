@@ -27,8 +27,8 @@ and 8-bit rows as 32-bit word-rows: `mosaic_words.py`):
 The ring (`_Ring`; its depth from `mosaic_config.ring_depth`): `depth` buffers of one word-row
 each, with a semaphore each, as many as hold 1 MiB, between 8 and 64: at least 1 MiB in
 flight for rows of 4096 columns and more, 64 copies of narrower ones (256 KiB at 1024
-columns). Indices are staged into SMEM 128 at a time into 3 slots, the next
-block arriving while one is used, so the ring fills once per sequence of positions and drains
+columns). Indices are staged into SMEM 128 at a time into `staged_blocks()` slots (3 on a
+TPU), the next block arriving while one is used, so the ring fills once per sequence of positions and drains
 once at its end, not at each staging block.
 
 Both kernels work on the `(batch, n, columns)` view of the table (see common.py), bit-cast in
@@ -124,9 +124,9 @@ from kernels._blocks import LANES, core_ranges, range_block
 from kernels._pallas import mapped_under_vmap, mosaic_call, pl, pltpu, vmem_limit
 from kernels.gather.common import (GatherConfig, Problem, ScatterPlan, gather_bytes,
                                    normalize_row, scatter_bytes)
-from kernels.gather.mosaic_config import (INDEX_BLOCK, STAGED_BLOCKS, check, gather_vmem_bytes,
+from kernels.gather.mosaic_config import (INDEX_BLOCK, check, gather_vmem_bytes,
                                           positions_per_iteration, resolve_config, ring_depth,
-                                          scatter_vmem_bytes)
+                                          scatter_vmem_bytes, staged_blocks)
 from kernels.gather.mosaic_words import (BITS, row_of_word, rows_per_word_of, start_row_copy,
                                          word_operands, word_rows)
 
@@ -152,9 +152,16 @@ def _stage(hbm, block: jax.Array, smem) -> None:
     pltpu.sync_copy(hbm.at[_index_block(block)], smem)
 
 
+def _staged_scratch() -> Any:
+    """SMEM for one vector `_Ring` stages: `staged_blocks()` blocks of 128 int32."""
+    return pltpu.SMEM((staged_blocks() * INDEX_BLOCK,), jnp.int32)
+
+
 def _staged_value(smem, j: jax.Array) -> jax.Array:
-    """Position `j`'s entry of a vector staged by `_Ring` (block b in SMEM slot b % 3)."""
-    return smem[j % (STAGED_BLOCKS * INDEX_BLOCK)]
+    """Position `j`'s entry of a vector staged by `_Ring` (block b in SMEM slot b % slots; a
+    mask where the slots are a power of two)."""
+    size = smem.shape[0]
+    return smem[j & (size - 1) if size & (size - 1) == 0 else j % size]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,15 +169,15 @@ class _Ring:
     """Row DMAs for the positions [first, end) of a sequence, `depth` of them in flight, each
     into its own buffer with its own semaphore: position j + depth's copy starts as soon as
     position j's row has been used. The index vectors the copies read are staged into SMEM a
-    128-entry block at a time, the next block while this one is used (`STAGED_BLOCKS` slots),
+    128-entry block at a time, the next block while this one is used (`staged_blocks()` slots),
     so the ring fills once at the sequence's start (`fill`) and drains once at its end, not at
     every staging block; `run` walks the positions of one block.
 
     Preconditions: `depth` <= 128 (`ring_depth`: a copy runs at most one staging block ahead
-    of its use, which the 3 slots rely on); `fill(first)` with first < end, then `run` over
+    of its use, which 3 slots suffice for); `fill(first)` with first < end, then `run` over
     contiguous, ascending ranges [lo, hi), each inside one 128-position block, up to `end`.
 
-    `staged`: (HBM vector, SMEM scratch of STAGED_BLOCKS * 128 int32) pairs, read through
+    `staged`: (HBM vector, SMEM scratch of `_staged_scratch()`) pairs, read through
     `_staged_value`. `start_copy(j, buffer, sem)` starts position j's row copy; `use(j,
     buffer)` reads it once landed. `wait_like`: an HBM ref of a buffer's shape, whose
     descriptor waits for any row copy on a semaphore (every copy has that shape).
@@ -193,7 +200,8 @@ class _Ring:
         return self.buffers.shape[0]
 
     def _staging(self, block: jax.Array) -> list[Any]:
-        slot = _index_block(block, block % STAGED_BLOCKS * INDEX_BLOCK)
+        slots = self.staged[0][1].shape[0] // INDEX_BLOCK
+        slot = _index_block(block, block % slots * INDEX_BLOCK)
         return [pltpu.make_async_copy(hbm.at[_index_block(block)], smem.at[slot],
                                       self.staging_sem)
                 for hbm, smem in self.staged]
@@ -395,8 +403,7 @@ def gather(x: jax.Array, indices: jax.Array, p: Problem, *, config: GatherConfig
             num_scalar_prefetch=0, grid=(num_ranges, p.batch, blocks_per_range),
             in_specs=[hbm, hbm, hbm],
             out_specs=pl.BlockSpec((None, INDEX_BLOCK, p.columns), out_index),
-            scratch_shapes=[pltpu.SMEM((STAGED_BLOCKS * INDEX_BLOCK,), jnp.int32),
-                            pltpu.VMEM((depth, 1, p.columns), jnp.int32),
+            scratch_shapes=[_staged_scratch(), pltpu.VMEM((depth, 1, p.columns), jnp.int32),
                             pltpu.VMEM((INDEX_BLOCK, p.columns), jnp.int32),
                             pltpu.SemaphoreType.DMA((depth,)), pltpu.SemaphoreType.DMA(())])
         semantics = ("parallel", "parallel", "arbitrary")  # a range's steps share its ring
@@ -476,8 +483,7 @@ def scatter_add(g: jax.Array, plan: ScatterPlan, p: Problem, *, config: GatherCo
                                lambda b, r, c, starts: (b, r, c)),
         scratch_shapes=[pltpu.VMEM((block_rows, block_columns), jnp.float32),
                         pltpu.VMEM((depth, 1, block_columns), jnp.int32),
-                        pltpu.SMEM((STAGED_BLOCKS * INDEX_BLOCK,), jnp.int32),
-                        pltpu.SMEM((STAGED_BLOCKS * INDEX_BLOCK,), jnp.int32),
+                        _staged_scratch(), _staged_scratch(),
                         pltpu.SemaphoreType.DMA((depth,)), pltpu.SemaphoreType.DMA(())],
     )
     kernel = functools.partial(_scatter_add_kernel, p=p, block_rows=block_rows,
