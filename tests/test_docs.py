@@ -3,6 +3,7 @@ file refers to files a user of the project does not have."""
 
 from __future__ import annotations
 
+import ast
 import pathlib
 import re
 
@@ -37,3 +38,61 @@ def test_nothing_refers_to_files_outside_the_repository():
     offenders = [str(p.relative_to(ROOT)) for p in [*MARKDOWN, *SOURCES]
                  if p != pathlib.Path(__file__).resolve() and outside.search(p.read_text())]
     assert not offenders
+
+
+# Pages that quote the code (a user's examples in usage.md and the README are their own code).
+QUOTING = [ROOT / "CONTRIBUTING.md", ROOT / "docs" / "design.md", ROOT / "docs" / "kernel-guide.md"]
+
+
+def _signatures_in_code() -> dict[str, list[ast.arguments]]:
+    """Every function the wheel, bench and examples define, nested ones included, by name."""
+    found: dict[str, list[ast.arguments]] = {}
+    for folder in ("kernels", "reference", "bench", "examples"):
+        for path in (ROOT / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.FunctionDef):
+                    found.setdefault(node.name, []).append(node.args)
+    return found
+
+
+def _quoted(path: pathlib.Path) -> list[tuple[str, str, bool]]:
+    """(name, parameters, fenced) of each signature a page quotes: the `def`s of its fenced
+    blocks, and inline spans `name(...)` whose parameters parse as a signature's."""
+    text = path.read_text()
+    quotes = [(name, params, True) for block in re.findall(r"```\w*\n(.*?)```", text, re.S)
+              for name, params in re.findall(r"^\s*def (\w+)\((.*?)\)", block, re.M | re.S)]
+    return quotes + [(name, params, False)
+                     for name, params in re.findall(r"`(\w+)\(([^()`]*)\)`", text)]
+
+
+def _accepts(code: ast.arguments, quoted: ast.arguments) -> bool:
+    """Whether a quoted signature (or call) names the code's parameters: its plain parameters
+    are the code's leading positional ones in order (`self` aside; a `*rest` stands for the
+    others), and each one with a default or after `*` is a parameter of the code."""
+    positional = [a.arg for a in code.posonlyargs + code.args if a.arg != "self"]
+    names = {*positional, *(a.arg for a in code.kwonlyargs)}
+    names |= {a.arg for a in (code.vararg, code.kwarg) if a is not None}
+    plain = quoted.args[:len(quoted.args) - len(quoted.defaults)]
+    plain_names = [a.arg for a in plain if a.arg != "self"]
+    if plain_names != positional[:len(plain_names)]:
+        return False
+    keywords = quoted.args[len(plain):] + quoted.kwonlyargs
+    return all(a.arg in names for a in keywords)
+
+
+@pytest.mark.parametrize("path", QUOTING, ids=lambda p: str(p.relative_to(ROOT)))
+def test_quoted_signatures_exist_in_the_code(path):
+    code = _signatures_in_code()
+    stale = []
+    for name, params, fenced in _quoted(path):
+        try:
+            quoted = ast.parse(f"def {name}({params}): pass").body[0].args
+        except SyntaxError:
+            continue  # a call with expressions or an ellipsis, not a signature
+        if name not in code:
+            if fenced:
+                stale.append(f"def {name}({params}): no such function")
+            continue
+        if not any(_accepts(candidate, quoted) for candidate in code[name]):
+            stale.append(f"{name}({params})")
+    assert not stale, f"{path.name} quotes signatures the code no longer has: {stale}"
