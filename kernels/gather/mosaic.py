@@ -28,8 +28,8 @@ The ring (`_Ring`; its depth from `mosaic_config.ring_depth`): `depth` buffers o
 each, with a semaphore each, as many as hold 1 MiB, between 8 and 64: at least 1 MiB in
 flight for rows of 4096 columns and more, 64 copies of narrower ones (256 KiB at 1024
 columns). Indices are staged into SMEM 128 at a time into `staged_blocks()` slots (3 on a
-TPU), the next block arriving while one is used, so the ring fills once per sequence of positions and drains
-once at its end, not at each staging block.
+TPU), the next block arriving while one is used, so the ring fills once per sequence of
+positions and drains once at its end, not at each staging block.
 
 Both kernels work on the `(batch, n, columns)` view of the table (see common.py), bit-cast in
 the wrapper to the signed integer of the table's width (a free view): the kernels copy bits,

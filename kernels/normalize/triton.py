@@ -60,11 +60,12 @@ the whole group, for the sums: below), writes dx once, and adds the tile's colum
 sums of dy·x̂ and dy to register accumulators; at the end it writes its chunk of partial row
 o·num_partials + q of dscale and doffset, which XLA sums (no float atomics: the same result on
 every run). dx needs two per-group sums, sum(dy·scale) and sum(dy·scale·x̂): with one chunk per
-group the tile holds them; with two (by default rows of 8193-16384 elements; float32 ones with
-a residual are chunks of 4096, as 8192 spilled registers) the program reads both chunks for
-them, in half-chunk tiles, then its own again (`triton_config.sums_in_program`), mostly from
-L2, where its neighbour, the program of the other chunk, is reading the same rows: x and dy
-come from HBM about once (an estimate, not measured on a GPU). Longer groups get them from
+group the tile holds them; with up to `triton_config._MAX_REREAD_CHUNKS` (rows up to that many
+`_MAX_ROW` chunks; float32 rows with a residual in smaller chunks: `_chunked_float32_residual`;
+the register counts are beside those constants) the program reads both chunks for them, in
+half-chunk tiles, then its own again (`triton_config.sums_in_program`), mostly from L2, where
+its neighbour, the program of the other chunk, is reading the same rows: x and dy come from
+HBM about once (an estimate, not measured on a GPU). Longer groups get them from
 `_sums_kernel` (grid (outer, num_blocks, splits), like `_moments_kernel`), run first, and XLA
 adds the splits: a second read of x and dy. So a long row never makes the backward write a
 float32 partial row per group row, and never runs fewer programs than the GPU has SMs when the

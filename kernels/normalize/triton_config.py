@@ -11,8 +11,8 @@ from typing import NamedTuple
 import jax.numpy as jnp
 
 from kernels import _targets
-from kernels._blocks import (check_triton_config, is_positive_int, is_power_of_2,
-                             next_power_of_2, split_reduction, tile_limit)
+from kernels._blocks import (INTERPRETED_TILE, check_triton_config, is_positive_int,
+                             is_power_of_2, next_power_of_2, split_reduction, tile_limit)
 from kernels._pallas import pl
 from kernels.normalize import common
 from kernels.normalize.common import NormalizeConfig, Problem
@@ -33,9 +33,11 @@ _MAX_ROW = 8192
 # 16384 in one pass. Compiled at 4096x16384 and 4096x12000 (sm_90 and sm_80): bfloat16 up to
 # 127 registers, float32 128, no spills (float32 with a residual: `_chunked_float32_residual`).
 _MAX_REREAD_CHUNKS = 2
-# The fast interpreter's tile: an XLA gather of more elements at once runs slower per element
-# on a CPU (measured: a 20000x64 standardization 7x faster in (4096, 64) tiles than in one).
-_INTERPRETED_TILE = 1 << 18
+# Normalize's override of the fast interpreter's tile budget (`_blocks.INTERPRETED_TILE`): its
+# Triton tiles are XLA gathers there, and a gather of more elements at once runs slower per
+# element on a CPU (measured: a 20000x64 standardization 7x faster in (4096, 64) tiles than in
+# one).
+_INTERPRETED_TILE = INTERPRETED_TILE // 16
 
 
 def _or(value, default):
