@@ -361,7 +361,7 @@ def test_triton_scatter_add_work_per_program(num_ids):
 
     from kernels import _targets
     from kernels.compile import pallas_calls
-    from kernels.gather import triton_config as gather_triton
+    from kernels.gather.triton import config as gather_triton
     from kernels.gather.common import Problem
 
     p = Problem(1, 131072, 512, num_ids, jnp.dtype(jnp.bfloat16), "clip", None)
@@ -389,15 +389,15 @@ def test_triton_scatter_add_pieces_cover_each_row_once(layout):
     """The backward's piece table: past its first `length` positions, every sorted position
     of a row lies in exactly one piece of that row, and no piece is longer than `length`; the
     gradient through many pieces is JAX's."""
-    from kernels.gather import triton as gather_triton
     from kernels.gather.common import Problem, scatter_plan
+    from kernels.gather.triton import backward, config
 
     ids, run_gradient = PIECE_LAYOUTS[layout]
     n = 20
     p = Problem(1, n, 512, len(ids), jnp.dtype(jnp.float32), "fill", None)
-    layout = gather_triton.pieces(p, 512)
+    layout = config.pieces(p, 512)
     plan = scatter_plan(jnp.asarray(ids, jnp.int32), n, "drop")
-    table = gather_triton.piece_table(plan, p, layout)
+    table = backward.piece_table(plan, p, layout)
     row_starts, row_pieces = np.asarray(plan.row_starts), np.asarray(table.row_pieces)
     bounds = np.asarray(table.bounds)
     assert layout.count > 0 and np.all(bounds[:, 1] - bounds[:, 0] <= layout.length)
@@ -421,8 +421,8 @@ def test_scatter_plan_matches_numpy_without_a_loop(scatter_mode):
     table are NumPy's stable argsort and searchsorted, computed with no XLA while loop (issue
     25: `jnp.searchsorted`'s default method is a loop of about log2(m) steps, each a launch on
     a GPU, twice per backward)."""
-    from kernels.gather import triton as gather_triton
     from kernels.gather.common import Problem, scatter_plan
+    from kernels.gather.triton import backward, config
 
     n, ids = 20, np.r_[[5] * 600, -3, 25, -30, np.arange(-20, 40), [19] * 300].astype(np.int32)
     plan = scatter_plan(jnp.asarray(ids), n, scatter_mode)
@@ -435,9 +435,9 @@ def test_scatter_plan_matches_numpy_without_a_loop(scatter_mode):
     np.testing.assert_array_equal(plan.row_starts,
                                   np.searchsorted(targets[order], np.arange(n + 1), "left"))
     p = Problem(1, n, 512, len(ids), jnp.dtype(jnp.float32), "fill", None)
-    layout = gather_triton.pieces(p, 512)
-    program = jax.jit(lambda i: gather_triton.piece_table(scatter_plan(i, n, scatter_mode), p,
-                                                          layout)).lower(jnp.asarray(ids))
+    layout = config.pieces(p, 512)
+    program = jax.jit(lambda i: backward.piece_table(scatter_plan(i, n, scatter_mode), p,
+                                                     layout)).lower(jnp.asarray(ids))
     assert layout.count > 0 and "while" not in program.as_text()
 
 
@@ -493,7 +493,7 @@ def test_mosaic_ring_across_staging_blocks_and_ranges(target, num_random, ranges
     from kernels import _targets
     from kernels._blocks import core_ranges
     from kernels._pallas import on_target
-    from kernels.gather import mosaic_config
+    from kernels.gather.mosaic import config as mosaic_config
 
     x = random((301, 130), jnp.bfloat16, seed=40)
     ids = np.r_[np.random.default_rng(41).integers(-310, 310, num_random), [7] * 150]

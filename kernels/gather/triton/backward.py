@@ -1,34 +1,5 @@
-"""Gather and its scatter-add gradient as Pallas kernels lowered through Triton (GPU).
-
-Each kernel's loop nest, per program (blocks, pieces and schedules: `triton_config.py`), on
-the `(batch, n, columns)` view of the table (see common.py); c is a block of columns:
-
-    gather, program (b, index block i, c):
-        rows = mode(indices[i])                       # clamp / wrap / mark out of range
-        out[b, i, c] = x[b, rows, c]                  # one masked pointer gather
-    scatter_add_pieces, program (b, piece q, c):      # only rows hit more than `length` times
-        for k in range(start[q], stop[q], segment_rows):
-            acc += sum(g[b, order[k : k + segment_rows], c])
-        partials[b, q, c] = acc
-    scatter_add, program (b, row block, c):
-        for r in the block's rows:
-            acc = sum(g[b, order[k], c] for k in r's first `length` sorted positions)
-            acc += sum(partials[b, q, c] for q in r's pieces)
-            dx[b, r, c] = acc                         # every row written once, zeros included
-
-Forward block schedule
-----------------------
-grid = (batch * cdiv(m, block_indices), cdiv(columns, block_columns)). Program (t, c) takes
-batch slice b = t // cdiv(m, block_indices) and index block t % cdiv(m, block_indices): it loads
-block_indices int32 indices (masked past m), counts negative ones from the end and applies the
-mode (clamp to [0, n), or wrap, or mark the out-of-range ones), then loads the
-(block_indices, block_columns) tile `x[b, rows, columns]` with one pointer gather whose mask
-also covers out-of-range rows (they read `fill` without touching memory) and columns past the
-row's end, and stores it to `out[b, index block, column block]`, masked. Rows are always in
-[0, n) before the load, so no load leaves the table whatever the index values.
-
-Memory traffic: every gathered row is read once and every output element written once; the
-indices are read once per column block.
+"""The scatter-add gradient of gather as Pallas kernels lowered through Triton (GPU) (the
+package's docstring has both kernels' loop nests).
 
 Backward block schedule (deterministic scatter-add)
 ---------------------------------------------------
@@ -76,56 +47,12 @@ from jax import lax
 
 from kernels._pallas import pl, triton_call, triton_load, triton_store
 from kernels.gather.common import (GatherConfig, Problem, ScatterPlan, accumulator_dtype,
-                                   gather_bytes, normalize_row, scatter_bytes)
-from kernels.gather.triton_config import (Pieces, RowsSchedule, check, pieces, pieces_bytes,
+                                   scatter_bytes)
+from kernels.gather.triton.config import (Pieces, RowsSchedule, pieces, pieces_bytes,
                                           resolve_config, rows_schedule, segment_rows)
+from kernels.gather.triton.forward import load_rows
 
-__all__ = ["gather", "scatter_add", "check", "resolve_config", "piece_table"]
-
-
-def _load_rows(ref, batch, rows, columns, mask, other=0):
-    """The (*rows.shape, columns) tile of `ref[batch]` by one masked pointer gather. Array
-    indexers on every dim: the one form both the Triton lowering and interpret mode take."""
-    columns = columns.reshape((1,) * rows.ndim + columns.shape)
-    return triton_load(ref.at[batch, rows[..., None], columns], mask=mask, other=other)
-
-
-def _gather_kernel(indices_ref, x_ref, out_ref, *, p: Problem, block_indices: int,
-                   block_columns: int):
-    num_index_blocks = pl.cdiv(p.num_indices, block_indices)
-    batch, index_block = pl.program_id(0) // num_index_blocks, pl.program_id(0) % num_index_blocks
-    first_index, first_column = index_block * block_indices, pl.program_id(1) * block_columns
-    positions = first_index + jnp.arange(block_indices, dtype=jnp.int32)
-    columns = first_column + jnp.arange(block_columns, dtype=jnp.int32)
-    index_valid, column_valid = positions < p.num_indices, columns < p.columns
-    indices = triton_load(indices_ref.at[pl.ds(first_index, block_indices)], mask=index_valid,
-                          other=0)
-    rows, in_range = normalize_row(indices, p.n, p.mode)
-    read = column_valid[None, :] & (in_range[:, None] if p.mode == "fill" else True)
-    tile = _load_rows(x_ref, batch, rows, columns, read,
-                      other=jnp.asarray(p.fill_value, x_ref.dtype))
-    out = out_ref.at[batch, pl.ds(first_index, block_indices), pl.ds(first_column, block_columns)]
-    triton_store(out, tile, mask=index_valid[:, None] & column_valid[None, :])
-
-
-def gather(x: jax.Array, indices: jax.Array, p: Problem, *, config: GatherConfig | None,
-           interpret: bool | str) -> jax.Array:
-    """`x` viewed (batch, n, columns), int32 `indices` (m,) -> (batch, m, columns)."""
-    config = resolve_config(p, config)
-    kernel = functools.partial(_gather_kernel, p=p, block_indices=config.block_indices,
-                               block_columns=config.block_columns)
-    grid = (p.batch * pl.cdiv(p.num_indices, config.block_indices),
-            pl.cdiv(p.columns, config.block_columns))
-    return triton_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct((p.batch, p.num_indices, p.columns), x.dtype),
-        grid=grid,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-        interpret=interpret,
-        bytes_accessed=gather_bytes(p),
-        name="gather_triton",
-    )(indices, x)
+__all__ = ["scatter_add", "piece_table", "PieceTable"]
 
 
 class PieceTable(NamedTuple):
@@ -181,7 +108,7 @@ def _cotangent_rows(order_ref, g_ref, batch, columns, column_valid):
     rank: the rows come back with a trailing column axis)."""
     def load(positions, valid):
         sources = triton_load(order_ref.at[positions], mask=valid, other=0)
-        return _load_rows(g_ref, batch, sources, columns, _cells(valid, column_valid))
+        return load_rows(g_ref, batch, sources, columns, _cells(valid, column_valid))
     return load
 
 
@@ -209,7 +136,7 @@ def _scatter_add_kernel(order_ref, row_starts_ref, row_pieces_ref, g_ref, partia
     cotangents = _cotangent_rows(order_ref, g_ref, batch, columns, column_valid)
 
     def piece_partials(positions, valid):
-        return _load_rows(partials_ref, batch, positions, columns,
+        return load_rows(partials_ref, batch, positions, columns,
                           _cells(valid, column_valid))
 
     def row_group(i, carry):

@@ -3,9 +3,9 @@
 A TPU tile packs 2 (16-bit) or 4 (8-bit) adjacent rows into each 32-bit word, so a DMA cannot
 start at any row of such a table; viewed as int32 (`Ref.bitcast`, free: the same tiles) it is
 (n / rows_per_word, columns) word-rows, and the row wanted is shifted out of each word in
-registers (`row_of_word`). Used by both Mosaic kernels (`kernels/gather/mosaic.py`): the
+registers (`row_of_word`). Used by both Mosaic kernels (`forward.py`, `backward.py`): the
 forward's table and the backward's cotangent. On a CPU the view is made by XLA instead
-(`interpreted_word_rows`); see mosaic.py's docstring for why.
+(`interpreted_word_rows`, which says why).
 """
 
 from __future__ import annotations
