@@ -18,7 +18,7 @@ MIN_PIPELINED_STEPS = 4
 # Elements of one program's tile in the fast interpreter, where a tile is an XLA array on the
 # CPU (16 MiB of float32: milliseconds of work), not registers: the one budget every kernel's
 # interpreted sizing takes (`tile_limit`), but for an op's named override beside its own
-# measurement (normalize's Triton tiles: `normalize.triton_config._INTERPRETED_TILE`).
+# measurement (normalize's Triton tiles: `normalize.triton.config._INTERPRETED_TILE`).
 INTERPRETED_TILE = 1 << 22
 
 

@@ -133,7 +133,7 @@ def test_groups_longer_than_one_block(implementation, shape, axis, config, subtr
         assert_close(got, expected, jnp.float32, reduction_length=x.size)
 
 
-# Each Triton schedule (kernels/normalize/triton.py, "Programs vs the GPU") at a size the
+# Each Triton schedule (kernels/normalize/triton/__init__.py, "Programs vs the GPU") at a size the
 # interpreter runs quickly: long groups with enough group blocks for one wave (fused, looped
 # chunks); too few blocks, so the reduced axis is split, several chunks per split with a
 # shorter last split (rows and columns layouts, ragged chunks and group blocks).

@@ -126,7 +126,7 @@ def _cases() -> dict[str, list[Case]]:
             _design(_normalize_case("layer_norm", (4096, 8192), bf16)),
             _normalize_case("rms_norm", (4096, 8192), bf16),
             _normalize_case("layer_norm", (4096, 6000), f32),  # one chunk
-            # Two chunks, sums in the program (`normalize.triton_config._MAX_REREAD_CHUNKS`).
+            # Two chunks, sums in the program (`normalize.triton.config._MAX_REREAD_CHUNKS`).
             _normalize_case("layer_norm", (4096, 16384), bf16),
             _normalize_case("layer_norm", (4096, 12000), f32),
             _normalize_case("layer_norm", (512, 16384), f32),

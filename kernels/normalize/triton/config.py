@@ -1,7 +1,7 @@
 """How big the Triton normalize kernels' tiles are and how they become programs (the kernels
-themselves are in `kernels/normalize/triton.py`): the config (`resolve_config`), the checks
-that decline a problem or reject a config (`check`), the schedule (`schedule`: group blocks,
-chunks, and the reduction splits that fill the GPU), the backward's partial rows
+themselves are in `forward.py` and `backward.py` beside it): the config (`resolve_config`), the
+checks that decline a problem or reject a config (`check`), the schedule (`schedule`: group
+blocks, chunks, and the reduction splits that fill the GPU), the backward's partial rows
 (`num_partials`) and a reduction pass's traffic for its cost estimate."""
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """How big the Mosaic normalize kernels' blocks are (the kernels themselves are in
-`kernels/normalize/mosaic.py`): the TPU tiling each block dim must respect, the VMEM a step
-plans (`vmem_bytes`, priced at the heavier backward step), the default blocks within the
-target's `default_blocks_vmem` (`resolve_config`), and the checks that decline a problem or
-reject a config (`check`)."""
+`forward.py` and `backward.py`, on `schedule.py`): the TPU tiling each block dim must respect,
+the VMEM a step plans (`vmem_bytes`, priced at the heavier backward step), the default blocks
+within the target's `default_blocks_vmem` (`resolve_config`), and the checks that decline a
+problem or reject a config (`check`)."""
 
 from __future__ import annotations
 

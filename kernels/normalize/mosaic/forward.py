@@ -1,0 +1,98 @@
+"""normalize's forward as a Pallas kernel lowered through Mosaic (TPU) (the package's docstring
+has both kernels' loop nests; `schedule.py` the block schedule they share).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from kernels._pallas import mosaic_call, pl, pltpu, vmem_limit
+from kernels.normalize import common
+from kernels.normalize.common import NormalizeConfig, Problem
+from kernels.normalize.mosaic.config import resolve_config, vmem_bytes
+from kernels.normalize.mosaic.schedule import (SEMANTICS, Schedule, all_valid, lane_dense,
+                                           zero_invalid)
+
+__all__ = ["forward"]
+
+
+def _forward_kernel(x_ref, residual_ref, scale_ref, offset_ref, y_ref, sum_ref, mean_ref,
+                    rstd_ref, *moment_refs, p: Problem, s: Schedule):
+    """residual/sum: None refs without a residual; scale/offset: None refs when absent;
+    `moment_refs`: the (count, mean, M2) accumulators of a two-phase schedule, none with one
+    phase."""
+    dtype = p.stat_dtype
+    x = x_ref[...].astype(dtype)
+    if residual_ref is not None:  # added in the statistics dtype (see reference.normalize)
+        x = x + residual_ref[...].astype(dtype)
+    valid = s.reduced_valid(x.shape)
+    # Padding may be NaN: zero it before it meets any arithmetic.
+    x = zero_invalid(x, valid)
+
+    def moments():
+        return common.chunk_moments(x, all_valid(x.shape) if valid is None else valid, p)
+
+    def write(mean, rstd):
+        scale, offset = s.load_param(scale_ref, dtype), s.load_param(offset_ref, dtype)
+        y_ref[...] = common.affine(common.normalized(x, mean, rstd, p), scale,
+                                   offset).astype(y_ref.dtype)
+        if sum_ref is not None:
+            sum_ref[...] = x.astype(sum_ref.dtype)
+        s.store_stats(mean_ref, mean)
+        s.store_stats(rstd_ref, rstd)
+
+    if s.phases == 1:
+        write(*common.mean_and_rstd(moments(), p))
+        return
+    count_ref, mean_acc, m2_ref = moment_refs
+    phase, chunk = pl.program_id(2), pl.program_id(3)
+
+    @pl.when((phase == 0) & (chunk == 0))
+    def _():
+        count_ref[...], mean_acc[...], m2_ref[...] = moments()
+
+    @pl.when((phase == 0) & (chunk > 0))
+    def _():
+        seen = common.Moments(count_ref[...], mean_acc[...], m2_ref[...])
+        count_ref[...], mean_acc[...], m2_ref[...] = common.merge_moments(seen, moments(), p)
+
+    @pl.when(phase == 1)
+    def _():
+        seen = common.Moments(count_ref[...], mean_acc[...], m2_ref[...])
+        write(*common.mean_and_rstd(seen, p))
+
+
+def forward(x: jax.Array, residual: jax.Array | None, scale: jax.Array | None,
+            offset: jax.Array | None, p: Problem, *, config: NormalizeConfig | None,
+            interpret: bool | str):
+    """(y, x + residual or None, mean, rstd) for the view-shaped `x` (and `residual`) of a
+    problem that `check` accepted."""
+    config = resolve_config(p, config)
+    s = Schedule(p, config)
+    stats = jax.ShapeDtypeStruct(s.kernel_stats_shape(), p.stat_dtype)
+    stats_block = s._orient(s.block_groups, 1)
+    in_specs = [s.tile_spec(), s.tile_spec() if p.has_residual else None,
+                s.param_spec(last_phase=True) if p.has_scale else None,
+                s.param_spec(last_phase=True) if p.has_offset else None]
+    scratch = [pltpu.VMEM(stats_block, p.stat_dtype)] * 3 if s.phases == 2 else []
+    written = s.tile_spec(last_phase=True)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=0, grid=s.grid, in_specs=in_specs,
+        out_specs=[written, written if p.has_residual else None, s.stats_spec(),
+                   s.stats_spec()],
+        scratch_shapes=scratch)
+    total = jax.ShapeDtypeStruct(p.view_shape, p.dtype) if p.has_residual else None
+    y, total, mean, rstd = mosaic_call(
+        functools.partial(_forward_kernel, p=p, s=s),
+        out_shape=(jax.ShapeDtypeStruct(p.view_shape, p.y_dtype), total, stats, stats),
+        grid_spec=grid_spec,
+        dimension_semantics=SEMANTICS,
+        interpret=interpret,
+        vmem_limit_bytes=vmem_limit(vmem_bytes(p, config)),
+        flops=common.forward_flops_and_bytes(p)[0],
+        transcendentals=p.outer * p.groups,
+        name="normalize_forward_mosaic",
+    )(x, residual, *map(lane_dense, (scale, offset)))
+    return y, total, s.from_kernel_stats(mean), s.from_kernel_stats(rstd)
