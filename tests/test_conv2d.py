@@ -14,7 +14,8 @@ import pytest
 from jax.test_util import check_grads
 
 import reference
-from kernels.conv2d import Conv2dConfig, conv2d, mosaic_config
+from kernels.conv2d import Conv2dConfig, conv2d
+from kernels.conv2d.mosaic import config as mosaic_config
 from tests.support import (Contract, KERNELS, SUPPORTS_FLOAT64, as_f64, assert_close,
                            assert_lowers, random, standard_promotion, weighted_sum, x64)
 
@@ -229,7 +230,7 @@ def _weight_grad_problem(x_shape, w_shape, dtype, **options):
 def test_triton_weight_gradient_pixel_splits(x_shape, w_shape, options):
     """Few dW tiles and many pixels: the pixels are split over programs whose float32 partial
     dW are summed afterwards; every pixel counted once."""
-    from kernels.conv2d import triton_config
+    from kernels.conv2d.triton import config as triton_config
 
     p = _weight_grad_problem(x_shape, w_shape, jnp.float32, **options)
     split = triton_config.weight_grad_split(p, triton_config.weight_grad_config(p))
@@ -250,7 +251,7 @@ def test_triton_k_blocks(x_shape, w_shape, options, tap_major):
     """Tap-major K blocks whose last channel block is ragged (24 channels a group in blocks of
     32), and a depthwise dW whose 25 taps take two programs (13 + 12), against float64 truth:
     forward, dX and dW."""
-    from kernels.conv2d import triton_config
+    from kernels.conv2d.triton import config as triton_config
 
     p = _weight_grad_problem(x_shape, w_shape, jnp.float32, **options)
     config = (triton_config.resolve_config(p, None) if tap_major else
@@ -306,7 +307,7 @@ def test_triton_weight_gradient_fills_an_h100(name):
     import math
 
     from kernels import _targets
-    from kernels.conv2d import triton_config
+    from kernels.conv2d.triton import config as triton_config
 
     x_shape, w_shape, options = RESNET_WEIGHT_GRADIENTS[name]
     p = _weight_grad_problem(x_shape, w_shape, jnp.bfloat16, **options)

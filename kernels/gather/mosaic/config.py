@@ -1,8 +1,8 @@
 """How big the Mosaic gather and scatter-add kernels' blocks are (the kernels themselves are in
-`forward.py` and `backward.py` beside it): the indices staged per SMEM block and the staged blocks held
-(`staged_blocks`), the DMA ring's depth on a TPU and in the fast interpreter (`ring_depth`),
-the 32-bit forward's batch slabs, the backward's accumulator block (`resolve_config`), and the
-checks that decline a problem or reject a config (`check`)."""
+`forward.py` and `backward.py` beside it): the indices staged per SMEM block and the staged
+blocks held (`staged_blocks`), the DMA ring's depth on a TPU and in the fast interpreter
+(`ring_depth`), the 32-bit forward's batch slabs, the backward's accumulator block
+(`resolve_config`), and the checks that decline a problem or reject a config (`check`)."""
 
 from __future__ import annotations
 

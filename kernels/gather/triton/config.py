@@ -1,7 +1,7 @@
-"""How big the Triton gather and scatter-add kernels' blocks are, and what their work is
-bounded by (the kernels themselves are in `forward.py` and `backward.py` beside it): the
-forward's config (`resolve_config`) and the checks that decline a problem or reject a config (`check`); the
-backward's rows schedule (`rows_schedule`: the device's, and the fast interpreter's), its
+"""How big the Triton gather and scatter-add kernels' blocks are, and what their work is bounded
+by (the kernels themselves are in `forward.py` and `backward.py` beside it): the forward's
+config (`resolve_config`) and the checks that decline a problem or reject a config (`check`);
+the backward's rows schedule (`rows_schedule`: the device's, and the fast interpreter's), its
 pieces (`pieces`: how a hot row's work is cut so no program's loop grows with the ids) and the
 longest loop they leave (`longest_loop`); and the bytes the pieces launch moves."""
 

@@ -1,5 +1,5 @@
 """How big the Mosaic matmul kernel's blocks are (the kernel itself is in
-`kernels/matmul/mosaic.py`): the config (`resolve_config`), each array's block in its stored
+`forward.py` beside it): the config (`resolve_config`), each array's block in its stored
 layout (`block_shapes`), the VMEM a step plans (`vmem_bytes`) and the checks that decline a
 problem or reject a config (`check`)."""
 

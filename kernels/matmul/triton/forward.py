@@ -1,12 +1,5 @@
-"""Matmul as a Pallas kernel lowered through Triton (GPU).
-
-The kernel's loop nest, per program (tiles and split-K: `triton_config.py`):
-
-    program (tile t, batch i, split s):              # t -> (rows, cols) in grouped order
-        acc = 0                                      # float32 (float64 for float64)
-        for kb in s's range of cdiv(K, block_k):     # all of them unless split-K
-            acc += a[i, rows, kb] @ b[i, kb, cols]   # masked loads: past the edges read 0
-        out[s, i, rows, cols] = acc                  # split-K: partial sums XLA adds
+"""The matmul kernel lowered through Triton (GPU) and its launch (the package's docstring has
+its loop nest). The backward is this kernel on transposed operands (`kernels/matmul/__init__.py`).
 
 Block schedule
 --------------
@@ -57,9 +50,9 @@ import jax.numpy as jnp
 from kernels._blocks import int32_loop
 from kernels._pallas import pl, triton_call, triton_load, triton_store
 from kernels.matmul.common import MatmulConfig, Problem, batch_index, dot, flops_and_bytes
-from kernels.matmul.triton_config import check, k_split, moved_bytes, resolve_config
+from kernels.matmul.triton.config import k_split, moved_bytes, resolve_config
 
-__all__ = ["matmul", "check", "resolve_config"]
+__all__ = ["matmul"]
 
 
 def _grouped_tile(tile: jax.Array, num_tile_rows: int, num_tile_cols: int,

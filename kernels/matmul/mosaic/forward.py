@@ -1,11 +1,5 @@
-"""Matmul as a Pallas kernel lowered through Mosaic (TPU).
-
-The kernel's loop nest, per grid step (blocks: `mosaic_config.py`):
-
-    step (batch i, r, c, k):                         # k: the sequential, "arbitrary" axis
-        if k == 0: acc = 0                           # float32 VMEM scratch
-        acc += a[i, r, k] @ b[i, k, c]               # blocks the pipeline brought into VMEM
-        if k == last: out[i, r, c] = acc
+"""The matmul kernel lowered through Mosaic (TPU) and its launch (the package's docstring has its
+loop nest). The backward is this kernel on transposed operands (`kernels/matmul/__init__.py`).
 
 Block schedule
 --------------
@@ -46,9 +40,9 @@ from jax import lax
 
 from kernels._pallas import mosaic_call, mosaic_precision, pl, pltpu, vmem_limit
 from kernels.matmul.common import MatmulConfig, Problem, batch_index, dot, flops_and_bytes
-from kernels.matmul.mosaic_config import block_shapes, check, resolve_config, vmem_bytes
+from kernels.matmul.mosaic.config import block_shapes, resolve_config, vmem_bytes
 
-__all__ = ["matmul", "check", "resolve_config", "vmem_bytes"]
+__all__ = ["matmul"]
 
 
 def _zero_past_k(x: jax.Array, k_axis: int, p: Problem, block_k: int) -> jax.Array:

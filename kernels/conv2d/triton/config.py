@@ -1,9 +1,9 @@
-"""How big the Triton conv2d kernels' blocks are, and what they cost (the kernels themselves
-are in `kernels/conv2d/triton.py`): each launch's config (`resolve_config` for the forward and
-the input gradient's phases, `weight_grad_config` for dW), the checks that decline a problem or
-reject a config, the K blocks of the implicit GEMM (`tap_major`, `num_k_blocks`), the weight
-gradient's pixel splits (`weight_grad_split`), and the loads each launch issues, which its cost
-estimate states (`forward_traffic`, `weight_grad_traffic`)."""
+"""How big the Triton conv2d kernels' blocks are, and what they cost (the kernels themselves are
+in `forward.py` and `backward.py` beside it): each launch's config (`resolve_config` for the
+forward and the input gradient's phases, `weight_grad_config` for dW), the checks that decline a
+problem or reject a config, the K blocks of the implicit GEMM (`tap_major`, `num_k_blocks`), the
+weight gradient's pixel splits (`weight_grad_split`), and the loads each launch issues, which
+its cost estimate states (`forward_traffic`, `weight_grad_traffic`)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
-"""How big the Mosaic conv2d kernels' blocks are (the kernels themselves are in
-`kernels/conv2d/mosaic.py`): the staged input's geometry for a problem and a number of output
-rows per step (`Layout`: stride phases, halo, padded widths), the channels and rows a step
-takes (`resolve_config`), the VMEM a step plans (`vmem_bytes`) and the checks that decline a
-problem or reject a config (`check`)."""
+"""How big the Mosaic conv2d kernels' blocks are (the kernels themselves are in `forward.py` and
+`backward.py` beside it): the staged input's geometry for a problem and a number of output rows
+per step (`Layout`: stride phases, halo, padded widths), the channels and rows a step takes
+(`resolve_config`), the VMEM a step plans (`vmem_bytes`) and the checks that decline a problem
+or reject a config (`check`)."""
 
 from __future__ import annotations
 

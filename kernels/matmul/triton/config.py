@@ -1,5 +1,5 @@
 """How big the Triton matmul kernel's tiles are (the kernel itself is in
-`kernels/matmul/triton.py`): the config (`resolve_config`: tiles by shape class, shrunk until
+`forward.py` beside it): the config (`resolve_config`: tiles by shape class, shrunk until
 every SM has one, split-K where the tiles alone leave SMs idle), the K split each program takes
 (`k_split`), the checks that decline a problem or reject a config (`check`) and the bytes a
 launch moves, which its cost estimate states (`moved_bytes`)."""

@@ -1,0 +1,106 @@
+"""conv2d's forward (and, run on the output gradient, its input gradient) as Pallas kernels
+lowered through Triton (GPU) (the package's docstring has every kernel's loop nest).
+
+Block schedules
+---------------
+Forward (`conv`), GEMM path (C_in/G > 1):
+  grid = (cdiv(M, block_m), cdiv(O/G, block_n), G). Program (i, j, g) owns the output tile of
+  block_m pixels x block_n channels of group g. It loops over the K blocks (`num_k_blocks`):
+  gathers a (block_m, block_k) patch tile (masked), loads the (block_k, block_n) weight tile
+  (masked past K and past the group's channels), and accumulates their dot in float32 (float64
+  for float64) registers; 16-bit inputs are multiplied on the tensor cores with float32
+  accumulation. The tile is cast and stored once, masked to the array. Traffic: the output is
+  written once, the weights read cdiv(M, block_m) times, each input pixel about KH·KW/stride²
+  times per column block (mostly from L2/L1: neighbouring pixels share it).
+Forward, depthwise path (C_in/G == 1, each output channel reads one input channel):
+  grid = (cdiv(M, block_m), cdiv(O, block_n)). A program loops over the KH·KW taps; each step
+  gathers the (block_m, block_n) input values of that tap for its pixels and channels
+  (channel = out_channel // (O/G)) and FMAs them with the tap's weight row in float32. No dot:
+  a dot with K = 1 would leave the tensor cores multiplying padding.
+The input gradient is the forward kernel run on the output gradient, one launch per sub-pixel
+phase when the forward is strided (see `kernels.conv2d`).
+
+All tiles are powers of 2 >= 16 (Triton's rule and its dot's minimum); offsets are int32, so
+arrays of 2³¹ elements or more are declined.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from kernels._blocks import int32_loop
+from kernels._pallas import pl, triton_call, triton_load
+from kernels.conv2d.common import Conv2dConfig, Problem, flops_and_bytes
+from kernels.conv2d.triton.config import forward_traffic, num_k_blocks, resolve_config
+from kernels.conv2d.triton.patches import (arange_valid, dot, gather_input, input_channel,
+                                           k_block_at, load_2d, patch_tile, pixel_range, store_2d)
+
+__all__ = ["conv"]
+
+
+def _conv_kernel(x_ref, w_ref, out_ref, *, p: Problem, config: Conv2dConfig, precision):
+    block_m, block_n, block_k = config.block_m, config.block_n, config.block_k
+    row_start, group = pl.program_id(0) * block_m, pl.program_id(2)
+    col_start = group * p.og + pl.program_id(1) * block_n
+    pixels = pixel_range(p, row_start, block_m)
+    cols_valid = arange_valid(pl.program_id(1) * block_n, block_n, p.og)
+
+    def step(k_block, acc):
+        k = k_block_at(p, block_k, k_block)
+        patches = patch_tile(x_ref, p, group, pixels, k)
+        weights = load_2d(w_ref, k.start, k.valid, col_start, cols_valid)
+        return acc + dot(patches, weights, p, precision)
+
+    acc = int32_loop(num_k_blocks(p, block_k), step,
+                        jnp.zeros((block_m, block_n), p.accumulator_dtype))
+    store_2d(out_ref, acc, row_start, pixels[0], col_start, cols_valid)
+
+
+def _depthwise_kernel(x_ref, w_ref, out_ref, *, p: Problem, config: Conv2dConfig):
+    block_m, block_n = config.block_m, config.block_n
+    row_start, col_start = pl.program_id(0) * block_m, pl.program_id(1) * block_n
+    m_valid, n, oh, ow = pixel_range(p, row_start, block_m)
+    out_channel = col_start + jnp.arange(block_n, dtype=jnp.int32)
+    cols_valid = out_channel < p.o
+    in_channel = input_channel(p, out_channel)
+    valid = m_valid[:, None] & cols_valid[None, :]
+
+    def step(tap, acc):
+        kh, kw = lax.div(tap, jnp.int32(p.kw)), lax.rem(tap, jnp.int32(p.kw))
+        values = gather_input(x_ref, p, n[:, None], oh[:, None], ow[:, None], kh, kw,
+                               in_channel[None, :], valid)
+        weights = triton_load(w_ref.at[tap, pl.ds(col_start, block_n)], mask=cols_valid,
+                              other=0)
+        return acc + values.astype(acc.dtype) * weights.astype(acc.dtype)[None, :]
+
+    acc = int32_loop(p.kh * p.kw, step,
+                        jnp.zeros((block_m, block_n), p.accumulator_dtype))
+    store_2d(out_ref, acc, row_start, m_valid, col_start, cols_valid)
+
+
+def conv(x: jax.Array, w: jax.Array, p: Problem, *, config: Conv2dConfig | None, precision,
+         interpret: bool | str) -> jax.Array:
+    """The convolution of a problem that `check` accepted: (N, OH, OW, O) in p.out_dtype."""
+    config = resolve_config(p, config)
+    if p.depthwise:
+        kernel = functools.partial(_depthwise_kernel, p=p, config=config)
+        grid = (pl.cdiv(p.m, config.block_m), pl.cdiv(p.o, config.block_n))
+    else:
+        kernel = functools.partial(_conv_kernel, p=p, config=config, precision=precision)
+        grid = (pl.cdiv(p.m, config.block_m), pl.cdiv(p.og, config.block_n), p.groups)
+    out = triton_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((p.m, p.o), p.out_dtype),
+        grid=grid,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        interpret=interpret,
+        flops=flops_and_bytes(p)[0],
+        bytes_accessed=forward_traffic(p, config),
+        name="conv2d_depthwise_triton" if p.depthwise else "conv2d_triton",
+    )(x.reshape(-1), w.reshape(p.k, p.o))
+    return out.reshape(p.n, p.oh, p.ow, p.o)
