@@ -7,6 +7,8 @@ op's particular behaviour (its vmap variants, gradients, bad inputs) is in its o
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import inspect
 
 import chex
@@ -54,7 +56,15 @@ def test_every_op_has_every_piece(name):
     for backend, module in op.kernels.items():
         for piece in ("check", "resolve_config"):
             assert callable(getattr(module, piece, None)), f"{name}/{backend} lacks {piece}"
-        assert inspect.getdoc(module).count("\n") > 10, f"{name}/{backend}: no schedule docstring"
+        # One package per implementation: its loop nests, a module per pass with its block
+        # schedule, and its sizing in config.py (CONTRIBUTING's layout).
+        assert hasattr(module, "__path__"), f"{name}/{backend}: not kernels/{name}/{backend}/"
+        assert "loop nest" in inspect.getdoc(module), f"{name}/{backend}: no loop nests"
+        passes = [importlib.import_module(f"{module.__name__}.{p}") for p in ("forward", "backward")
+                  if importlib.util.find_spec(f"{module.__name__}.{p}")]
+        assert passes and all(inspect.getdoc(p).count("\n") > 10 for p in passes), \
+            f"{name}/{backend}: a pass without its block schedule"
+        assert importlib.util.find_spec(f"{module.__name__}.config"), f"{name}/{backend}: config"
     rules = [n for n, f in vars(op.sharding).items() if n.endswith("rule") and callable(f)]
     assert rules, "partition rules (kernels/<op>/sharding.py)"
     for rule in rules:

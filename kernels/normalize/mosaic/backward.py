@@ -1,5 +1,15 @@
-"""normalize's fused backward as a Pallas kernel lowered through Mosaic (TPU) (the package's
-docstring has both kernels' loop nests; `schedule.py` the block schedule they share).
+"""normalize's fused backward as a Pallas kernel lowered through Mosaic (TPU), on the grid and
+blocks of `schedule.py` (the package's docstring has both kernels' loop nests).
+
+Inputs: x, dy, the saved mean and 1/std and their cotangents (zero unless this is a
+second-order gradient), and the cotangent of the `sum` output with a residual. One chunk per
+group: step (u, k, 0, 0) computes its groups' two sums, sum(dy·scale) and sum(dy·scale·x̂), from
+the block in VMEM and writes dx in the same step. Several chunks: phase 0 accumulates the sums
+over the chunks in VMEM scratch, phase 1 re-reads each chunk and writes dx. Every step adds its
+tile's column sums of dy·x̂ and dy into the range's partial dscale/doffset row, held in VMEM
+across the range's blocks (zeroed at its first) and written once; XLA sums the rows.
+
+Memory traffic: x and dy read once (twice for multi-chunk groups), dx written once.
 """
 
 from __future__ import annotations

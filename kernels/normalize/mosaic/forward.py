@@ -1,5 +1,16 @@
-"""normalize's forward as a Pallas kernel lowered through Mosaic (TPU) (the package's docstring
-has both kernels' loop nests; `schedule.py` the block schedule they share).
+"""normalize's forward as a Pallas kernel lowered through Mosaic (TPU), on the grid and blocks of
+`schedule.py` (the package's docstring has both kernels' loop nests).
+
+One chunk per group (phases = 1, the common case): step (u, k, 0, 0) receives the block of x
+(and of the residual, added on load in the statistics dtype) in VMEM through the BlockSpec
+pipeline, computes its groups' mean and then the squared deviations from it, and writes y (and
+x + residual to `sum`) in the same step. Several chunks (phases = 2): phase 0 merges each
+chunk's moments into VMEM scratch (Chan et al.'s parallel variance); phase 1 re-reads each chunk
+and writes y. The groups' mean and 1/std (statistics dtype) go out as lane-dense
+(1, block_groups) blocks for the backward.
+
+Memory traffic: x read once and y written once when a group fits one block; x read twice
+otherwise.
 """
 
 from __future__ import annotations

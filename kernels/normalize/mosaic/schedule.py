@@ -9,15 +9,10 @@ chunk per group the cdiv(groups, block_groups) group blocks are cut into ranges 
 blocks, one per TensorCore (`core_ranges`: 2 on a megacore v4, else 1; a short last range's
 extra step repeats its last block, and its masked groups add nothing); a core walks its range
 in order, adding each block's dscale/doffset column sums into one partial row that stays in
-VMEM. With two phases each block is its own range.
-- One chunk per group (phases = 1, the common case): step (u, k, 0, 0) receives the block of x
-  (and dy) in VMEM through the BlockSpec pipeline, computes the statistics (forward) or the two
-  per-group sums (backward) and writes y (or dx) in the same step: x is read from HBM once and y
-  written once.
-- Several chunks (phases = 2): phase 0 walks the chunks accumulating, in VMEM scratch, the
-  merged moments (forward; Chan et al.'s parallel variance) or the sums (backward); phase 1
-  walks them again and writes y (dx). The output's index map sends every phase-0 step to chunk
-  0, which phase 1 writes first, so each output block is written back once, after it is final.
+VMEM. With two phases each block is its own range: phase 0 walks the chunks accumulating in
+VMEM scratch, phase 1 walks them again and writes the output (what each pass accumulates and
+writes: `forward.py`, `backward.py`). The output's index map sends every phase-0 step to chunk
+0, which phase 1 writes first, so each output block is written back once, after it is final.
 Statistics and their cotangents are (1, block_groups) blocks, lane-dense in both layouts (see
 `Schedule.stats_spec`), and so are the scale/offset chunks and the partial dscale/doffset rows,
 (1, block_reduced) in both layouts (`Schedule.param_spec`).
@@ -28,9 +23,6 @@ is masked out of the backward's dscale/doffset sums. Each range writes its own p
 and doffset row of shape (1, reduced) once; XLA sums the rows afterwards (no atomics: the same
 result on every run). One chunk per group: outer · ranges rows (1 for a layer norm on a v5e,
 however many blocks); two phases: one per block.
-
-Memory traffic: one read of x and one write of y per forward when a group fits one block (two
-reads otherwise); backward: x and dy read once (twice for multi-chunk groups), dx written once.
 """
 
 from __future__ import annotations
