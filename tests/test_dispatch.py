@@ -409,14 +409,15 @@ def test_backward_kernels_are_sized_for_the_operands_device(monkeypatch):
     import kernels
     from kernels import _targets
 
-    module = importlib.import_module("kernels.normalize.mosaic")
-    seen, real = [], module.resolve_config
+    package = "kernels.normalize.mosaic"
+    seen, real = [], importlib.import_module(package).resolve_config
 
     def spy(p, config):
         seen.append(_targets.current("tpu").name)
         return real(p, config)
 
-    monkeypatch.setattr(module, "resolve_config", spy)
+    for name in (package, f"{package}.forward", f"{package}.backward"):
+        monkeypatch.setattr(importlib.import_module(name), "resolve_config", spy)
     mesh = AbstractMesh((1,), ("data",), axis_types=(AxisType.Explicit,),
                         abstract_device=_targets.abstract_device(_targets.TARGETS["v4"]))
     x = jax.ShapeDtypeStruct((64, 256), jnp.float32,
