@@ -95,7 +95,7 @@ def backward(x, scale, mean, rstd, gy, gmean, grstd, gsum, p: Problem, *,
     num_partials = s.num_partials
     partial_shape = (num_partials, 1, p.reduced)
     partial = jax.ShapeDtypeStruct(partial_shape, p.stat_dtype)
-    stats_block = s._orient(s.block_groups, 1)
+    stats_block = s.orient(s.block_groups, 1)
     stat_cotangents = gmean is not None
     cotangent_spec = s.stats_spec() if stat_cotangents else None
     in_specs = [s.tile_spec(), s.param_spec() if p.has_scale else None, s.stats_spec(),

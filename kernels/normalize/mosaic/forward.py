@@ -83,7 +83,7 @@ def forward(x: jax.Array, residual: jax.Array | None, scale: jax.Array | None,
     config = resolve_config(p, config)
     s = Schedule(p, config)
     stats = jax.ShapeDtypeStruct(s.kernel_stats_shape(), p.stat_dtype)
-    stats_block = s._orient(s.block_groups, 1)
+    stats_block = s.orient(s.block_groups, 1)
     in_specs = [s.tile_spec(), s.tile_spec() if p.has_residual else None,
                 s.param_spec(last_phase=True) if p.has_scale else None,
                 s.param_spec(last_phase=True) if p.has_offset else None]

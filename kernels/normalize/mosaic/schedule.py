@@ -58,7 +58,7 @@ class Schedule:
         self.num_partials = p.outer * self.num_ranges
         self.grid = (self.num_partials, self.blocks_per_range, self.phases, self.num_chunks)
 
-    def _orient(self, group_part, reduced_part):
+    def orient(self, group_part, reduced_part):
         return (group_part, reduced_part) if self.p.rows else (reduced_part, group_part)
 
     def _slab_and_block(self, u, k):
@@ -77,8 +77,8 @@ class Schedule:
         it is final, and an input fetched once."""
         def index(u, k, phase, c):
             o, b = self._slab_and_block(u, k)
-            return (o, *self._orient(b, self._chunk(phase, c, last_phase)))
-        return pl.BlockSpec((None, *self._orient(self.block_groups, self.block_reduced)), index)
+            return (o, *self.orient(b, self._chunk(phase, c, last_phase)))
+        return pl.BlockSpec((None, *self.orient(self.block_groups, self.block_reduced)), index)
 
     def stats_spec(self) -> pl.BlockSpec:
         """Statistics as lane-dense rows. In the columns layout they are (outer, 1, groups)
