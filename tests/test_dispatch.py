@@ -169,7 +169,7 @@ def _store_twice_kernel(x_ref, out_ref, *, rows: int):
 @pytest.mark.parametrize("interpret", [True, "strict"])
 def test_interpreted_triton_store_writes_only_its_unmasked_lanes(interpret):
     """Eight programs: the interpreter reaches their tiles by int arrays and drops a masked
-    lane's write by moving it past the array (kernels._pallas._masked_lanes_dropped), not by a
+    lane's write by moving it past the array (kernels._pallas.tiles._masked_lanes_dropped), not by a
     gather and a select; a lane masked off inside the array must keep what it held."""
     from kernels._pallas import triton_call
 
