@@ -38,7 +38,7 @@ _INTERPRETED_BLOCK = 1 << 19
 
 
 def positions_per_iteration() -> int:
-    """Ring positions one iteration of `_Ring`'s loops walks: one on a TPU and in the "strict"
+    """Ring positions one iteration of `ring.Ring`'s loops walks: one on a TPU and in the "strict"
     interpreter; four in the fast interpreter, where each while-loop iteration costs XLA:CPU
     more than the position's own work (20000x256 bfloat16 with 4096 ids, jax 0.10.2, fastest of
     100 calls: 2.9 ms at one, 2.1 ms at four; eight was no faster)."""
@@ -59,7 +59,7 @@ def ring_depth(columns: int) -> int:
     interpreter, where a DMA is a copy made at once and a deeper ring only costs copies of it
     (`_targets.INTERPRETER`)."""
     depth = min(_MAX_RING, max(_MIN_RING, -(-_RING_BYTES // (4 * columns))))
-    assert depth <= INDEX_BLOCK  # what `_Ring`'s staging allows
+    assert depth <= INDEX_BLOCK  # what `ring.Ring`'s staging allows
     return _targets.device_or_interpreter("tpu", depth, 1)
 
 
