@@ -25,14 +25,16 @@ from bench import gather as gather_bench
 from bench import harness
 from bench import matmul as matmul_bench
 from bench import normalize as normalize_bench
-from kernels import defaults
+from kernels import defaults, registry
 
 BENCHES = {"matmul": matmul_bench, "conv2d": conv2d_bench,
            "normalize": normalize_bench, "gather": gather_bench}
 RECORDS = Path(__file__).parent / "records"
 # --interpret value -> the interpreted plans run on a CPU: (shape set, implementations).
-_FAST = ("interpret", [("triton", True), ("mosaic", True), ("xla", False)])
-_STRICT = ("strict", [("mosaic", "strict"), ("xla", False)])
+_FAST = ("interpret", [*((name, True) for name in registry.kernel_names()),
+                        (registry.REFERENCE, False)])
+_STRICT = ("strict", [*((name, "strict") for name in registry.kernel_names()
+                        if registry.get(name).strict_simulator), (registry.REFERENCE, False)])
 INTERPRET_CHOICES = {"none": [_FAST, _STRICT], "true": [_FAST], "strict": [_STRICT],
                      "false": []}
 
@@ -134,8 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--record needs a GPU or TPU: CPU timings are not evidence for a default")
 
     # The platform's kernel is timed natively next to xla, whichever of them is the default.
-    native = ([(defaults.KERNEL_OF_PLATFORM[platform], False)] if platform else []) + [
-        ("xla", False)]
+    kernel = registry.native(jax.default_backend()) if platform else None
+    native = ([(kernel, False)] if kernel else []) + [(registry.REFERENCE, False)]
     on_accelerator = platform is not None
     device_kind = jax.devices()[0].device_kind
     plan = []

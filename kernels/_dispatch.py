@@ -36,9 +36,8 @@ from jax.extend import core as jax_core
 from jax.interpreters import ad, batching, mlir
 from jax.sharding import NamedSharding
 
-from kernels import _targets, defaults, partition
+from kernels import _targets, defaults, partition, registry
 
-IMPLEMENTATIONS = ("xla", "triton", "mosaic")
 ENV_VAR = "KERNELS_IMPLEMENTATION"
 INTERPRET_ENV_VAR = "KERNELS_INTERPRET"
 STRICT = "strict"
@@ -51,12 +50,12 @@ Interpret = bool | str | None
 
 
 def _validated(names: Sequence[str], source: str) -> tuple[str, ...]:
-    names = tuple(names)
+    names, known = tuple(names), registry.names()
     if not names:
-        raise ValueError(f"{source} must name at least one of {IMPLEMENTATIONS}, got {names!r}")
+        raise ValueError(f"{source} must name at least one of {known}, got {names!r}")
     for name in names:
-        if name not in IMPLEMENTATIONS:
-            raise ValueError(f"{source} must be one of {IMPLEMENTATIONS} or a sequence of "
+        if name not in known:
+            raise ValueError(f"{source} must be one of {known} or a sequence of "
                              f"them, got {name!r}")
     return names
 
@@ -100,13 +99,15 @@ def resolve_interpret(name: str, interpret: Interpret, platform: str = "cpu",
     the environment's "strict" meets a program built for TPUs (`_targets.program_platform`:
     the abstract device in scope or the operands' mesh), the Mosaic kernel is compiled in
     every branch."""
-    if name == "xla":
+    entry = registry.get(name)
+    if not entry.is_kernel:
         return False
     if interpret is not None:
         return interpret
-    native = defaults.KERNEL_OF_PLATFORM.get(defaults.PLATFORMS.get(platform)) == name
+    native = registry.native(platform) == name
     strict = _environment_strict()
-    if native or strict and name == "mosaic" and _targets.program_platform(operands) == "tpu":
+    if native or (strict and entry.strict_simulator
+                  and _targets.program_platform(operands) in entry.platforms):
         return False
     return STRICT if strict else True
 
@@ -125,7 +126,7 @@ def choose(
 
     `checks[name]()` raises `NotImplementedError(reason)` when kernel `name` declines these
     inputs, as does a kernel that cannot be partitioned over the mesh `operands` live on
-    (`partition.check_partitionable`); "xla" never declines. Raises `NotImplementedError` when
+    (`partition.check_partitionable`); the reference (`xla`) never declines. Raises `NotImplementedError` when
     nothing accepts the inputs. A kernel in the fast interpreter is checked with the blocks it
     will run, the interpreter's (`_targets.interpreted`), unless the caller gave a `config`:
     that is a device's blocks, checked against the device.
@@ -139,7 +140,7 @@ def choose(
     for name in names:
         interpreted = resolve_interpret(name, interpret, platform, operands)
         try:
-            if name != "xla":
+            if registry.get(name).is_kernel:
                 partition.check_partitionable(name, interpreted, operands)
                 with _targets.for_operands(operands), _targets.interpreted(
                         _targets.interpreter_sized(interpreted, config)):
@@ -193,7 +194,7 @@ def run(
             try:
                 return call(*choice, out_sharding, *operands)
             except _ShardingTypeError:
-                if choice[0] != "xla" or out_sharding is not None:
+                if registry.get(choice[0]).is_kernel or out_sharding is not None:
                     raise
                 sharding = _kernels_sharding(op, interpret, checks, call, operands, config)
                 if sharding is None:
@@ -237,7 +238,7 @@ def _kernels_sharding(op: str, interpret: Interpret, checks: Mapping[str, Callab
     from its abstract evaluation (traced, not run), or None where none takes them (the caller
     then raises JAX's own error)."""
     arrays = jax.tree.leaves(operands)
-    for name in IMPLEMENTATIONS[1:]:
+    for name in registry.kernel_names():
         try:
             choice = choose(op, name, interpret, checks, "cpu", arrays, config)
             out = jax.eval_shape(lambda *ops: call(*choice, None, *ops), *operands)

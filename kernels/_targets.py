@@ -53,6 +53,11 @@ class Target:
     interpreter: bool = False  # Pallas' HLO interpreter on a CPU, not a device
 
     @property
+    def lowering_platform(self) -> str:
+        """The platform a program for this target is lowered for."""
+        return "cuda" if self.platform == "gpu" else "tpu"
+
+    @property
     def min_programs(self) -> int:
         """Programs a GPU kernel should launch to keep its SMs busy: two waves or more keep
         at least two thirds of them working on average, however ragged the last wave."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["Default", "TABLE", "PLATFORMS", "KERNEL_OF_PLATFORM", "default"]
+__all__ = ["Default", "TABLE", "PLATFORMS", "default"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,9 +30,8 @@ class Default:
     evidence: str  # "bench/records/<device kind>.json: <the figures>" or "design: <why>"
 
 
-# jax.default_backend() (or a device's platform) -> the table's platform, and its kernel.
+# jax.default_backend() (or a device's platform) -> the table's platform.
 PLATFORMS = {"gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}
-KERNEL_OF_PLATFORM = {"gpu": "triton", "tpu": "mosaic"}
 
 # Public op names -> the op family an entry covers.
 _FAMILY = {"layer_norm": "normalize", "rms_norm": "normalize"}

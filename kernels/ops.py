@@ -1,9 +1,9 @@
-"""Every op's registration (`kernels._op.Op`), by name: the list the contract tests run over
+"""Every op's registration (`kernels.registry.Op`), by name: the list the contract tests run over
 (`tests/test_contract.py`) and the one place a new op is added to."""
 
 from __future__ import annotations
 
-from kernels._op import Op
+from kernels.registry import Op
 from kernels.conv2d import OP as CONV2D
 from kernels.gather import OP as GATHER
 from kernels.matmul import OP as MATMUL

@@ -65,7 +65,7 @@ from jax._src.sharding_impls import canonicalize_sharding  # JAX's ops' own out_
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from kernels import _pallas, _targets
+from kernels import _pallas, _targets, registry
 
 __all__ = ["Layout", "Plan", "partitioned", "match_varying", "Reduction", "reduction", "spec",
            "dims_of", "sharding", "reshape", "like", "strategy", "check_partitionable",
@@ -235,7 +235,7 @@ def check_partitionable(implementation: str, interpret: bool | str,
     XLA's TPU compiler has no emitter for custom_partitioning (jax-ml/jax#38196), and Mosaic
     refuses to be lowered unpartitioned into a sharded program. The dispatch then falls back
     to the next implementation (`xla` by default), or names the way that works."""
-    if implementation != "mosaic" or interpret or strategy(operands)[0] != "auto":
+    if registry.get(implementation).auto_axes or interpret or strategy(operands)[0] != "auto":
         return
     raise NotImplementedError(
         "Mosaic kernels cannot run on a TPU mesh with Auto axes (XLA's TPU compiler cannot "

@@ -38,8 +38,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import kernels
-from kernels import _dispatch, _targets
-from kernels._pallas import MOSAIC_CALL_MARKER, TRITON_CALL_MARKER
+from kernels import _dispatch, _targets, registry
 from kernels.compile import first_line, implementation_for
 
 __all__ = ["ProgramReport", "Program", "PROGRAMS", "MESHES", "devices", "compile_program",
@@ -154,8 +153,10 @@ def compile_program(name: str, fn: Callable[..., Any], args: Sequence[Any], mesh
     except Exception as error:  # noqa: BLE001 - the verdict is the report
         message = f"{type(error).__name__}: {first_line(error)}"
         return report(False, message, seconds=time.perf_counter() - start)
-    marker = TRITON_CALL_MARKER if platform == "gpu" else MOSAIC_CALL_MARKER
-    calls = len(re.findall(rf'custom_call_target="{re.escape(marker)}"', text))
+    lowering = _targets.TARGETS[target].lowering_platform
+    calls = sum(len(re.findall(rf'custom_call_target="{re.escape(entry.call_marker)}"', text))
+                for entry in registry.IMPLEMENTATIONS.values()
+                if entry.is_kernel and lowering in entry.platforms)
     counts = tuple(collectives(text).items())
     return report(True, "", calls, counts, time.perf_counter() - start)
 
@@ -252,13 +253,13 @@ def expects_kernels(program: Program, target: str, mesh_kind: str,
     """Whether the compiled program should hold this library's kernels: an explicit kernel
     always; the default where the defaults table puts a kernel first for the target's
     platform, except compiled Mosaic kernels on Auto axes, where the default is `xla`."""
-    platform = _targets.TARGETS[target].platform
     if implementation is None:
-        lowering = "cuda" if platform == "gpu" else "tpu"
+        lowering = _targets.TARGETS[target].lowering_platform
         implementation = _dispatch.implementations(None, program.op, lowering)[0]
-    if implementation == "xla" or mesh_kind != "one" and not program.sharded_kernels:
+    entry = registry.get(implementation)
+    if not entry.is_kernel or mesh_kind != "one" and not program.sharded_kernels:
         return False
-    return not (implementation == "mosaic" and mesh_kind == "auto")
+    return entry.auto_axes or mesh_kind != "auto"
 
 
 def compile_ops(target: str, count: int = 4, meshes: Sequence[str] = MESHES,

@@ -13,14 +13,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels._pallas import MOSAIC_CALL_MARKER, TRITON_CALL_MARKER, lowered_text
+from kernels import registry
+from kernels._pallas import lowered_text
 
-IMPLEMENTATIONS = ("xla", "triton", "mosaic")
-KERNELS = ("triton", "mosaic")
-PLATFORM = {"triton": "cuda", "mosaic": "tpu"}
-MARKER = {"triton": TRITON_CALL_MARKER, "mosaic": MOSAIC_CALL_MARKER}
+# Every test of an op runs for each registered implementation (kernels.registry).
+IMPLEMENTATIONS = registry.names()
+KERNELS = registry.kernel_names()
+# A kernel's own lowering platform, and the custom call it leaves in lowered text.
+PLATFORM = {name: registry.get(name).platforms[0] for name in KERNELS}
+MARKER = {name: registry.get(name).call_marker for name in KERNELS}
 # Capability flags: what an implementation declines (and must decline with a reason).
-SUPPORTS_FLOAT64 = {"xla": True, "triton": True, "mosaic": False}
+SUPPORTS_FLOAT64 = {name: registry.get(name).supports_float64 for name in IMPLEMENTATIONS}
 
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 # Where a float32 dot at default precision rounds its operands natively: TF32 (10 mantissa

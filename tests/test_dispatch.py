@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels import _dispatch, defaults
+from kernels import _dispatch, defaults, registry
 from kernels.matmul import matmul
 from tests.support import MARKER, x64
 
@@ -357,7 +357,7 @@ def test_export_for_a_platform_this_host_lacks(platform):
     mesh = AbstractMesh((4,), ("data",), axis_types=(AxisType.Explicit,),
                         abstract_device=_targets.abstract_device(target))
     x = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16, sharding=NamedSharding(mesh, P("data")))
-    kernel = defaults.KERNEL_OF_PLATFORM[target.platform]
+    kernel = registry.native(platform, target)
     marker = MARKER[kernel]
     # jax.export refuses custom calls without compatibility guarantees unless told (Triton's).
     checks = [jax.export.DisabledSafetyCheck.custom_call(marker)] if platform == "cuda" else []

@@ -14,10 +14,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from jax.experimental.pallas import triton as plt
 
 from kernels import _targets
-from kernels._pallas.tiles import TILE_ACCESS, tile_access
+from kernels._pallas.tiles import TILE_ACCESS, tile_access, triton_backend
 from kernels._pallas.vmap import vmappable_tpu_interpret
 from kernels._traffic import pipelined_bytes
 
@@ -105,7 +104,7 @@ def triton_call(
                 out_shape=jax.tree.map(_widened, shapes) if widen else shapes,
                 grid=grid,
                 **specs,
-                compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+                compiler_params=triton_backend().CompilerParams(num_warps=num_warps, num_stages=num_stages),
                 interpret=bool(interpret),
                 cost_estimate=pl.CostEstimate(flops=flops, transcendentals=transcendentals,
                                               bytes_accessed=bytes_accessed),

@@ -13,9 +13,17 @@ import jax
 import jax.numpy as jnp
 from jax._src.state import indexing as state_indexing
 from jax._src.state import types as state_types
-from jax.experimental.pallas import triton as plt
 
-__all__ = ["TILE_ACCESS", "tile_access", "triton_load", "triton_store"]
+__all__ = ["TILE_ACCESS", "tile_access", "triton_backend", "triton_load", "triton_store"]
+
+
+def triton_backend() -> Any:
+    """`jax.experimental.pallas.triton`, imported when a Triton kernel is built: JAX has
+    deprecated that backend, and a jax without it must still import this library (the
+    registry then declines `triton`, `kernels.registry.unavailable`)."""
+    from jax.experimental.pallas import triton
+
+    return triton
 
 
 # How the Triton kernel being traced reaches its tiles (set by `triton_call` around the trace):
@@ -87,16 +95,16 @@ def _masked_lanes_dropped(ref: Any, mask: jax.Array) -> Any:
 
 
 def triton_load(ref: Any, **kwargs: Any) -> jax.Array:
-    """`plt.load` of a tile (see `_as_index_arrays`)."""
-    return plt.load(_as_index_arrays(ref), **kwargs)
+    """`pallas.triton.load` of a tile (see `_as_index_arrays`)."""
+    return triton_backend().load(_as_index_arrays(ref), **kwargs)
 
 
 def triton_store(ref: Any, value: jax.Array, *, mask: jax.Array | None = None) -> None:
-    """`plt.store` of a tile (see `_as_index_arrays` and `_masked_lanes_dropped`), converted
+    """`pallas.triton.store` of a tile (see `_as_index_arrays` and `_masked_lanes_dropped`), converted
     to the ref's dtype as Triton's store converts to the pointer's element type."""
     ref, value = _as_index_arrays(ref), value.astype(ref.dtype)
     if mask is not None and TILE_ACCESS.get() == "index_arrays":
         dropping = _masked_lanes_dropped(ref, mask)
         if dropping is not None:
             ref, mask = dropping, None
-    plt.store(ref, value, mask=mask)
+    triton_backend().store(ref, value, mask=mask)

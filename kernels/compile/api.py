@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from kernels import defaults
+from kernels import registry
 from kernels._targets import TARGETS, Target
 from kernels.compile.launches import pallas_calls
 from kernels.compile.mosaic import mosaic_report
@@ -14,13 +14,16 @@ from kernels.compile.triton import triton_report
 
 __all__ = ["compile_kernels", "report", "implementation_for"]
 
+# An implementation's `compile_backend` -> what compiles one of its kernels for a target.
+_BACK_ENDS = {"triton": triton_report, "libtpu": mosaic_report}
+
 
 def compile_kernels(fn: Callable[..., Any], *args: Any, target: str,
                     timeout_s: float | None = DEFAULT_TIMEOUT_S) -> list[KernelReport]:
     """Compiles each kernel that `fn(*args)` launches for `target` (a key of `TARGETS`).
 
-    `fn` calls the ops with `implementation="triton"` (GPU targets) or `"mosaic"` (TPU
-    targets) and `interpret=False`; `args` are arrays or `jax.ShapeDtypeStruct`s. Returns one
+    `fn` calls the ops with the target's implementation (`implementation_for`) and
+    `interpret=False`; `args` are arrays or `jax.ShapeDtypeStruct`s. Returns one
     report per distinct kernel; a compiler error becomes a report's `error`, not an exception.
     """
     chosen = TARGETS[target]
@@ -29,10 +32,11 @@ def compile_kernels(fn: Callable[..., Any], *args: Any, target: str,
 
 def report(eqn, target: Target, timeout_s: float | None = DEFAULT_TIMEOUT_S) -> KernelReport:
     """Compiles one `pallas_call` equation (from `pallas_calls`) for `target`."""
-    compile_one = triton_report if target.platform == "gpu" else mosaic_report
-    return compile_one(eqn, target, timeout_s)
+    backend = registry.get(implementation_for(target.name)).compile_backend
+    return _BACK_ENDS[backend](eqn, target, timeout_s)
 
 
 def implementation_for(target: str) -> str:
     """The implementation whose kernels run on `target` (a key of `TARGETS`)."""
-    return defaults.KERNEL_OF_PLATFORM[TARGETS[target].platform]
+    chosen = TARGETS[target]
+    return registry.native(chosen.lowering_platform, chosen)

@@ -30,9 +30,9 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from kernels import _dispatch, partition
-from kernels._op import Op
-from kernels.conv2d import mosaic, sharding, triton
+from kernels import _dispatch, partition, registry
+from kernels.registry import Op
+from kernels.conv2d import sharding
 from kernels.conv2d.common import (Conv2dConfig, Phase, Problem, make_problem,
                                    subpixel_phases)
 from kernels.matmul import OP as MATMUL
@@ -42,8 +42,8 @@ from reference.conv2d import geometry as make_geometry
 
 __all__ = ["conv2d", "Conv2dConfig"]
 
-OP = Op("conv2d", reference_conv2d, {"triton": triton, "mosaic": mosaic}, Conv2dConfig,
-        sharding)
+OP = Op("conv2d", reference_conv2d, __name__, Conv2dConfig, sharding,
+        check=lambda kernel, p, config: _check(kernel, p, config))
 
 
 class _Static(NamedTuple):
@@ -285,11 +285,11 @@ def conv2d(
     hwio = (2, 3, 1, 0) if data_format == "NCHW" else (0, 1, 2, 3)
     problem = make_problem(tuple(x.shape[d] for d in nhwc), tuple(w.shape[d] for d in hwio),
                            x.dtype, w.dtype, geometry, out_dtype)
-    checks = {kernel: functools.partial(_check, kernel, problem, config) for kernel in OP.kernels}
+    checks = OP.checks(problem, config)
     out_sharding = partition.out_sharding(out_sharding, "conv2d", 4)
 
     def call(name, interpret, out_sharding, x, w):
-        if name == "xla":
+        if not registry.get(name).is_kernel:
             return reference_conv2d(
                 x, w, stride=stride, padding=padding, dilation=dilation,
                 feature_group_count=feature_group_count, data_format=data_format,

@@ -20,17 +20,17 @@ from jax.sharding import NamedSharding, PartitionSpec
 from reference.gather import (bounded_indices, check_arguments, default_fill_value,
                               host_indices)
 from reference.gather import gather as reference_gather
-from kernels import _dispatch, partition
-from kernels._op import Op
-from kernels.gather import mosaic, sharding, triton
+from kernels import _dispatch, partition, registry
+from kernels.registry import Op
+from kernels.gather import sharding
 from kernels.gather.common import (FORWARD_MODE, SCATTER_MODE, TRANSPOSED_MODE, GatherConfig,
                                    Problem, fill_bits, fill_scalar, scatter_plan,
                                    table_view)
 
 __all__ = ["gather", "GatherConfig"]
 
-OP = Op("gather", reference_gather, {"triton": triton, "mosaic": mosaic}, GatherConfig,
-        sharding)
+OP = Op("gather", reference_gather, __name__, GatherConfig, sharding,
+        check=lambda kernel, p, config: _check(kernel, p, config))
 
 
 class _Static(NamedTuple):
@@ -162,14 +162,13 @@ def gather(
         # Converted to the table's dtype first, as JAX does (2 -> True for a bool table).
         fill = fill_bits(fill_scalar(fill_bits(value, x.dtype), x.dtype), kernel_dtype)
     problem = Problem(batch, n, columns, indices.size, kernel_dtype, FORWARD_MODE[mode], fill)
-    checks = {kernel: functools.partial(_check, module, problem, config, x.dtype)
-              for kernel, module in OP.kernels.items()}
+    checks = OP.checks(problem, config)
     # Host indices stay NumPy constants: as operands they would be narrowed to 32 bits.
     host = None if isinstance(indices, jax.Array) else indices
 
     def call(name, interpret, out_sharding, x, *traced_indices):
         indices = traced_indices[0] if traced_indices else host
-        if name == "xla":
+        if not registry.get(name).is_kernel:
             if out_sharding is None and not partition.dims_of(x)[axis]:
                 # The kernels' sharding, which JAX's gather alone may not type (the table and
                 # the indices sharded over different axes) even where no kernel takes the
@@ -208,7 +207,7 @@ def _view_dims(dims: partition.Dims, groups: tuple[tuple[int, ...], ...]) -> par
     return tuple(view)
 
 
-def _check(module, problem: Problem, config: GatherConfig | None, dtype: Any) -> None:
-    if jnp.issubdtype(dtype, jnp.complexfloating):
-        raise NotImplementedError(f"{jnp.dtype(dtype).name} tables are not supported")
-    module.check(problem, config)
+def _check(kernel: str, problem: Problem, config: GatherConfig | None) -> None:
+    if jnp.issubdtype(problem.dtype, jnp.complexfloating):
+        raise NotImplementedError(f"{problem.dtype.name} tables are not supported")
+    OP.module(kernel).check(problem, config)

@@ -19,15 +19,15 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 import reference
-from kernels import _dispatch, partition
+from kernels import _dispatch, partition, registry
 from kernels._dtypes import promoted
-from kernels._op import Op
-from kernels.matmul import mosaic, sharding, triton
+from kernels.registry import Op
+from kernels.matmul import sharding
 from kernels.matmul.common import MatmulConfig, make_problem
 
 __all__ = ["matmul", "MatmulConfig"]
 
-OP = Op("matmul", reference.matmul, {"triton": triton, "mosaic": mosaic}, MatmulConfig, sharding)
+OP = Op("matmul", reference.matmul, __name__, MatmulConfig, sharding)
 
 
 class _Static(NamedTuple):
@@ -203,7 +203,7 @@ def matmul(
     checks = OP.checks(problem, config)
 
     def call(name, interpret, out_sharding, a, b):
-        if name == "xla":
+        if not registry.get(name).is_kernel:
             return reference.matmul(a, b, precision=precision,
                                     preferred_element_type=preferred_element_type,
                                     out_sharding=out_sharding)

@@ -25,17 +25,16 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 from jax.sharding import NamedSharding, PartitionSpec
 
-from kernels import _dispatch, partition
-from kernels._op import Op
-from kernels.normalize import common, mosaic, sharding, triton
+from kernels import _dispatch, partition, registry
+from kernels.registry import Op
+from kernels.normalize import common, sharding
 from kernels.normalize.common import NormalizeConfig, Problem
 from reference.normalize import Axis, check_arguments
 from reference.normalize import normalize as reference_normalize
 
 __all__ = ["normalize", "layer_norm", "rms_norm", "NormalizeConfig"]
 
-OP = Op("normalize", reference_normalize, {"triton": triton, "mosaic": mosaic},
-        NormalizeConfig, sharding)
+OP = Op("normalize", reference_normalize, __name__, NormalizeConfig, sharding)
 
 
 class _Static(NamedTuple):
@@ -151,7 +150,7 @@ def _normalize(x, scale, offset, residual, axis, epsilon, subtract_mean, out_dty
 
     def call(name, interpret, out_sharding, x, scale, offset, residual):
         # y is elementwise in x: asked another sharding, only y moves (the sum keeps x's).
-        if name == "xla" or x.size == 0:
+        if not registry.get(name).is_kernel or x.size == 0:
             # Size zero: an empty result of the right shape, nothing for a kernel to do.
             out = reference_normalize(x, scale, offset, axis=axis, epsilon=epsilon,
                                       subtract_mean=bool(subtract_mean), residual=residual,

@@ -1,0 +1,210 @@
+"""What an implementation is and what an op is, as data: the one list of implementations
+(`IMPLEMENTATIONS`) and the record each op registers (`Op`).
+
+An implementation is one entry here plus one subpackage in each op's folder
+(`kernels/<op>/<subpackage>/`, with `check`, `resolve_config` and the op's kernel entry points).
+Dispatch, defaults, the compile checks, whole programs, the bench and the shared tests read the
+entries; none of them spells out an implementation's name. An op without an implementation's
+subpackage, and an implementation whose backend the installed jax lacks, decline with a reason
+(`Op.module`), like any kernel that cannot take a call: a jax without Pallas' Triton backend
+still imports `kernels` and runs every other implementation. See CONTRIBUTING.md, "Adding an
+implementation".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import importlib
+import importlib.util
+from collections.abc import Callable, Iterator, Mapping
+from types import ModuleType
+from typing import Any
+
+import jax
+
+from kernels import _targets
+from kernels._targets import Target
+
+__all__ = ["Implementation", "IMPLEMENTATIONS", "REFERENCE", "Op", "names", "kernel_names", "get",
+           "native", "unavailable", "registered"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+    """One implementation of every op."""
+
+    name: str  # as `implementation=` names it
+    # The op's folder holds its kernels in kernels/<op>/<subpackage>/; None: it runs the op's
+    # reference (JAX's own ops), on every platform, and never declines.
+    subpackage: str | None
+    # The lowering platforms whose programs run its kernels compiled ("cuda" and "rocm" apart);
+    # on any other platform they are interpreted.
+    platforms: tuple[str, ...] = ()
+    # Whether it is the native kernel of a device (`native`): a GPU's compute capability, a TPU.
+    runs_on: Callable[[Target], bool] = lambda target: False
+    backend: str | None = None  # the Pallas backend module its kernels need from jax
+    min_jax: tuple[int, ...] = (0, 10)  # the oldest jax it runs on
+    # What `interpret=True` and `interpret="strict"` run it in (docs/usage.md, "Testing on a
+    # CPU"); `strict_simulator`: "strict" is TPU interpret mode, whose simulated memory checks
+    # every access (its ordered host callbacks cannot sit in a pruned `platform_dependent`
+    # branch, `_dispatch.resolve_interpret`), rather than the HLO interpreter again.
+    interpret: Mapping[bool | str, str] = dataclasses.field(default_factory=dict)
+    strict_simulator: bool = False
+    call_marker: str | None = None  # the custom call its kernels leave in lowered text
+    compile_backend: str | None = None  # kernels.compile's back end: "triton" or "libtpu"
+    # Whether its compiled kernels partition over Auto mesh axes (Mosaic's custom call has no
+    # partitioner: on Auto TPU axes it is refused, `partition.check_partitionable`).
+    auto_axes: bool = True
+    supports_float64: bool = True  # float64 inputs run (else declined with a reason)
+
+    @property
+    def is_kernel(self) -> bool:
+        return self.subpackage is not None
+
+
+def _gpu(min_capability: int) -> Callable[[Target], bool]:
+    return lambda t: t.platform == "gpu" and (t.compute_capability or min_capability) >= min_capability
+
+
+REFERENCE = "xla"  # the implementation that runs each op's reference: JAX's own ops
+_ENTRIES = (
+    Implementation(REFERENCE, None),
+    Implementation(
+        "triton", "triton", platforms=("cuda", "rocm"), runs_on=_gpu(80),
+        backend="jax.experimental.pallas.triton",
+        interpret={True: "Pallas' HLO interpreter on blocks sized for it",
+                   "strict": "Pallas' HLO interpreter on the device's blocks"},
+        call_marker="__gpu$xla.gpu.triton", compile_backend="triton"),
+    Implementation(
+        "mosaic", "mosaic", platforms=("tpu",), runs_on=lambda t: t.platform == "tpu",
+        backend="jax.experimental.pallas.tpu",
+        interpret={True: "Pallas' HLO interpreter on blocks sized for it",
+                   "strict": "TPU interpret mode on the device's blocks (out-of-bounds reads "
+                             "raise, uninitialized memory is NaN)"},
+        strict_simulator=True, call_marker="tpu_custom_call", compile_backend="libtpu",
+        auto_axes=False, supports_float64=False),
+)
+# A lowering platform -> the kind of `_targets.Target` its devices are.
+_TARGET_PLATFORM = {"cuda": "gpu", "rocm": "gpu", "gpu": "gpu", "tpu": "tpu"}
+# name -> entry, in the order `names` lists them (the default of every op's tests). Changed
+# only by `registered` (a test's temporary entry).
+IMPLEMENTATIONS: dict[str, Implementation] = {entry.name: entry for entry in _ENTRIES}
+
+
+def names() -> tuple[str, ...]:
+    return tuple(IMPLEMENTATIONS)
+
+
+def kernel_names() -> tuple[str, ...]:
+    """The implementations with kernels of their own (not the reference)."""
+    return tuple(name for name, entry in IMPLEMENTATIONS.items() if entry.is_kernel)
+
+
+def get(name: str) -> Implementation:
+    return IMPLEMENTATIONS[name]
+
+
+def native(platform: str, target: Target | None = None) -> str | None:
+    """The implementation whose kernels run compiled in a program lowered for `platform`
+    ("cuda", "rocm", "tpu", "cpu"; "gpu" as jax.default_backend() says it) on `target` (default: the device such a call targets now,
+    `_targets.current`); None where only the reference runs (a CPU)."""
+    kind = _TARGET_PLATFORM.get(platform)
+    if kind is None:
+        return None
+    target = target or _targets.current(kind)
+    for entry in IMPLEMENTATIONS.values():
+        if platform in entry.platforms and entry.runs_on(target):
+            return entry.name
+    return None
+
+
+@functools.cache
+def _backend_missing(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is None
+    except ImportError:  # a parent package that is not there
+        return True
+
+
+def unavailable(name: str) -> str | None:
+    """Why implementation `name` cannot run with the installed jax, or None."""
+    entry = IMPLEMENTATIONS[name]
+    if jax.__version_info__ < entry.min_jax:
+        return (f"needs jax >= {'.'.join(map(str, entry.min_jax))}, this is jax "
+                f"{jax.__version__}")
+    if entry.backend and _backend_missing(entry.backend):
+        return f"the installed jax {jax.__version__} has no {entry.backend}"
+    return None
+
+
+@contextlib.contextmanager
+def registered(entry: Implementation) -> Iterator[Implementation]:
+    """`entry` is an implementation within this scope (a test's, to see a new one reach the
+    dispatch, the shared tests and the compile listing)."""
+    if entry.name in IMPLEMENTATIONS:
+        raise ValueError(f"an implementation named {entry.name!r} is already registered")
+    IMPLEMENTATIONS[entry.name] = entry
+    try:
+        yield entry
+    finally:
+        del IMPLEMENTATIONS[entry.name]
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """What an op registers (`OP` in `kernels/<op>/__init__.py`; `kernels.ops.OPS` lists them).
+
+    Its kernels are found by implementation (`module`); the dispatch runs `checks` before
+    choosing. `cases` is the op's data for everything outside the wheel's kernels: compile
+    cases, whole programs, bench shapes and sharded cases (`kernels/<op>/cases.py`).
+    """
+
+    name: str  # as the dispatch, the defaults table and the error messages name it
+    reference: Callable[..., Any]  # the meaning (reference/<op>.py), which `xla` runs
+    package: str  # "kernels.<op>": each implementation's kernels are its subpackage
+    config_type: type  # the op's config dataclass
+    sharding: ModuleType  # kernels/<op>/sharding.py: a rule and factors per partitioned launch
+    cases: ModuleType | None = None  # kernels/<op>/cases.py
+    # check(implementation, problem, config) instead of `module.check(problem, config)`, where the op
+    # checks more than its kernel module does (conv2d's 1x1 runs on the matmul kernels).
+    check: Callable[[str, Any, Any], None] | None = None
+
+    def has(self, implementation: str) -> bool:
+        """Whether the op's folder holds kernels of `implementation`."""
+        entry = IMPLEMENTATIONS[implementation]
+        return entry.is_kernel and importlib.util.find_spec(
+            f"{self.package}.{entry.subpackage}") is not None
+
+    def module(self, implementation: str) -> ModuleType:
+        """The op's kernel package of `implementation`; NotImplementedError with the reason where
+        the op has none or the installed jax cannot run it."""
+        entry = IMPLEMENTATIONS[implementation]
+        if not entry.is_kernel:
+            raise ValueError(f"{implementation} runs the reference: it has no kernel module")
+        reason = unavailable(implementation)
+        if reason:
+            raise NotImplementedError(reason)
+        if not self.has(implementation):
+            raise NotImplementedError(f"{self.name} has no {implementation} kernels "
+                                      f"({self.package}.{entry.subpackage})")
+        return importlib.import_module(f"{self.package}.{entry.subpackage}")
+
+    def checks(self, problem: Any, config: Any) -> dict[str, Callable[[], None]]:
+        """Per kernel implementation, its check of this call: raises NotImplementedError where
+        it declines (the dispatch then tries the next implementation)."""
+        return {name: functools.partial(self._check, name, problem, config)
+                for name in kernel_names()}
+
+    def _check(self, implementation: str, problem: Any, config: Any) -> None:
+        if self.check is not None:
+            self.check(implementation, problem, config)
+        else:
+            self.module(implementation).check(problem, config)
+
+    def check_config(self, config: Any, caller: str | None = None) -> None:
+        """A caller's config must be the op's config dataclass (or None)."""
+        if config is not None and not isinstance(config, self.config_type):
+            raise TypeError(f"{caller or self.name}: config must be a "
+                            f"{self.config_type.__name__} or None, got {config!r}")
