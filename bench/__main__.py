@@ -11,6 +11,7 @@ costs a CPU test, and their error column checks it against the reference.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import re
 import sys
@@ -19,16 +20,12 @@ from pathlib import Path
 
 import jax
 
-from bench import conv2d as conv2d_bench
-from bench import design
-from bench import gather as gather_bench
-from bench import harness
-from bench import matmul as matmul_bench
-from bench import normalize as normalize_bench
+from bench import design, harness
 from kernels import defaults, registry
+from kernels.ops import OPS
 
-BENCHES = {"matmul": matmul_bench, "conv2d": conv2d_bench,
-           "normalize": normalize_bench, "gather": gather_bench}
+# Each op's bench module, bench/<op>.py (its shapes are data in kernels/<op>/cases.py).
+BENCHES = {name: importlib.import_module(f"bench.{name}") for name in OPS}
 RECORDS = Path(__file__).parent / "records"
 # --interpret value -> the interpreted plans run on a CPU: (shape set, implementations).
 _FAST = ("interpret", [*((name, True) for name in registry.kernel_names()),

@@ -14,19 +14,11 @@ import numpy as np
 from reference.conv2d import conv2d as reference_conv2d
 from reference.conv2d import geometry as make_geometry
 from bench.harness import WITH_BACKWARD, Case, backward
-from kernels.conv2d import conv2d, mosaic
+from kernels.conv2d import OP, conv2d, mosaic
 from kernels.conv2d.common import flops_and_bytes, make_problem
 from tests.support import random
 
-# (x NHWC, w HWIO, options)
-SHAPES = {"native": [((32, 56, 56, 64), (3, 3, 64, 64), {}),
-                     ((32, 28, 28, 128), (3, 3, 128, 256), {"stride": 2}),
-                     ((32, 112, 112, 32), (3, 3, 1, 32), {"feature_group_count": 32})],
-          "cpu": [((8, 32, 32, 32), (3, 3, 32, 64), {}),
-                  ((8, 64, 64, 32), (3, 3, 1, 32), {"feature_group_count": 32})],
-          "interpret": [((8, 32, 32, 32), (3, 3, 32, 64), {}),
-                        ((8, 64, 64, 32), (3, 3, 1, 32), {"feature_group_count": 32})],
-          "strict": [((1, 9, 17, 8), (3, 3, 8, 16), {"stride": 2})]}
+SHAPES = OP.cases.BENCH  # per shape set, in kernels/conv2d/cases.py
 # The denoise example's image, whole or (strict: the simulator is slow) a corner of it.
 BLUR_CROP = {"native": None, "cpu": None, "interpret": None, "strict": 32}
 

@@ -14,14 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.harness import Case, backward
-from kernels.gather import gather
+from kernels.gather import OP, gather
 from kernels.gather.common import Problem, gather_bytes, scatter_bytes
 from reference.gather import gather as reference_gather
 from tests.support import random
 
-# (vocabulary, features, ids)
-SHAPES = {"native": [(32000, 4096, 8192)], "cpu": [(32000, 512, 2048)],
-          "interpret": [(20000, 256, 4096)], "strict": [(1000, 128, 64)]}
+SHAPES = OP.cases.BENCH  # per shape set, in kernels/gather/cases.py
 
 
 def _problem(vocabulary: int, features: int, ids: int, dtype) -> Problem:

@@ -5,15 +5,13 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 import kernels
+from kernels.matmul import OP
 import reference
 from bench.harness import WITH_BACKWARD, Case, backward
 from kernels.matmul.common import flops_and_bytes, make_problem
 from tests.support import random
 
-SHAPES = {"native": [(1024, 1024, 1024), (4096, 4096, 4096), (8192, 1024, 4096)],
-          "cpu": [(512, 512, 512), (1024, 1024, 1024)],
-          "interpret": [(1024, 1024, 1024)],
-          "strict": [(256, 256, 256)]}
+SHAPES = OP.cases.BENCH  # per shape set, in kernels/matmul/cases.py
 
 
 def _reference(a, b):

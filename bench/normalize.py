@@ -11,15 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.harness import WITH_BACKWARD, Case, backward
-from kernels.normalize import common, normalize
+from kernels.normalize import OP, common, normalize
 from reference.normalize import normalize as reference_normalize
 from tests.support import random
 
-# (shape, axis, with scale/offset): layer norm over features, then the tutorial's columns.
-SHAPES = {"native": [((8192, 1024), -1, True), ((4096, 8192), -1, True), ((10000, 100), 0, False)],
-          "cpu": [((2048, 1024), -1, True), ((512, 8192), -1, True), ((10000, 100), 0, False)],
-          "interpret": [((2048, 1024), -1, True), ((20000, 64), 0, False)],
-          "strict": [((256, 1024), -1, True), ((1000, 100), 0, False)]}
+SHAPES = OP.cases.BENCH  # per shape set, in kernels/normalize/cases.py
 
 
 def _numpy_standardize(x):

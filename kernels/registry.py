@@ -157,8 +157,8 @@ class Op:
     """What an op registers (`OP` in `kernels/<op>/__init__.py`; `kernels.ops.OPS` lists them).
 
     Its kernels are found by implementation (`module`); the dispatch runs `checks` before
-    choosing. `cases` is the op's data for everything outside the wheel's kernels: compile
-    cases, whole programs, bench shapes and sharded cases (`kernels/<op>/cases.py`).
+    choosing. `cases` holds the op's cases beyond its unit tests, as data: compile cases, whole
+    programs, bench shapes and sharded cases (`kernels/<op>/cases.py`).
     """
 
     name: str  # as the dispatch, the defaults table and the error messages name it
@@ -166,10 +166,14 @@ class Op:
     package: str  # "kernels.<op>": each implementation's kernels are its subpackage
     config_type: type  # the op's config dataclass
     sharding: ModuleType  # kernels/<op>/sharding.py: a rule and factors per partitioned launch
-    cases: ModuleType | None = None  # kernels/<op>/cases.py
     # check(implementation, problem, config) instead of `module.check(problem, config)`, where the op
     # checks more than its kernel module does (conv2d's 1x1 runs on the matmul kernels).
     check: Callable[[str, Any, Any], None] | None = None
+
+    @property
+    def cases(self) -> ModuleType:
+        """kernels/<op>/cases.py, imported when first read (its cases import the op itself)."""
+        return importlib.import_module(f"{self.package}.cases")
 
     def has(self, implementation: str) -> bool:
         """Whether the op's folder holds kernels of `implementation`."""

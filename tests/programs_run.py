@@ -1,5 +1,5 @@
 """Compiles whole programs for one target and prints one JSON line per program (a report of
-`kernels.programs`). Run by `tests/test_programs.py` in its own process (libtpu and the CUDA
+`kernels.compile.programs`). Run by `tests/test_programs.py` in its own process (libtpu and the CUDA
 plugin's compile-only devices are set up per process):
 
     python tests/programs_run.py ops TARGET       # every op, one device / Auto / Explicit
@@ -30,7 +30,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from kernels import programs  # noqa: E402
+from kernels.compile import programs  # noqa: E402
 from kernels.compile import implementation_for, use_compile_only_devices  # noqa: E402
 
 use_compile_only_devices()

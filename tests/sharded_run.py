@@ -25,7 +25,9 @@ from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import kernels  # noqa: E402
-from kernels import programs  # noqa: E402
+from kernels.compile import programs  # noqa: E402
+from kernels.ops import OPS  # noqa: E402
+
 
 def compiled(fn, *args):
     """`fn` compiled for `args`: called for its values and read for its collectives, so each
@@ -38,57 +40,9 @@ def collectives(program) -> dict[str, int]:
 
 
 def cases(impl: str):
-    """name -> (function of the arrays, [(shape or 'ids', spec)])."""
-    mm = lambda a, b: kernels.matmul(a, b, implementation=impl)  # noqa: E731
-    ln = lambda x, s, o: kernels.layer_norm(x, s, o, implementation=impl)  # noqa: E731
-    conv = lambda x, w: kernels.conv2d(x, w, implementation=impl)  # noqa: E731
-
-    def take(mode, fill=None):
-        return lambda x, i: kernels.gather(x, i, mode=mode, fill_value=fill, implementation=impl)
-
-    return {
-        "matmul/M": (mm, [((64, 32), P("data", None)), ((32, 48), P())]),
-        "matmul/N": (mm, [((64, 32), P("data", None)), ((32, 48), P(None, "model"))]),
-        "matmul/K": (mm, [((64, 32), P("data", "model")), ((32, 48), P("model", None))]),
-        "matmul/batch+K": (mm, [((4, 16, 32), P("data", None, "model")),
-                                ((32, 48), P("model", None))]),
-        "normalize/rows": (ln, [((64, 40), P("data", None)), ((40,), P()), ((40,), P())]),
-        "normalize/normalized-axis": (ln, [((64, 40), P("data", "model")), ((40,), P("model")),
-                                           ((40,), P("model"))]),
-        "normalize/rms-normalized-axis": (
-            lambda x, s: kernels.rms_norm(x, s, implementation=impl),
-            [((16, 64), P(None, "model")), ((64,), P("model"))]),
-        # The fused residual add (both outputs, summed to one array), per shard of rows and
-        # with the normalized axis sharded (the moments merged over the mesh).
-        "normalize/residual-rows": (
-            lambda x, r, s, o: sum(kernels.layer_norm(x, s, o, residual=r,
-                                                      implementation=impl)),
-            [((64, 40), P("data", None)), ((64, 40), P("data", None)), ((40,), P()),
-             ((40,), P())]),
-        "normalize/residual-normalized-axis": (
-            lambda x, r, s: sum(kernels.rms_norm(x, s, residual=r, implementation=impl)),
-            [((16, 64), P(None, "model")), ((16, 64), P(None, "model")), ((64,), P("model"))]),
-        "normalize/standardize-axis0": (
-            lambda x: kernels.normalize(x, axis=0, epsilon=0.0, implementation=impl),
-            [((64, 24), P("model", "data"))]),
-        "gather/indices": (take(None), [((96, 16), P()), ("ids", P("data"))]),
-        "gather/2d-indices": (take(None), [((96, 16), P("model", None)), ("ids2d", P("data"))]),
-        "gather/vocab-clip": (take("clip"), [((96, 16), P("model", None)), ("ids", P("data"))]),
-        "gather/vocab-default": (take(None), [((96, 16), P("model", None)), ("ids", P("data"))]),
-        "gather/vocab-fill": (take("fill", -2.0), [((96, 16), P("model", None)),
-                                                   ("ids", P("data"))]),
-        "gather/vocab-wrap": (take("wrap"), [((96, 16), P("model", None)), ("ids", P("data"))]),
-        "conv2d/batch": (conv, [((4, 6, 6, 8), P("data")), ((3, 3, 8, 8), P())]),
-        "conv2d/out-channels": (conv, [((4, 6, 6, 8), P("data")),
-                                       ((3, 3, 8, 8), P(None, None, None, "model"))]),
-        "conv2d/in-channels": (conv, [((4, 6, 6, 8), P("data", None, None, "model")),
-                                      ((3, 3, 8, 8), P(None, None, "model"))]),
-        "conv2d/depthwise-channels": (
-            lambda x, w: kernels.conv2d(x, w, feature_group_count=8, implementation=impl),
-            [((4, 6, 6, 8), P("data", None, None, "model")),
-             ((3, 3, 1, 8), P(None, None, None, "model"))]),
-        "conv2d/spatial": (conv, [((4, 8, 6, 8), P(None, "data")), ((3, 3, 8, 8), P())]),
-    }
+    """name -> (function of the arrays, [(shape or 'ids', spec)]): every op's
+    (`kernels/<op>/cases.py`, `sharded`)."""
+    return {name: case for op in OPS.values() for name, case in op.cases.sharded(impl).items()}
 
 
 def arrays(specs, mesh):
@@ -198,55 +152,11 @@ def run_reduce_scatter(impl):
             "forward": collectives(program), "out_spec": str(out.sharding.spec)}
 
 
-# out_sharding on Explicit axes: name -> (op of (arrays, out_sharding), operands, asked, want).
-# `asked` is the out_sharding given (None: the default, where JAX's own op alone would raise for
-# the first three); `want` the output's spec. The reduce-scatter cases ask a sharded
-# contraction's output for a sharding along that contraction's mesh axis.
-OUT_SHARDING_CASES = {
-    "matmul/K": (lambda impl: lambda a, b, s: kernels.matmul(a, b, out_sharding=s,
-                                                             implementation=impl),
-                 [((64, 32), P(None, "model")), ((32, 48), P("model", None))], None, P()),
-    "gather/vocab": (lambda impl: lambda x, i, s: kernels.gather(x, i, out_sharding=s,
-                                                                 implementation=impl),
-                     [((96, 16), P("model", None)), ("ids", P("data"))], None, P("data")),
-    "conv2d/in-channels": (lambda impl: lambda x, w, s: kernels.conv2d(
-        x, w, out_sharding=s, implementation=impl),
-        [((4, 6, 6, 8), P("data", None, None, "model")), ((3, 3, 8, 8), P(None, None, "model"))],
-        None, P("data")),
-    "matmul/K-reduce-scatter": (
-        lambda impl: lambda a, b, s: kernels.matmul(a, b, out_sharding=s, implementation=impl),
-        [((64, 32), P(None, "model")), ((32, 48), P("model", None))],
-        P("model", None), P("model", None)),
-    "matmul/K-both": (
-        lambda impl: lambda a, b, s: kernels.matmul(a, b, out_sharding=s, implementation=impl),
-        [((4, 16, 32), P(None, None, "model")), ((32, 48), P("model", None))],
-        P("data", None, "model"), P("data", None, "model")),
-    "gather/vocab-reduce-scatter": (
-        lambda impl: lambda x, i, s: kernels.gather(x, i, mode="fill", out_sharding=s,
-                                                    implementation=impl),
-        [((96, 16), P("model", None)), ("ids", P())], P("model", None), P("model", None)),
-    "conv2d/in-channels-reduce-scatter": (
-        lambda impl: lambda x, w, s: kernels.conv2d(x, w, out_sharding=s, implementation=impl),
-        [((4, 6, 6, 8), P("data", None, None, "model")), ((3, 3, 8, 8), P(None, None, "model"))],
-        P("data", None, None, "model"), P("data", None, None, "model")),
-    # Indices sharded on both dims (2 rows, one a device along "data"): the output keeps both.
-    "gather/2d-indices-both": (
-        lambda impl: lambda x, i, s: kernels.gather(x, i, out_sharding=s, implementation=impl),
-        [((96, 16), P()), ("ids2x32", P("data", "model"))], None, P("data", "model")),
-    # Sequence-parallel activations into a dense layer: rows sharded on the sequence, not the
-    # batch, so the batch is not folded into M (a reshape JAX refuses on Explicit axes).
-    "matmul/sequence-sharded": (
-        lambda impl: lambda a, b, s: kernels.matmul(a, b, out_sharding=s, implementation=impl),
-        [((4, 16, 32), P(None, "model", None)), ((32, 48), P())], None, P(None, "model")),
-    "layer_norm/replicated": (
-        lambda impl: lambda x, r, s: sum(kernels.layer_norm(x, residual=r, out_sharding=s,
-                                                            implementation=impl)[:1]),
-        [((64, 40), P("data", None)), ((64, 40), P("data", None))], P(), P()),
-    "layer_norm/residual-sum": (
-        lambda impl: lambda x, r, s: kernels.layer_norm(x, residual=r, out_sharding=s,
-                                                        implementation=impl)[1],
-        [((64, 40), P("data", None)), ((64, 40), P("data", None))], P(), P("data")),
-}
+# out_sharding on Explicit axes: name -> (op of (arrays, out_sharding), operands, asked, want),
+# every op's (`kernels/<op>/cases.py`, `OUT_SHARDING`). `asked` is the out_sharding given (None:
+# the default, where JAX's own op alone would raise); `want` the output's spec.
+OUT_SHARDING_CASES = {name: case for op in OPS.values()
+                      for name, case in op.cases.OUT_SHARDING.items()}
 
 
 def run_out_sharding(impl, name):

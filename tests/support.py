@@ -148,3 +148,4 @@ class Contract:
     example: Callable[[], tuple]  # inputs for the jit and eager calls
     repeated: Callable[[int], tuple]  # seed -> float32 inputs, one shape for every seed
     check: Callable[..., None]  # check(out, *inputs): against float64 truth
+    small: Callable[..., Any]  # small(**options): one small call, with the options under test

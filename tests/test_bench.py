@@ -177,7 +177,7 @@ def test_chained_program_holds_every_call_and_their_values():
 def test_chained_program_launches_every_kernel_on_an_h100():
     """Compiled by XLA's GPU compiler for an H100 (compile-only), the chained program of a
     Triton kernel launches it once per call."""
-    from kernels import programs
+    from kernels.compile import programs
 
     mesh = programs.mesh_for("sm_90", 1, "one")
     args = [jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=jax.NamedSharding(mesh, P()))

@@ -185,7 +185,7 @@ def test_compile_only_environment_is_set_by_entry_points_not_on_import(monkeypat
     from kernels.compile.environment import COMPILE_ONLY_VARIABLES, use_compile_only_devices
 
     clean = {k: v for k, v in os.environ.items() if k not in COMPILE_ONLY_VARIABLES}
-    script = ("import os, kernels.compile, kernels.programs; "
+    script = ("import os, kernels.compile, kernels.compile.programs; "
               f"print(sorted(set({sorted(COMPILE_ONLY_VARIABLES)}) & set(os.environ)))")
     out = subprocess.run([sys.executable, "-c", script], env=clean, capture_output=True,
                          text=True, check=True, timeout=120)

@@ -1,15 +1,20 @@
-"""What every op owes, checked once over the ops' registrations (`kernels.ops.OPS`): the pieces
-an op is made of (CONTRIBUTING.md, "Adding an op"); the errors its public function raises for
-a bad implementation, interpret or config; and, for every implementation, the same values under
-jit and eagerly, no retrace on repeated calls, and vmap over every operand, each checked
-against float64 truth by the op's `CONTRACT` (tests/test_<op>.py, beside its own helpers). Each
-op's particular behaviour (its vmap variants, gradients, bad inputs) is in its own file."""
+"""What every op owes, checked once over the ops' registrations (`kernels.ops.OPS`) and the
+implementations' (`kernels.registry`): the pieces an op is made of (CONTRIBUTING.md, "Adding an
+op"); the errors its public function raises for a bad implementation, interpret or config; and,
+for every implementation, the same values under jit and eagerly, no retrace on repeated calls,
+vmap over every operand and gradients under x64, each checked against float64 truth by the op's
+`CONTRACT` (tests/test_<op>.py, beside its own helpers). A dummy implementation registered here
+reaches the dispatch, these shared checks and the compile listing. Each op's particular
+behaviour (its vmap variants, gradients, bad inputs) is in its own files."""
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
 import inspect
+import subprocess
+import sys
+import textwrap
 
 import chex
 import jax
@@ -18,30 +23,20 @@ import pytest
 
 import kernels
 from bench.__main__ import BENCHES
-from kernels import defaults, programs
-from kernels.compile import CASES
+from kernels import _dispatch, defaults, registry
+from kernels.compile import CASES, listing
 from kernels.ops import OPS
-from tests.support import IMPLEMENTATIONS, KERNELS, assert_close, weighted_sum, x64
-from tests.test_conv2d import CONTRACT as CONV2D
-from tests.test_gather import CONTRACT as GATHER
-from tests.test_matmul import CONTRACT as MATMUL
-from tests.test_normalize import CONTRACT as NORMALIZE
+from tests.support import IMPLEMENTATIONS, KERNELS, Contract, assert_close, weighted_sum, x64
 
-CONTRACTS = {"matmul": MATMUL, "conv2d": CONV2D, "normalize": NORMALIZE, "gather": GATHER}
+# Each op's contract, beside its helpers in tests/test_<op>.py.
+CONTRACTS: dict[str, Contract] = {
+    name: importlib.import_module(f"tests.test_{name}").CONTRACT for name in OPS}
 # As in the op files: kernels run "strict" (Mosaic in TPU interpret mode) on these small inputs.
 pytestmark = pytest.mark.usefixtures("strict_interpret")
 
-# One small call per op, taking the options under test as keywords.
-CALLS = {
-    "matmul": lambda **kw: kernels.matmul(jnp.ones((3, 3)), jnp.ones((3, 3)), **kw),
-    "conv2d": lambda **kw: kernels.conv2d(jnp.ones((1, 5, 6, 4)), jnp.ones((3, 3, 4, 2)), **kw),
-    "normalize": lambda **kw: kernels.normalize(jnp.ones((4, 8)), **kw),
-    "gather": lambda **kw: kernels.gather(jnp.ones((5, 3)), jnp.asarray([1, 2]), **kw),
-}
-
 
 def test_every_public_op_is_registered():
-    assert sorted(OPS) == sorted(CALLS) == sorted(CONTRACTS)
+    assert sorted(OPS) == sorted(CONTRACTS)
     for name, op in OPS.items():
         assert op.name == name
         assert getattr(kernels, op.config_type.__name__) is op.config_type
@@ -68,16 +63,20 @@ def test_every_op_has_every_piece(name):
     assert rules, "partition rules (kernels/<op>/sharding.py)"
     for rule in rules:
         assert callable(getattr(op.sharding, rule[:-len("rule")] + "factors", None)), rule
-    assert CASES[name], "compile cases (kernels.compile.CASES)"
-    assert any(p.op == name for p in programs.PROGRAMS.values()), "a whole program"
-    assert name in BENCHES, "a bench module"
+    # Its cases beyond the unit tests, as data in its folder (kernels/<op>/cases.py).
+    assert CASES[name], "compile cases (COMPILE)"
+    assert op.cases.PROGRAMS and all(p.op == name for p in op.cases.PROGRAMS.values()), \
+        "whole programs (PROGRAMS)"
+    assert sorted(op.cases.BENCH) == ["cpu", "interpret", "native", "strict"], "bench shapes"
+    assert op.cases.sharded("xla") and isinstance(op.cases.OUT_SHARDING, dict), "sharded cases"
+    assert name in BENCHES, "a bench module (bench/<op>.py)"
     for platform in ("gpu", "tpu"):
         assert (name, platform) in defaults.TABLE, f"a default on {platform}"
 
 
 @pytest.mark.parametrize("name", sorted(OPS))
 def test_bad_implementation_interpret_and_config_name_the_op(name):
-    call, config_type = CALLS[name], OPS[name].config_type.__name__
+    call, config_type = CONTRACTS[name].small, OPS[name].config_type.__name__
     with pytest.raises(ValueError, match="implementation must be one of"):
         call(implementation="cuda")
     with pytest.raises(ValueError, match="implementation must be one of"):
@@ -94,19 +93,14 @@ def test_bad_implementation_interpret_and_config_name_the_op(name):
         call(out_sharding=jax.NamedSharding(mesh, jax.P(*(None,) * 5)))
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-@pytest.mark.parametrize("name", sorted(OPS))
-@pytest.mark.parametrize("jitted", [True, False], ids=["jit", "no_jit"])
-def test_jit_and_no_jit(name, implementation, jitted):
+def check_jit_and_no_jit(name: str, implementation: str, jitted: bool) -> None:
     contract = CONTRACTS[name]
     inputs = contract.example()
     op = contract.call(implementation)
     contract.check((jax.jit(op) if jitted else op)(*inputs), *inputs)
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-@pytest.mark.parametrize("name", sorted(OPS))
-def test_no_retrace_on_repeated_calls(name, implementation):
+def check_no_retrace_on_repeated_calls(name: str, implementation: str) -> None:
     contract = CONTRACTS[name]
     chex.clear_trace_counter()  # each call's lambda is one code object for every parameter
     traced = jax.jit(chex.assert_max_traces(contract.call(implementation), n=1))
@@ -115,9 +109,7 @@ def test_no_retrace_on_repeated_calls(name, implementation):
         contract.check(traced(*inputs), *inputs)
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-@pytest.mark.parametrize("name", sorted(OPS))
-def test_vmap_over_every_operand(name, implementation):
+def check_vmap_over_every_operand(name: str, implementation: str) -> None:
     contract = CONTRACTS[name]
     examples = [contract.repeated(seed) for seed in (3, 4)]
     stacked = [jnp.stack(operands) for operands in zip(*examples)]
@@ -126,9 +118,7 @@ def test_vmap_over_every_operand(name, implementation):
         contract.check(out[k], *inputs)
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-@pytest.mark.parametrize("name", sorted(OPS))
-def test_strict_settings_with_x64(name, implementation):
+def check_strict_settings_with_x64(name: str, implementation: str) -> None:
     """Forward and gradient under the suite's strict rank and dtype promotion
     (tests/conftest.py) with jax_enable_x64 on too, where Python scalars and default integers are
     64-bit beside the kernels' 32-bit arithmetic; the gradient against JAX's gradient of the
@@ -144,8 +134,92 @@ def test_strict_settings_with_x64(name, implementation):
         loss = lambda f: lambda *a: weighted_sum(f(*a))  # noqa: E731
         got = jax.jit(jax.grad(loss(op), argnums=floats))(*inputs)
         wide = [a.astype(jnp.float64) if i in floats else a for i, a in enumerate(inputs)]
-        want = jax.grad(loss(contract.call("xla")), argnums=floats)(*wide)
+        want = jax.grad(loss(contract.call(registry.REFERENCE)), argnums=floats)(*wide)
     for gradient, truth, i in zip(got, want, floats):
         assert gradient.dtype == inputs[i].dtype
         assert_close(gradient, truth, inputs[i].dtype,
                      reduction_length=max(a.size for a in inputs))
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("name", sorted(OPS))
+@pytest.mark.parametrize("jitted", [True, False], ids=["jit", "no_jit"])
+def test_jit_and_no_jit(name, implementation, jitted):
+    check_jit_and_no_jit(name, implementation, jitted)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_no_retrace_on_repeated_calls(name, implementation):
+    check_no_retrace_on_repeated_calls(name, implementation)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_vmap_over_every_operand(name, implementation):
+    check_vmap_over_every_operand(name, implementation)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_strict_settings_with_x64(name, implementation):
+    check_strict_settings_with_x64(name, implementation)
+
+
+# An implementation that runs each op's reference, as `xla` does, under another name.
+DUMMY = registry.Implementation("dummy", None)
+
+
+def test_a_registered_implementation_reaches_dispatch_shared_tests_and_compile_listing():
+    with registry.registered(DUMMY):
+        # Dispatch: a valid name, chosen, and resolved as the reference runs (never
+        # interpreted); a kernel implementation's checks do not include it.
+        assert "dummy" in registry.names() and "dummy" not in registry.kernel_names()
+        assert _dispatch.implementations("dummy") == ("dummy",)
+        assert _dispatch.resolve_interpret("dummy", True) is False
+        # The shared tests of every op, run for it.
+        for name in sorted(OPS):
+            check_jit_and_no_jit(name, "dummy", jitted=True)
+            check_vmap_over_every_operand(name, "dummy")
+            check_strict_settings_with_x64(name, "dummy")
+        # The compile listing names it, with nothing to compile.
+        rows = {row["implementation"]: row for row in listing()}
+        assert rows["dummy"]["targets"] == [] and rows["dummy"]["back_end"] is None
+    assert "dummy" not in registry.names()
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        kernels.matmul(jnp.ones((2, 2)), jnp.ones((2, 2)), implementation="dummy")
+
+
+def test_an_op_without_an_implementations_kernels_declines_with_a_reason():
+    """A kernel implementation an op's folder lacks declines like any kernel: an explicit
+    choice raises the reason; in a sequence, the next implementation runs."""
+    absent = registry.Implementation("absent", "absent_kernels", platforms=("tpu",))
+    with registry.registered(absent):
+        assert not OPS["matmul"].has("absent")
+        with pytest.raises(NotImplementedError,
+                           match=r"absent: matmul has no absent kernels \(kernels.matmul"):
+            kernels.matmul(jnp.ones((2, 2)), jnp.ones((2, 2)), implementation="absent")
+        out = kernels.matmul(jnp.ones((2, 2)), jnp.ones((2, 2)), implementation=("absent", "xla"))
+        chex.assert_trees_all_equal(out, jnp.full((2, 2), 2.0))
+
+
+def test_a_jax_without_pallas_triton_imports_kernels_and_runs_the_others():
+    """JAX has deprecated Pallas' Triton backend: where a jax lacks it, `import kernels` works,
+    every other implementation runs, and `triton` declines with the reason."""
+    script = textwrap.dedent("""
+        import sys
+        sys.modules["jax.experimental.pallas.triton"] = None  # as if jax had none
+        import jax.numpy as jnp
+        import kernels
+        x = jnp.arange(12.0).reshape(3, 4)
+        for implementation in ("xla", "mosaic"):
+            kernels.layer_norm(x, implementation=implementation, interpret=True)
+        try:
+            kernels.layer_norm(x, implementation="triton", interpret=True)
+        except NotImplementedError as declined:
+            print(declined)
+        """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=300, check=True)
+    assert "triton: the installed jax" in result.stdout
+    assert "has no jax.experimental.pallas.triton" in result.stdout

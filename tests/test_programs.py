@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels import programs
+from kernels.compile import programs
 from kernels.compile import implementation_for
 
 HERE = Path(__file__).parent

@@ -10,7 +10,8 @@ This package runs the real back ends, which work without the hardware, one modul
   Mosaic's layout rules, and the kernel's planned VMEM;
 - `report`: the verdict (`KernelReport`) and what both back ends share to reach it;
 - `api`: the entry points (`compile_kernels`, `report`);
-- `cases`: the shapes every kernel is compiled at (`CASES`);
+- `cases`: the shapes every kernel is compiled at (`CASES`, each op's `kernels/<op>/cases.py`);
+- `programs`: whole programs, compiled as users run them (each op's `PROGRAMS`);
 - `environment`: the variables the compilers need before jax starts (`use_compile_only_devices`,
   which every entry point calls first; importing the package sets nothing);
 - `__main__`: the command line.
@@ -22,7 +23,7 @@ need the `test` extra (`triton`, and `jax[tpu]` for libtpu).
     python -m kernels.compile --ops gather --targets v5e,v4 --json report.json
     python -m kernels.compile --programs --devices 4 --mesh auto   # whole programs
 
-With `--programs` it compiles whole jitted programs instead (`kernels.programs`: each op's
+With `--programs` it compiles whole jitted programs instead (`kernels.compile.programs`: each op's
 forward and gradient on one device or sharded over a mesh of compile-only devices, as XLA's GPU
 compiler and libtpu build them) and reports per program: compiled or the compiler's first error
 line, kernel calls, collectives. That also needs `jax[cuda12-local]` (XLA's GPU compiler).
@@ -35,10 +36,10 @@ from kernels.compile.environment import use_compile_only_devices
 from kernels.compile.launches import (distinct, find_pallas_calls, launch_key,
                                       launches, pallas_calls)
 from kernels.compile.mosaic import planned_vmem
-from kernels.compile.api import compile_kernels, implementation_for, report
+from kernels.compile.api import compile_kernels, implementation_for, listing, report
 from kernels.compile.report import (DEFAULT_TIMEOUT_S, KernelReport, first_line,
                                     resources)
 
 __all__ = ["KernelReport", "compile_kernels", "report", "resources", "launches", "pallas_calls",
-           "distinct", "launch_key", "find_pallas_calls", "first_line", "implementation_for",
+           "distinct", "launch_key", "find_pallas_calls", "first_line", "implementation_for", "listing",
            "planned_vmem", "CASES", "Case", "DEFAULT_TIMEOUT_S", "use_compile_only_devices"]

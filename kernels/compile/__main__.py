@@ -11,9 +11,10 @@ import sys
 from typing import Any
 
 from kernels import compile as package
-from kernels import programs
+from kernels import registry
+from kernels.compile import programs
 from kernels._targets import TARGETS
-from kernels.compile.api import compile_kernels, implementation_for
+from kernels.compile.api import compile_kernels, implementation_for, listing
 from kernels.compile.cases import CASES, Case
 from kernels.compile.report import DEFAULT_TIMEOUT_S, KernelReport, resources
 
@@ -66,15 +67,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="also write every report to PATH")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
                         help="seconds per kernel compile")
+    parser.add_argument("--list", action="store_true",
+                        help="list each registered implementation's back end and targets")
     parser.add_argument("--programs", action="store_true",
-                        help="compile whole programs (kernels.programs) instead of kernels")
+                        help="compile whole programs (kernels.compile.programs) instead of kernels")
     parser.add_argument("--devices", type=int, default=4, choices=(4, 8),
                         help="--programs: devices of the Auto and Explicit meshes")
     parser.add_argument("--mesh", default="one,auto,explicit",
                         help="--programs: comma-separated mesh kinds (one, auto, explicit)")
     parser.add_argument("--implementations", default="default,kernel",
-                        help="--programs: comma-separated: default, kernel, xla, triton, mosaic")
+                        help="--programs: comma-separated: default, kernel or an "
+                             f"implementation ({', '.join(registry.names())})")
     args = parser.parse_args(argv)
+    if args.list:
+        for row in listing():
+            print(f"{row['implementation']:8}  {row['back_end'] or '-':8}  "
+                  f"{', '.join(row['targets']) or 'runs the reference: nothing to compile'}")
+        return 0
     package.use_compile_only_devices()
     ops, targets = args.ops.split(","), args.targets.split(",")
     for name, chosen, known in (("ops", ops, CASES), ("targets", targets, TARGETS)):

@@ -12,7 +12,7 @@ from kernels.compile.mosaic import mosaic_report
 from kernels.compile.report import DEFAULT_TIMEOUT_S, KernelReport
 from kernels.compile.triton import triton_report
 
-__all__ = ["compile_kernels", "report", "implementation_for"]
+__all__ = ["compile_kernels", "report", "implementation_for", "listing"]
 
 # An implementation's `compile_backend` -> what compiles one of its kernels for a target.
 _BACK_ENDS = {"triton": triton_report, "libtpu": mosaic_report}
@@ -34,6 +34,16 @@ def report(eqn, target: Target, timeout_s: float | None = DEFAULT_TIMEOUT_S) -> 
     """Compiles one `pallas_call` equation (from `pallas_calls`) for `target`."""
     backend = registry.get(implementation_for(target.name)).compile_backend
     return _BACK_ENDS[backend](eqn, target, timeout_s)
+
+
+def listing() -> list[dict[str, Any]]:
+    """Per registered implementation, its compile back end and the targets its kernels are
+    compiled for (an implementation that runs the reference has none)."""
+    return [{"implementation": entry.name, "back_end": entry.compile_backend,
+             "targets": [name for name, target in TARGETS.items()
+                         if entry.compile_backend and registry.native(
+                             target.lowering_platform, target) == entry.name]}
+            for entry in registry.IMPLEMENTATIONS.values()]
 
 
 def implementation_for(target: str) -> str:

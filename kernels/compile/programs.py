@@ -17,6 +17,8 @@ on a `Mesh` of the compile-only devices, with Auto axes (the pjit style) or Expl
 XLA fusions) and the collectives.
 
     python -m kernels.compile --programs --devices 4 --mesh auto   # every op, 5 targets
+
+The programs are each op's (`PROGRAMS`, from `kernels/<op>/cases.py`).
 """
 
 from __future__ import annotations
@@ -32,14 +34,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AxisType, Mesh
 
-import kernels
 from kernels import _dispatch, _targets, registry
-from kernels.compile import first_line, implementation_for
+from kernels._cases import Program
+from kernels.compile.api import implementation_for
+from kernels.compile.report import first_line
+from kernels.ops import OPS
 
 __all__ = ["ProgramReport", "Program", "PROGRAMS", "MESHES", "devices", "compile_program",
            "expects_kernels", "collectives"]
@@ -161,91 +163,9 @@ def compile_program(name: str, fn: Callable[..., Any], args: Sequence[Any], mesh
     return report(True, "", calls, counts, time.perf_counter() - start)
 
 
-# ----------------------------------------------------------------------------- the programs
-
-
-@dataclasses.dataclass(frozen=True)
-class Program:
-    """One op's forward and gradient as a program: `operands` are (shape, dtype, spec over the
-    ("data", "model") mesh); the program returns the loss sum(op(...)) and its gradient with
-    respect to every floating operand. Every program's sharding is one its rule runs without
-    all-gathering an operand."""
-
-    op: str  # the op family (kernels.compile.CASES' keys)
-    description: str
-    call: Callable[..., Callable[..., jax.Array]]  # implementation -> op function
-    operands: tuple[tuple[tuple[int, ...], Any, P], ...]
-    # Whether the rule runs the kernels on these shards: a sharded normalized axis is merged
-    # by XLA ops instead (Chan's merge; the fused kernel needs whole groups).
-    sharded_kernels: bool = True
-
-    def function(self, implementation: str | None) -> Callable[..., Any]:
-        op = self.call(implementation)
-        floating = tuple(i for i, (_, dtype, _) in enumerate(self.operands)
-                         if jnp.issubdtype(dtype, jnp.floating))
-
-        def loss(*arrays):
-            return jnp.sum(op(*arrays).astype(jnp.float32))
-
-        return jax.value_and_grad(loss, argnums=floating)
-
-    def args(self, mesh: Mesh, one_device: bool) -> list[jax.ShapeDtypeStruct]:
-        return [jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(
-                    mesh, P() if one_device else spec))
-                for shape, dtype, spec in self.operands]
-
-
-def _options(implementation: str | None) -> dict[str, Any]:
-    return {"implementation": implementation}
-
-
-_BF16, _F32, _I32 = jnp.bfloat16, jnp.float32, jnp.int32
-PROGRAMS = {
-    "layer_norm": Program(
-        "normalize", "(256, 1024) bf16 rows sharded, scale and offset",
-        lambda impl: lambda x, s, o: kernels.layer_norm(x, s, o, **_options(impl)),
-        (((256, 1024), _BF16, P("data", None)), ((1024,), _F32, P()), ((1024,), _F32, P()))),
-    "rms_norm": Program(
-        "normalize", "(256, 1024) bf16 rows sharded over both mesh axes, scale",
-        lambda impl: lambda x, s: kernels.rms_norm(x, s, **_options(impl)),
-        (((256, 1024), _BF16, P(("data", "model"), None)), ((1024,), _F32, P()))),
-    "normalize_axis0": Program(
-        "normalize", "(4096, 256) f32 over axis 0 (split moments), columns sharded",
-        lambda impl: lambda x: kernels.normalize(x, axis=0, **_options(impl)),
-        (((4096, 256), _F32, P(None, "model")),)),
-    "normalize_axis0_rows": Program(
-        "normalize", "(4096, 256) f32 over axis 0, rows (the normalized axis) sharded",
-        lambda impl: lambda x: kernels.normalize(x, axis=0, **_options(impl)),
-        (((4096, 256), _F32, P("data", None)),), sharded_kernels=False),
-    "matmul": Program(
-        "matmul", "(256, 512) @ (512, 1024) bf16, M and N sharded",
-        lambda impl: lambda a, b: kernels.matmul(a, b, **_options(impl)),
-        (((256, 512), _BF16, P("data", None)), ((512, 1024), _BF16, P(None, "model")))),
-    "conv2d": Program(
-        "conv2d", "(8, 32, 32, 64) bf16 3x3 -> 128, batch sharded",
-        lambda impl: lambda x, w: kernels.conv2d(x, w, **_options(impl)),
-        (((8, 32, 32, 64), _BF16, P("data")), ((3, 3, 64, 128), _BF16, P()))),
-    "depthwise_stride2": Program(
-        "conv2d", "(16, 56, 56, 32) bf16 depthwise 3x3 stride 2, batch sharded",
-        lambda impl: lambda x, w: kernels.conv2d(x, w, stride=2, feature_group_count=32,
-                                                 **_options(impl)),
-        (((16, 56, 56, 32), _BF16, P("data")), ((3, 3, 1, 32), _BF16, P()))),
-    "gather": Program(
-        "gather", "(4096, 256) bf16 table sharded by columns, 1024 ids sharded",
-        lambda impl: lambda t, i: kernels.gather(t, i, mode="fill", fill_value=0,
-                                                 **_options(impl)),
-        (((4096, 256), _BF16, P(None, "model")), ((1024,), _I32, P("data")))),
-    # Where JAX's own op alone raises on Explicit axes (it asks for an out_sharding): the
-    # default (`xla` there) is given the sharding the kernels give.
-    "matmul_k": Program(
-        "matmul", "(256, 512) @ (512, 1024) bf16, K sharded (row-parallel)",
-        lambda impl: lambda a, b: kernels.matmul(a, b, **_options(impl)),
-        (((256, 512), _BF16, P(None, "model")), ((512, 1024), _BF16, P("model", None)))),
-    "gather_vocab": Program(
-        "gather", "(4096, 256) bf16 table sharded by rows (vocab-parallel), 1024 ids sharded",
-        lambda impl: lambda t, i: kernels.gather(t, i, **_options(impl)),
-        (((4096, 256), _BF16, P("model", None)), ((1024,), _I32, P("data")))),
-}
+# Every op's whole programs, from its folder (`kernels/<op>/cases.py`), by name.
+PROGRAMS: dict[str, Program] = {name: program for op in OPS.values()
+                                for name, program in op.cases.PROGRAMS.items()}
 
 
 def expects_kernels(program: Program, target: str, mesh_kind: str,

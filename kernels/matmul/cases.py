@@ -1,0 +1,93 @@
+"""matmul beyond its unit tests, as data (`OP.cases`): the shapes its kernels are compiled at
+(`COMPILE`, read by `kernels.compile`), its whole programs (`PROGRAMS`), its bench shapes
+(`BENCH`, read by `bench/matmul.py`) and its sharded cases (`sharded`, `OUT_SHARDING`, run by
+tests/sharded_run.py on 8 CPU devices)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from kernels._cases import Case, Program, shape_text, spec
+from kernels.matmul import matmul
+
+_BF16, _F32 = jnp.bfloat16, jnp.float32
+
+
+def _case(a_shape, b_shape, dtype) -> Case:
+    return Case("matmul", f"{shape_text(a_shape)} @ {shape_text(b_shape)} "
+                f"{jnp.dtype(dtype).name}", (spec(a_shape, dtype), spec(b_shape, dtype)),
+                lambda impl, a, b: matmul(a, b, implementation=impl, interpret=False))
+
+
+# The bench's device shapes (`designed`: those its design figures show), the shapes of models
+# people train, and odd small ones.
+COMPILE = [
+    _case((1024, 1024), (1024, 1024), _F32).designed(),
+    _case((1024, 1024), (1024, 1024), _BF16),
+    _case((4096, 4096), (4096, 4096), _F32),
+    _case((4096, 4096), (4096, 4096), _BF16).designed(),
+    _case((8192, 4096), (4096, 1024), _F32),
+    _case((8192, 4096), (4096, 1024), _BF16).designed(),
+    _case((16, 4096), (4096, 4096), _BF16).designed(),  # decode: split K
+    _case((129, 65), (65, 257), _F32),
+    _case((8, 1000, 1000), (8, 1000, 1000), _BF16),
+    _case((7, 5), (5, 13), _F32),
+]
+
+PROGRAMS = {
+    "matmul": Program(
+        "matmul", "(256, 512) @ (512, 1024) bf16, M and N sharded",
+        lambda impl: lambda a, b: matmul(a, b, implementation=impl),
+        (((256, 512), _BF16, P("data", None)), ((512, 1024), _BF16, P(None, "model")))),
+    # Where JAX's own op alone raises on Explicit axes (it asks for an out_sharding): the
+    # default (`xla` there) is given the sharding the kernels give.
+    "matmul_k": Program(
+        "matmul", "(256, 512) @ (512, 1024) bf16, K sharded (row-parallel)",
+        lambda impl: lambda a, b: matmul(a, b, implementation=impl),
+        (((256, 512), _BF16, P(None, "model")), ((512, 1024), _BF16, P("model", None)))),
+}
+
+# (m, n, k) per shape set: on a device, on a CPU (xla), in the fast interpreter, in "strict".
+BENCH = {"native": [(1024, 1024, 1024), (4096, 4096, 4096), (8192, 1024, 4096)],
+         "cpu": [(512, 512, 512), (1024, 1024, 1024)],
+         "interpret": [(1024, 1024, 1024)],
+         "strict": [(256, 256, 256)]}
+
+
+def sharded(impl):
+    """name -> (the op of `impl` as a function of arrays, [(shape, spec)]), on a (2, 4) mesh
+    ("data", "model")."""
+    mm = lambda a, b: matmul(a, b, implementation=impl)  # noqa: E731
+    return {
+        "matmul/M": (mm, [((64, 32), P("data", None)), ((32, 48), P())]),
+        "matmul/N": (mm, [((64, 32), P("data", None)), ((32, 48), P(None, "model"))]),
+        "matmul/K": (mm, [((64, 32), P("data", "model")), ((32, 48), P("model", None))]),
+        "matmul/batch+K": (mm, [((4, 16, 32), P("data", None, "model")),
+                                ((32, 48), P("model", None))]),
+    }
+
+
+def _with_out_sharding(impl):
+    return lambda a, b, s: matmul(a, b, out_sharding=s, implementation=impl)
+
+
+# out_sharding on Explicit axes: name -> (op of (arrays, out_sharding), operands, asked, want):
+# `asked` the out_sharding given (None: the default, where JAX's own op alone would raise),
+# `want` the output's spec.
+OUT_SHARDING = {
+    "matmul/K": (_with_out_sharding, [((64, 32), P(None, "model")), ((32, 48), P("model", None))],
+                 None, P()),
+    # A sharded contraction's output asked for a sharding along the contraction's mesh axis.
+    "matmul/K-reduce-scatter": (
+        _with_out_sharding, [((64, 32), P(None, "model")), ((32, 48), P("model", None))],
+        P("model", None), P("model", None)),
+    "matmul/K-both": (
+        _with_out_sharding, [((4, 16, 32), P(None, None, "model")), ((32, 48), P("model", None))],
+        P("data", None, "model"), P("data", None, "model")),
+    # Sequence-parallel activations into a dense layer: rows sharded on the sequence, not the
+    # batch, so the batch is not folded into M (a reshape JAX refuses on Explicit axes).
+    "matmul/sequence-sharded": (
+        _with_out_sharding, [((4, 16, 32), P(None, "model", None)), ((32, 48), P())],
+        None, P(None, "model")),
+}
