@@ -126,10 +126,10 @@ def choose(
 
     `checks[name]()` raises `NotImplementedError(reason)` when kernel `name` declines these
     inputs, as does a kernel that cannot be partitioned over the mesh `operands` live on
-    (`partition.check_partitionable`); the reference (`xla`) never declines. Raises `NotImplementedError` when
-    nothing accepts the inputs. A kernel in the fast interpreter is checked with the blocks it
-    will run, the interpreter's (`_targets.interpreted`), unless the caller gave a `config`:
-    that is a device's blocks, checked against the device.
+    (`partition.check_partitionable`); the reference (`xla`) never declines. Raises
+    `NotImplementedError` when nothing accepts the inputs. A kernel in the fast interpreter is
+    checked with the blocks it will run, the interpreter's (`_targets.interpreted`), unless the
+    caller gave a `config`: that is a device's blocks, checked against the device.
     """
     if not (interpret is None or isinstance(interpret, bool) or
             isinstance(interpret, str) and interpret == STRICT):

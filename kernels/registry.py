@@ -23,8 +23,11 @@ from types import ModuleType
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from kernels import _targets
+from kernels._pallas.lowering import MOSAIC_CALL_MARKER, TRITON_CALL_MARKER
 from kernels._targets import Target
 
 __all__ = ["Implementation", "IMPLEMENTATIONS", "REFERENCE", "Op", "names", "kernel_names", "get",
@@ -65,7 +68,8 @@ class Implementation:
 
 
 def _gpu(min_capability: int) -> Callable[[Target], bool]:
-    return lambda t: t.platform == "gpu" and (t.compute_capability or min_capability) >= min_capability
+    return lambda t: (t.platform == "gpu"
+                      and (t.compute_capability or min_capability) >= min_capability)
 
 
 REFERENCE = "xla"  # the implementation that runs each op's reference: JAX's own ops
@@ -76,14 +80,14 @@ _ENTRIES = (
         backend="jax.experimental.pallas.triton",
         interpret={True: "Pallas' HLO interpreter on blocks sized for it",
                    "strict": "Pallas' HLO interpreter on the device's blocks"},
-        call_marker="__gpu$xla.gpu.triton", compile_backend="triton"),
+        call_marker=TRITON_CALL_MARKER, compile_backend="triton"),
     Implementation(
         "mosaic", "mosaic", platforms=("tpu",), runs_on=lambda t: t.platform == "tpu",
         backend="jax.experimental.pallas.tpu",
         interpret={True: "Pallas' HLO interpreter on blocks sized for it",
                    "strict": "TPU interpret mode on the device's blocks (out-of-bounds reads "
                              "raise, uninitialized memory is NaN)"},
-        strict_simulator=True, call_marker="tpu_custom_call", compile_backend="libtpu",
+        strict_simulator=True, call_marker=MOSAIC_CALL_MARKER, compile_backend="libtpu",
         auto_axes=False, supports_float64=False),
 )
 # A lowering platform -> the kind of `_targets.Target` its devices are.
@@ -108,8 +112,9 @@ def get(name: str) -> Implementation:
 
 def native(platform: str, target: Target | None = None) -> str | None:
     """The implementation whose kernels run compiled in a program lowered for `platform`
-    ("cuda", "rocm", "tpu", "cpu"; "gpu" as jax.default_backend() says it) on `target` (default: the device such a call targets now,
-    `_targets.current`); None where only the reference runs (a CPU)."""
+    ("cuda", "rocm", "tpu", "cpu"; "gpu" as jax.default_backend() says it) on `target`
+    (default: the device such a call targets now, `_targets.current`); None where only the
+    reference runs (a CPU)."""
     kind = _TARGET_PLATFORM.get(platform)
     if kind is None:
         return None
@@ -166,8 +171,8 @@ class Op:
     package: str  # "kernels.<op>": each implementation's kernels are its subpackage
     config_type: type  # the op's config dataclass
     sharding: ModuleType  # kernels/<op>/sharding.py: a rule and factors per partitioned launch
-    # check(implementation, problem, config) instead of `module.check(problem, config)`, where the op
-    # checks more than its kernel module does (conv2d's 1x1 runs on the matmul kernels).
+    # check(implementation, problem, config), instead of the kernel module's own check, where
+    # the op checks more than its kernel module does (conv2d's 1x1 runs on the matmul kernels).
     check: Callable[[str, Any, Any], None] | None = None
 
     @property
@@ -207,8 +212,19 @@ class Op:
         else:
             self.module(implementation).check(problem, config)
 
-    def check_config(self, config: Any, caller: str | None = None) -> None:
-        """A caller's config must be the op's config dataclass (or None)."""
+    def validate(self, config: Any, caller: str | None = None, booleans: bool = False,
+                 **arrays: Any) -> None:
+        """What every op's public function checks first, before anything is traced: each named
+        array has a numeric dtype (or bool, where `booleans`), named before `jnp.asarray`'s
+        generic error; the config is the op's config dataclass (or None). The op's own
+        arguments (shapes, axes, modes) are its reference's checks."""
+        caller = caller or self.name
+        for name, array in arrays.items():
+            dtype = getattr(array, "dtype", None)
+            dtype = np.asarray(array).dtype if dtype is None else dtype
+            if not (jnp.issubdtype(dtype, jnp.number) or booleans and dtype == jnp.bool_):
+                kinds = "numeric or boolean" if booleans else "numeric"
+                raise TypeError(f"{caller}: {name} must have a {kinds} dtype, got {dtype}")
         if config is not None and not isinstance(config, self.config_type):
-            raise TypeError(f"{caller or self.name}: config must be a "
-                            f"{self.config_type.__name__} or None, got {config!r}")
+            raise TypeError(f"{caller}: config must be a {self.config_type.__name__} or None, "
+                            f"got {config!r}")

@@ -269,8 +269,8 @@ def test_gradients_bfloat16(impl):
 
 @pytest.mark.parametrize("implementation,options", [
     ("xla", {"stride": 2}), ("triton", {"stride": 2}), ("mosaic", {"stride": 2}),
-    ("xla", {"feature_group_count": 3}), ("triton", {"feature_group_count": 3})], ids=["xla-strided", "triton-strided", "mosaic-strided", "xla-depthwise",
-        "triton-depthwise"])
+    ("xla", {"feature_group_count": 3}), ("triton", {"feature_group_count": 3})],
+    ids=["xla-strided", "triton-strided", "mosaic-strided", "xla-depthwise", "triton-depthwise"])
 def test_grad_of_grad(implementation, options):
     x, w = _inputs((1, 5, 6, 3), (3, 3, 3 // options.get("feature_group_count", 1), 3),
                    jnp.float32)

@@ -27,7 +27,7 @@ def _triton_schedule(shape, axis, config):
     _, (outer, groups, reduced, rows) = common.plan(shape, axes)
     p = common.Problem(outer, groups, reduced, rows, jnp.dtype(jnp.float32), True, 1e-5, True,
                        True)
-    return triton.schedule(p, triton.resolve_config(p, config))
+    return triton.schedule_of(p, triton.resolve_config(p, config))
 
 
 @pytest.mark.parametrize("shape,axis,config,kind", TRITON_SCHEDULES, ids=_case_id)

@@ -1,4 +1,4 @@
-"""Every op on a mesh: per-shard kernels, shardings, collectives (see kernels/partition.py).
+"""Every op on a mesh: per-shard kernels, shardings, collectives (see kernels/partition/).
 
 The cases run in subprocesses (`sharded_run.py`, `multiprocess_run.py`): the fake CPU device
 count must be set before jax starts, and this suite's own process has one device.
@@ -32,7 +32,7 @@ REDUCING = {"matmul/K", "matmul/batch+K", "normalize/normalized-axis",
             "normalize/residual-normalized-axis", "gather/2d-indices",
             "gather/vocab-clip", "gather/vocab-default", "gather/vocab-fill", "gather/vocab-wrap",
             "conv2d/in-channels"}
-# The mesh kinds each implementation's cases run on. The partitioning (kernels/partition.py
+# The mesh kinds each implementation's cases run on. The partitioning (kernels/partition/
 # and each op's sharding rule) is one code path for every kernel, so each mesh kind is proven
 # with one kernel and each kernel under a mesh. JAX's own op (xla) runs under Explicit axes,
 # where JAX alone would raise for some cases (a sharded contraction, a vocab-parallel table)

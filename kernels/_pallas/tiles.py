@@ -100,8 +100,8 @@ def triton_load(ref: Any, **kwargs: Any) -> jax.Array:
 
 
 def triton_store(ref: Any, value: jax.Array, *, mask: jax.Array | None = None) -> None:
-    """`pallas.triton.store` of a tile (see `_as_index_arrays` and `_masked_lanes_dropped`), converted
-    to the ref's dtype as Triton's store converts to the pointer's element type."""
+    """`pallas.triton.store` of a tile (see `_as_index_arrays` and `_masked_lanes_dropped`),
+    converted to the ref's dtype as Triton's store converts to the pointer's element type."""
     ref, value = _as_index_arrays(ref), value.astype(ref.dtype)
     if mask is not None and TILE_ACCESS.get() == "index_arrays":
         dropping = _masked_lanes_dropped(ref, mask)

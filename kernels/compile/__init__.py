@@ -41,5 +41,6 @@ from kernels.compile.report import (DEFAULT_TIMEOUT_S, KernelReport, first_line,
                                     resources)
 
 __all__ = ["KernelReport", "compile_kernels", "report", "resources", "launches", "pallas_calls",
-           "distinct", "launch_key", "find_pallas_calls", "first_line", "implementation_for", "listing",
+           "distinct", "launch_key", "find_pallas_calls", "first_line", "implementation_for",
+           "listing",
            "planned_vmem", "CASES", "Case", "DEFAULT_TIMEOUT_S", "use_compile_only_devices"]

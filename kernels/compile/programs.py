@@ -193,7 +193,8 @@ def compile_ops(target: str, count: int = 4, meshes: Sequence[str] = MESHES,
         for name in programs or PROGRAMS:
             program = PROGRAMS[name]
             for implementation in implementations:
-                chosen = implementation_for(target) if implementation == "kernel" else implementation
+                chosen = (implementation_for(target) if implementation == "kernel"
+                          else implementation)
                 reports.append(compile_program(
                     name, program.function(chosen), program.args(mesh, kind == "one"), mesh,
                     target=target, mesh_kind=kind, implementation=str(chosen)))

@@ -26,7 +26,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -78,22 +77,24 @@ def _check(kernel: str, p: Problem, config: Conv2dConfig | None) -> None:
         OP.module(kernel).check(p, config)
 
 
-def _matmul(a: jax.Array, b: jax.Array, transpose_a: bool, s: _Static,
+def _matmul(a: jax.Array, b: jax.Array, transpose_a: bool, static: _Static,
             out_dtype: jnp.dtype) -> jax.Array:
-    kernel = MATMUL.module(s.implementation)
+    kernel = MATMUL.module(static.implementation)
     p = matmul_problem(a, b, transpose_a, False, out_dtype)
-    return kernel.matmul(a, b, p, config=None, precision=s.precision, interpret=s.interpret)
+    return kernel.matmul(a, b, p, config=None, precision=static.precision,
+                         interpret=static.interpret)
 
 
-def _run_whole(x: jax.Array, w: jax.Array, s: _Static) -> jax.Array:
-    p = make_problem(x.shape, w.shape, x.dtype, w.dtype, s.geometry, s.out_dtype)
+def _run_whole(x: jax.Array, w: jax.Array, static: _Static) -> jax.Array:
+    p = make_problem(x.shape, w.shape, x.dtype, w.dtype, static.geometry, static.out_dtype)
     if p.is_empty:
         return jnp.zeros((p.n, p.oh, p.ow, p.o), p.out_dtype)
-    if _is_pointwise(p, s.config):
-        out = _matmul(x.reshape(p.m, p.c), w.reshape(p.c, p.o), False, s, p.out_dtype)
+    if _is_pointwise(p, static.config):
+        out = _matmul(x.reshape(p.m, p.c), w.reshape(p.c, p.o), False, static, p.out_dtype)
         return out.reshape(p.n, p.oh, p.ow, p.o)
-    return OP.module(s.implementation).conv(x, w, p, config=s.config, precision=s.precision,
-                                           interpret=s.interpret)
+    return OP.module(static.implementation).conv(x, w, p, config=static.config,
+                                                 precision=static.precision,
+                                                 interpret=static.interpret)
 
 
 # Each device runs the kernel on its blocks of a mesh-sharded convolution (kernels.partition).
@@ -101,22 +102,22 @@ _run = partition.partitioned(_run_whole, sharding.rule, sharding.factors)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _conv(x: jax.Array, w: jax.Array, s: _Static) -> jax.Array:
+def _conv(x: jax.Array, w: jax.Array, static: _Static) -> jax.Array:
     """Grouped NHWC/HWIO convolution of geometry `s.geometry`, in `s.out_dtype`."""
-    return _run(x, w, s)
+    return _run(x, w, static)
 
 
-def _conv_fwd(x, w, s):
+def _conv_fwd(x, w, static):
     # The primal goes through `_conv` itself, not `_run`: a higher-order derivative of this
     # rule then differentiates it with these rules rather than tracing into the kernel.
-    return _conv(x, w, s), (x, w)
+    return _conv(x, w, static), (x, w)
 
 
-def _conv_bwd(s: _Static, residuals, dy):
+def _conv_bwd(static: _Static, residuals, dy):
     x, w = residuals
-    s = s._replace(requested=None)
-    dx = _input_gradient(dy, w, s, x.shape[1:3], x.dtype)
-    dw = _weight_gradient(x, dy, s._replace(out_dtype=jnp.dtype(w.dtype)), w.shape[:2])
+    static = static._replace(requested=None)
+    dx = _input_gradient(dy, w, static, x.shape[1:3], x.dtype)
+    dw = _weight_gradient(x, dy, static._replace(out_dtype=jnp.dtype(w.dtype)), w.shape[:2])
     return partition.like(dx, x), partition.like(dw, w)
 
 
@@ -149,30 +150,30 @@ def _transposed_geometry(g: Geometry, in_hw, kernel_hw, out_hw) -> Geometry:
     return Geometry(g.lhs_dilation, tuple(padding), g.stride, g.rhs_dilation, g.groups)
 
 
-def _input_gradient(dy, w, s: _Static, in_hw, dtype) -> jax.Array:
-    """dX of `_conv(x, w, s)` for output gradient dy, as `_conv`s of dy.
+def _input_gradient(dy, w, static: _Static, in_hw, dtype) -> jax.Array:
+    """dX of `_conv(x, w, static)` for output gradient dy, as `_conv`s of dy.
 
     A strided forward makes this a convolution of the zero-dilated dy. Rather than storing or
     multiplying those zeros, it runs as stride_h·stride_w sub-pixel phases (`subpixel_phases`):
     each a stride-1 convolution of dy itself with the taps that reach its pixels, together
     executing the forward's multiply-adds; XLA interleaves their outputs (one copy of dX)."""
-    geometry = _transposed_geometry(s.geometry, in_hw, w.shape[:2], dy.shape[1:3])
-    static = s._replace(config=None, geometry=geometry, out_dtype=jnp.dtype(dtype))
-    w = _flip_and_swap(w, s.geometry.groups)
+    geometry = _transposed_geometry(static.geometry, in_hw, w.shape[:2], dy.shape[1:3])
+    transposed = static._replace(config=None, geometry=geometry, out_dtype=jnp.dtype(dtype))
+    w = _flip_and_swap(w, static.geometry.groups)
     phases = subpixel_phases(geometry, dy.shape[1:3], w.shape[:2], tuple(in_hw))
     if phases is None:
-        return _conv(dy, w, static)
-    outputs = [_phase_output(dy, w, static, phase) for phase in phases]
+        return _conv(dy, w, transposed)
+    outputs = [_phase_output(dy, w, transposed, phase) for phase in phases]
     return _interleave(outputs, geometry.lhs_dilation, tuple(in_hw))
 
 
-def _phase_output(dy, w, s: _Static, phase: Phase) -> jax.Array:
+def _phase_output(dy, w, static: _Static, phase: Phase) -> jax.Array:
     """The phase's pixels of dX, padded to the ceil(H/L) x ceil(W/L) grid of every phase."""
     w = w[phase.taps]
     shape = (dy.shape[0], *phase.out_hw, w.shape[3])
     if 0 in w.shape[:2] or 0 in phase.out_hw:  # no tap reaches these pixels
-        return jnp.zeros(shape, s.out_dtype)
-    return _conv(dy, w, s._replace(geometry=phase.geometry))
+        return jnp.zeros(shape, static.out_dtype)
+    return _conv(dy, w, static._replace(geometry=phase.geometry))
 
 
 def _interleave(outputs: list[jax.Array], lhs_dilation, out_hw) -> jax.Array:
@@ -192,20 +193,20 @@ def _interleave(outputs: list[jax.Array], lhs_dilation, out_hw) -> jax.Array:
 
 
 def _weight_gradient_whole(x, dy, statics: tuple[_Static, tuple[int, int]]) -> jax.Array:
-    s, (kh, kw) = statics
+    static, (kh, kw) = statics
     # The weight-gradient kernels multiply x by dy: dy's dtype takes w's place in the problem.
-    p = make_problem(x.shape, (kh, kw, x.shape[3] // s.geometry.groups, dy.shape[3]), x.dtype,
-                     dy.dtype, s.geometry, dy.dtype)
+    p = make_problem(x.shape, (kh, kw, x.shape[3] // static.geometry.groups, dy.shape[3]), x.dtype,
+                     dy.dtype, static.geometry, dy.dtype)
     shape = (kh, kw, p.cg, p.o)
     if p.is_empty:
-        return jnp.zeros(shape, s.out_dtype)
+        return jnp.zeros(shape, static.out_dtype)
     if (p.oh, p.ow) != dy.shape[1:3]:
         raise AssertionError(f"output gradient shape {dy.shape} does not match {p}")
     if _is_pointwise(p, None):  # dW = xᵀ @ dy over the pixels
-        dw = _matmul(x.reshape(p.m, p.c), dy.reshape(p.m, p.o), True, s, s.out_dtype)
+        dw = _matmul(x.reshape(p.m, p.c), dy.reshape(p.m, p.o), True, static, static.out_dtype)
         return dw.reshape(shape)
-    return OP.module(s.implementation).weight_grad(x, dy, p, precision=s.precision,
-                                                  interpret=s.interpret, dtype=s.out_dtype)
+    return OP.module(static.implementation).weight_grad(
+        x, dy, p, precision=static.precision, interpret=static.interpret, dtype=static.out_dtype)
 
 
 _run_weight_gradient = partition.partitioned(_weight_gradient_whole,
@@ -214,33 +215,26 @@ _run_weight_gradient = partition.partitioned(_weight_gradient_whole,
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _weight_gradient(x: jax.Array, dy: jax.Array, s: _Static, kernel_hw) -> jax.Array:
-    """dW of `_conv(x, w, s)` with w of spatial shape `kernel_hw`, in `s.out_dtype`."""
-    return _run_weight_gradient(x, dy, (s, tuple(kernel_hw)))
+def _weight_gradient(x: jax.Array, dy: jax.Array, static: _Static, kernel_hw) -> jax.Array:
+    """dW of `_conv(x, w, static)` with w of spatial shape `kernel_hw`, in
+    `static.out_dtype`."""
+    return _run_weight_gradient(x, dy, (static, tuple(kernel_hw)))
 
 
-def _weight_gradient_fwd(x, dy, s, kernel_hw):
-    return _weight_gradient(x, dy, s, kernel_hw), (x, dy)
+def _weight_gradient_fwd(x, dy, static, kernel_hw):
+    return _weight_gradient(x, dy, static, kernel_hw), (x, dy)
 
 
-def _weight_gradient_bwd(s: _Static, kernel_hw, residuals, ddw):
+def _weight_gradient_bwd(static: _Static, kernel_hw, residuals, ddw):
     # dW(x, dy) is bilinear: its cotangent ddw acts as a kernel. Against x it is the input
     # gradient of a convolution with kernel ddw; against dy, the convolution of x with ddw.
     x, dy = residuals
-    dx = _input_gradient(dy, ddw, s, x.shape[1:3], x.dtype)
-    ddy = _conv(x, ddw.astype(s.out_dtype), s._replace(config=None, out_dtype=dy.dtype))
+    dx = _input_gradient(dy, ddw, static, x.shape[1:3], x.dtype)
+    ddy = _conv(x, ddw.astype(static.out_dtype), static._replace(config=None, out_dtype=dy.dtype))
     return dx, ddy
 
 
 _weight_gradient.defvjp(_weight_gradient_fwd, _weight_gradient_bwd)
-
-
-def _validate_arrays(x: Any, w: Any, config: Any) -> None:
-    for name, a in (("x", x), ("w", w)):
-        dtype = a.dtype if hasattr(a, "dtype") else np.asarray(a).dtype
-        if not (jnp.issubdtype(dtype, jnp.number) or dtype == jnp.bool_):
-            raise TypeError(f"conv2d: {name} must have a numeric dtype, got {dtype}")
-    OP.check_config(config)
 
 
 def conv2d(
@@ -273,7 +267,7 @@ def conv2d(
     way). `implementation` and `interpret` choose the kernel as in docs/design.md; `config` sets the
     forward kernel's block sizes (`None` picks them from the shapes).
     """
-    _validate_arrays(x, w, config)
+    OP.validate(config, booleans=True, x=x, w=w)
     x, w = jnp.asarray(x), jnp.asarray(w)
     geometry = make_geometry(
         x.shape, w.shape, stride=stride, padding=padding, dilation=dilation,

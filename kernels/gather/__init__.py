@@ -47,42 +47,44 @@ class _Static(NamedTuple):
     requested: tuple[partition.Dims | None] | None = None
 
 
-def _gather_whole(x3: jax.Array, indices: jax.Array, s: _Static) -> jax.Array:
-    return OP.module(s.implementation).gather(x3, indices, s.problem, config=s.config,
-                                             interpret=s.interpret)
+def _gather_whole(x3: jax.Array, indices: jax.Array, static: _Static) -> jax.Array:
+    return OP.module(static.implementation).gather(x3, indices, static.problem,
+                                                   config=static.config,
+                                                   interpret=static.interpret)
 
 
-def _scatter_add_whole(g: jax.Array, indices: jax.Array, s: _Static) -> jax.Array:
-    plan = scatter_plan(indices, s.problem.n, s.scatter_mode)
-    return OP.module(s.implementation).scatter_add(g, plan, s.problem, config=s.config,
-                                                  interpret=s.interpret)
+def _scatter_add_whole(g: jax.Array, indices: jax.Array, static: _Static) -> jax.Array:
+    plan = scatter_plan(indices, static.problem.n, static.scatter_mode)
+    return OP.module(static.implementation).scatter_add(g, plan, static.problem,
+                                                        config=static.config,
+                                                        interpret=static.interpret)
 
 
 # Each device runs the kernels on its blocks of mesh-sharded operands (kernels.partition).
-_gather_kernel = partition.partitioned(_gather_whole, sharding.gather_rule,
+_gather_sharded = partition.partitioned(_gather_whole, sharding.gather_rule,
                                        sharding.gather_factors)
-_scatter_add_kernel = partition.partitioned(_scatter_add_whole, sharding.scatter_rule,
+_scatter_add_sharded = partition.partitioned(_scatter_add_whole, sharding.scatter_rule,
                                             sharding.scatter_factors)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _gather(x3: jax.Array, indices: jax.Array, s: _Static) -> jax.Array:
-    return _gather_kernel(x3, indices, s)
+def _gather(x3: jax.Array, indices: jax.Array, static: _Static) -> jax.Array:
+    return _gather_sharded(x3, indices, static)
 
 
-def _gather_fwd(x3, indices, s):
-    return _gather(x3, indices, s), indices
+def _gather_fwd(x3, indices, static):
+    return _gather(x3, indices, static), indices
 
 
 def _float0_zeros(x: jax.Array) -> np.ndarray:
     return np.zeros(x.shape, jax.dtypes.float0)
 
 
-def _gather_bwd(s: _Static, indices, g):
-    p = s.problem
+def _gather_bwd(static: _Static, indices, g):
+    p = static.problem
     if not jnp.issubdtype(p.dtype, jnp.inexact):  # integer tables have no gradient
         return np.zeros((p.batch, p.n, p.columns), jax.dtypes.float0), _float0_zeros(indices)
-    return _scatter_add(g, indices, s._replace(requested=None)), _float0_zeros(indices)
+    return _scatter_add(g, indices, static._replace(requested=None)), _float0_zeros(indices)
 
 
 _gather.defvjp(_gather_fwd, _gather_bwd)
@@ -91,32 +93,24 @@ _jitted_gather = jax.jit(_gather, static_argnums=-1)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _scatter_add(g: jax.Array, indices: jax.Array, s: _Static) -> jax.Array:
+def _scatter_add(g: jax.Array, indices: jax.Array, static: _Static) -> jax.Array:
     """The transpose of `_gather` in `s`: g (batch, m, columns) -> (batch, n, columns)."""
-    return _scatter_add_kernel(g, indices, s)
+    return _scatter_add_sharded(g, indices, static)
 
 
-def _scatter_add_fwd(g, indices, s):
-    return _scatter_add(g, indices, s), indices
+def _scatter_add_fwd(g, indices, static):
+    return _scatter_add(g, indices, static), indices
 
 
-def _scatter_add_bwd(s: _Static, indices, ct):
+def _scatter_add_bwd(static: _Static, indices, ct):
     # Its transpose is a gather with the matching forward rule (dropped rows gather zero).
-    transposed = s.problem._replace(mode=TRANSPOSED_MODE[s.scatter_mode],
-                                    fill=fill_bits(0, s.problem.dtype))
-    dg = _gather(ct, indices, s._replace(problem=transposed))
+    transposed = static.problem._replace(mode=TRANSPOSED_MODE[static.scatter_mode],
+                                    fill=fill_bits(0, static.problem.dtype))
+    dg = _gather(ct, indices, static._replace(problem=transposed))
     return dg, _float0_zeros(indices)
 
 
 _scatter_add.defvjp(_scatter_add_fwd, _scatter_add_bwd)
-
-
-def _validate(x: jax.Array, indices: jax.Array, axis: Any, mode: Any,
-              config: GatherConfig | None) -> int:
-    if not (jnp.issubdtype(x.dtype, jnp.number) or x.dtype == jnp.bool_):
-        raise TypeError(f"gather: x must have a numeric or boolean dtype, got {x.dtype}")
-    OP.check_config(config)
-    return check_arguments(x, indices, axis, mode)
 
 
 def gather(
@@ -148,7 +142,8 @@ def gather(
     `config` sets block sizes.
     """
     x, indices = jnp.asarray(x), host_indices(indices)
-    axis = _validate(x, indices, axis, mode, config)
+    OP.validate(config, booleans=True, x=x)
+    axis = check_arguments(x, indices, axis, mode)
     out_shape = x.shape[:axis] + indices.shape + x.shape[axis + 1:]
     out_sharding = partition.out_sharding(out_sharding, "gather", len(out_shape))
     batch, n, columns = table_view(x.shape, axis)

@@ -120,7 +120,7 @@ def scatter_bytes(p: Problem) -> int:
             + 8 * p.num_indices + 4 * (p.n + 1))
 
 
-def normalize_row(index: jax.Array, n: int, mode: str) -> tuple[jax.Array, jax.Array]:
+def row_of_index(index: jax.Array, n: int, mode: str) -> tuple[jax.Array, jax.Array]:
     """(row, in_range) for int32 `index` into n rows under a kernel rule; row is always in
     [0, n). Works on scalars (Mosaic, SMEM) and vectors (Triton) alike; nothing overflows
     because `bounded_indices` keeps |index| <= n + 1 <= 2**31 - 1 outside "wrap"."""
@@ -147,7 +147,7 @@ class ScatterPlan(NamedTuple):
 
 def scatter_targets(indices: jax.Array, n: int, scatter_mode: str) -> jax.Array:
     """Target row of each index under the scatter rule; n (past the table) when dropped."""
-    row, in_range = normalize_row(indices, n, "wrap" if scatter_mode == "wrap" else "clip")
+    row, in_range = row_of_index(indices, n, "wrap" if scatter_mode == "wrap" else "clip")
     if scatter_mode == "drop":
         row = jnp.where(in_range, row, n)
     return row.astype(jnp.int32)

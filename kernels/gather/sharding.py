@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kernels.gather.common import fill_bits, normalize_row, scatter_targets
+from kernels.gather.common import fill_bits, row_of_index, scatter_targets
 from kernels.partition import Axes, Layout, Plan, Reduction, reduction
 
 
@@ -80,7 +80,7 @@ def gather_rule(gather: Any, static: Any, layout: Layout) -> Plan:
     def local(table, ids):
         if not vocab:
             return gather(table, ids, local_static)
-        row, in_range = normalize_row(ids, p.n, p.mode)
+        row, in_range = row_of_index(ids, p.n, p.mode)
         valid = in_range if p.mode == "fill" else jnp.ones_like(in_range)
         partial = gather(table, _owner(layout, vocab, n_local, row, valid), local_static)
         if p.mode == "fill":

@@ -45,12 +45,13 @@ class _Static(NamedTuple):
     requested: tuple[partition.Dims | None] | None = None
 
 
-def _run_whole(a: jax.Array, b: jax.Array, s: _Static) -> jax.Array:
-    p = make_problem(a, b, s.transpose_a, s.transpose_b, s.out_dtype)
+def _run_whole(a: jax.Array, b: jax.Array, static: _Static) -> jax.Array:
+    p = make_problem(a, b, static.transpose_a, static.transpose_b, static.out_dtype)
     if p.is_empty:
         return jnp.zeros((*p.out_batch, p.m, p.n), p.out_dtype)
-    return OP.module(s.implementation).matmul(a, b, p, config=s.config, precision=s.precision,
-                                             interpret=s.interpret)
+    return OP.module(static.implementation).matmul(a, b, p, config=static.config,
+                                                   precision=static.precision,
+                                                   interpret=static.interpret)
 
 
 # Each device runs the kernel on its blocks of a mesh-sharded product (see kernels.partition).
@@ -58,14 +59,14 @@ _run = partition.partitioned(_run_whole, sharding.rule, sharding.factors)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _product(a: jax.Array, b: jax.Array, s: _Static) -> jax.Array:
-    return _run(a, b, s)
+def _product(a: jax.Array, b: jax.Array, static: _Static) -> jax.Array:
+    return _run(a, b, static)
 
 
-def _product_fwd(a, b, s):
+def _product_fwd(a, b, static):
     # Calls `_product`, not `_run`: higher-order differentiation goes through the forward too,
     # and it must meet this custom_vjp there, not a raw pallas_call.
-    return _product(a, b, s), (a, b)
+    return _product(a, b, static), (a, b)
 
 
 def _sum_to_batch(x: jax.Array, batch: tuple[int, ...], dtype: jnp.dtype) -> jax.Array:
@@ -74,7 +75,7 @@ def _sum_to_batch(x: jax.Array, batch: tuple[int, ...], dtype: jnp.dtype) -> jax
     return jnp.sum(x, axis=axes, keepdims=True).astype(dtype) if axes else x.astype(dtype)
 
 
-def _gradient(lhs, rhs, transpose_lhs, transpose_rhs, s: _Static, like: jax.Array):
+def _gradient(lhs, rhs, transpose_lhs, transpose_rhs, static: _Static, like: jax.Array):
     """One backward product, summed over broadcast batch dims to the shape of `like`."""
     batch = like.shape[:-2]
     out_batch = np.broadcast_shapes(lhs.shape[:-2], rhs.shape[:-2])
@@ -83,22 +84,22 @@ def _gradient(lhs, rhs, transpose_lhs, transpose_rhs, s: _Static, like: jax.Arra
     out_dtype = promoted(like.dtype, jnp.float32) if reduced else like.dtype
     # A gradient is asked for its primal's sharding: a contraction over a sharded dim then
     # reduce-scatters into it (on Explicit axes; XLA asks so itself on Auto axes).
-    static = s._replace(config=None, transpose_a=transpose_lhs, transpose_b=transpose_rhs,
-                        out_dtype=out_dtype,
-                        requested=None if reduced else (partition.dims_of(like),))
-    return partition.like(_sum_to_batch(_product(lhs, rhs, static), batch, like.dtype), like)
+    product = static._replace(config=None, transpose_a=transpose_lhs, transpose_b=transpose_rhs,
+                              out_dtype=out_dtype,
+                              requested=None if reduced else (partition.dims_of(like),))
+    return partition.like(_sum_to_batch(_product(lhs, rhs, product), batch, like.dtype), like)
 
 
-def _product_bwd(s: _Static, residuals, g):
+def _product_bwd(static: _Static, residuals, g):
     a, b = residuals
-    if s.transpose_a:  # A is stored (K, M): dA = op(B) @ gᵀ
-        da = _gradient(b, g, s.transpose_b, True, s, a)
+    if static.transpose_a:  # A is stored (K, M): dA = op(B) @ gᵀ
+        da = _gradient(b, g, static.transpose_b, True, static, a)
     else:  # dA = g @ op(B)ᵀ
-        da = _gradient(g, b, False, not s.transpose_b, s, a)
-    if s.transpose_b:  # B is stored (N, K): dB = gᵀ @ op(A)
-        db = _gradient(g, a, True, s.transpose_a, s, b)
+        da = _gradient(g, b, False, not static.transpose_b, static, a)
+    if static.transpose_b:  # B is stored (N, K): dB = gᵀ @ op(A)
+        db = _gradient(g, a, True, static.transpose_a, static, b)
     else:  # dB = op(A)ᵀ @ g
-        db = _gradient(a, g, not s.transpose_a, False, s, b)
+        db = _gradient(a, g, not static.transpose_a, False, static, b)
     return da, db
 
 
@@ -109,10 +110,7 @@ _jitted_product = jax.jit(_product, static_argnums=-1)
 
 def _validated(a: jax.Array, b: jax.Array,
                config: MatmulConfig | None) -> tuple[jax.Array, jax.Array]:
-    for name, x in (("a", a), ("b", b)):
-        dtype = getattr(x, "dtype", None)  # named here, before jnp.asarray's generic error
-        if dtype is not None and not jnp.issubdtype(dtype, jnp.number):
-            raise TypeError(f"matmul: {name} must have a numeric dtype, got {dtype}")
+    OP.validate(config, a=a, b=b)
     a, b = jnp.asarray(a), jnp.asarray(b)
     for name, x in (("a", a), ("b", b)):
         if x.ndim < 1:
@@ -126,7 +124,6 @@ def _validated(a: jax.Array, b: jax.Array,
     except ValueError:
         raise ValueError(f"matmul: batch dims of a {a.shape[:-2]} and b {b.shape[:-2]} do not "
                          "broadcast") from None
-    OP.check_config(config)
     return a, b
 
 

@@ -46,41 +46,42 @@ class _Static(NamedTuple):
     problem: Problem
 
 
-def _forward_whole(x, residual, scale, offset, s: _Static):
-    return OP.module(s.implementation).forward(x, residual, scale, offset, s.problem,
-                                              config=s.config, interpret=s.interpret)
+def _forward_whole(x, residual, scale, offset, static: _Static):
+    return OP.module(static.implementation).forward(x, residual, scale, offset, static.problem,
+                                                    config=static.config,
+                                                    interpret=static.interpret)
 
 
-def _backward_whole(x, scale, mean, rstd, gy, gmean, grstd, gsum, s: _Static):
-    return OP.module(s.implementation).backward(x, scale, mean, rstd, gy, gmean, grstd, gsum,
-                                               s.problem, config=s.config,
-                                               interpret=s.interpret)
+def _backward_whole(x, scale, mean, rstd, gy, gmean, grstd, gsum, static: _Static):
+    return OP.module(static.implementation).backward(x, scale, mean, rstd, gy, gmean, grstd,
+                                                     gsum, static.problem, config=static.config,
+                                                     interpret=static.interpret)
 
 
 # Each device runs the kernels on its blocks of a mesh-sharded array (kernels.partition).
-_forward_kernel = partition.partitioned(_forward_whole, sharding.forward_rule,
+_forward_sharded = partition.partitioned(_forward_whole, sharding.forward_rule,
                                         sharding.forward_factors)
-_backward_kernel = partition.partitioned(_backward_whole, sharding.backward_rule,
+_backward_sharded = partition.partitioned(_backward_whole, sharding.backward_rule,
                                          sharding.backward_factors)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _forward(x, residual, scale, offset, s: _Static):
+def _forward(x, residual, scale, offset, static: _Static):
     """(y, x + residual or None, mean, rstd) on the 3-D view."""
-    return _forward_kernel(x, residual, scale, offset, s)
+    return _forward_sharded(x, residual, scale, offset, static)
 
 
-def _forward_fwd(x, residual, scale, offset, s):
+def _forward_fwd(x, residual, scale, offset, static):
     # Calls the custom_vjp function, not the kernel: under grad-of-grad this rule is itself
     # differentiated, and only a custom_vjp tells JAX how to differentiate a pallas_call.
     x, residual, scale, offset = (None if a is None else a.value
                                   for a in (x, residual, scale, offset))
-    y, total, mean, rstd = _forward(x, residual, scale, offset, s)
+    y, summed, mean, rstd = _forward(x, residual, scale, offset, static)
     # The backward needs the array that was normalized: the sum, with a residual.
-    return (y, total, mean, rstd), (x if total is None else total, scale, mean, rstd)
+    return (y, summed, mean, rstd), (x if summed is None else summed, scale, mean, rstd)
 
 
-def _forward_bwd(s, residuals, cotangents):
+def _forward_bwd(static, residuals, cotangents):
     x, scale, mean, rstd = residuals
     gy, gsum, gmean, grstd = cotangents
     if isinstance(gmean, SymbolicZero) and isinstance(grstd, SymbolicZero):
@@ -90,10 +91,10 @@ def _forward_bwd(s, residuals, cotangents):
     if isinstance(gsum, SymbolicZero):
         gsum = None  # the sum is unused (or absent): nothing to add to dx
     gy, gmean, grstd = (_materialized(g) for g in (gy, gmean, grstd))
-    dx, dscale, doffset = _backward(x, scale, mean, rstd, gy, gmean, grstd, gsum, s)
+    dx, dscale, doffset = _backward(x, scale, mean, rstd, gy, gmean, grstd, gsum, static)
     dx = partition.like(dx, x)
     # offset is not a residual; its gradient is typed like scale (same shape and rule)
-    return (dx, dx if s.problem.has_residual else None, partition.like(dscale, scale),
+    return (dx, dx if static.problem.has_residual else None, partition.like(dscale, scale),
             doffset if scale is None else partition.like(doffset, scale))
 
 
@@ -107,20 +108,20 @@ _jitted_forward = jax.jit(_forward, static_argnums=-1)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
-def _backward(x, scale, mean, rstd, gy, gmean, grstd, gsum, s: _Static):
+def _backward(x, scale, mean, rstd, gy, gmean, grstd, gsum, static: _Static):
     """(dx, dscale, doffset) by the fused backward kernel."""
-    return _backward_kernel(x, scale, mean, rstd, gy, gmean, grstd, gsum, s)
+    return _backward_sharded(x, scale, mean, rstd, gy, gmean, grstd, gsum, static)
 
 
-def _backward_fwd(x, scale, mean, rstd, gy, gmean, grstd, gsum, s):
-    out = _backward(x, scale, mean, rstd, gy, gmean, grstd, gsum, s)
+def _backward_fwd(x, scale, mean, rstd, gy, gmean, grstd, gsum, static):
+    out = _backward(x, scale, mean, rstd, gy, gmean, grstd, gsum, static)
     return out, (x, scale, mean, rstd, gy, gmean, grstd, gsum)
 
 
-def _backward_bwd(s, residuals, cotangents):
+def _backward_bwd(static, residuals, cotangents):
     # Second order: JAX's derivative of the backward's jnp form (the fused kernels compute
     # first-order gradients only).
-    _, vjp = jax.vjp(functools.partial(common.backward_jnp, s.problem), *residuals)
+    _, vjp = jax.vjp(functools.partial(common.backward_jnp, static.problem), *residuals)
     return vjp(cotangents)
 
 
@@ -130,7 +131,7 @@ _backward.defvjp(_backward_fwd, _backward_bwd)
 def _validate_options(subtract_mean: bool, config: NormalizeConfig | None, op: str) -> None:
     if not isinstance(subtract_mean, (bool, np.bool_)):
         raise TypeError(f"{op}: subtract_mean must be True or False, got {subtract_mean!r}")
-    OP.check_config(config, op)
+    OP.validate(config, op)
 
 
 def _normalize(x, scale, offset, residual, axis, epsilon, subtract_mean, out_dtype,
@@ -171,8 +172,8 @@ def _normalize(x, scale, offset, residual, axis, epsilon, subtract_mean, out_dty
                   for v in (scale, offset)]
         static = _Static(name, interpret, config, problem)
         operands = partition.match_varying(view(x), view(residual), *params)
-        y, total, _, _ = _jitted_forward(*operands, static)
-        return _with_sharding(unview(y) if residual is None else (unview(y), unview(total)),
+        y, summed, _, _ = _jitted_forward(*operands, static)
+        return _with_sharding(unview(y) if residual is None else (unview(y), unview(summed)),
                               out_sharding)
 
     return _dispatch.run(op, implementation, interpret, checks, call, x, scale, offset,

@@ -209,22 +209,23 @@ def of_rank(param: jax.Array, ndim: int) -> jax.Array:
     return param.reshape((1,) * (ndim - param.ndim) + param.shape)
 
 
-class RowSums(NamedTuple):
-    """Per-group sums the backward needs before it can write dx: sum(g·scale) and
+class GroupSums(NamedTuple):
+    """Per-group sums (over each group's reduced elements: a row's, or a column's in the
+    columns layout) the backward needs before it can write dx: sum(g·scale) and
     sum(g·scale·x̂)."""
 
     gs: jax.Array
     gs_xhat: jax.Array
 
 
-def row_sums(gs: jax.Array, xhat: jax.Array, valid: jax.Array, p: Problem) -> RowSums:
+def group_sums(gs: jax.Array, xhat: jax.Array, valid: jax.Array, p: Problem) -> GroupSums:
     zero = jnp.zeros_like(gs)
     axis = p.reduce_axis
-    return RowSums(jnp.sum(jnp.where(valid, gs, zero), axis=axis, keepdims=True),
-                   jnp.sum(jnp.where(valid, gs * xhat, zero), axis=axis, keepdims=True))
+    return GroupSums(jnp.sum(jnp.where(valid, gs, zero), axis=axis, keepdims=True),
+                     jnp.sum(jnp.where(valid, gs * xhat, zero), axis=axis, keepdims=True))
 
 
-def input_gradient(gs: jax.Array, xhat: jax.Array, rstd: jax.Array, sums: RowSums,
+def input_gradient(gs: jax.Array, xhat: jax.Array, rstd: jax.Array, sums: GroupSums,
                    gmean: jax.Array | None, grstd: jax.Array | None, p: Problem) -> jax.Array:
     """dx for one tile.
 
@@ -244,14 +245,15 @@ def input_gradient(gs: jax.Array, xhat: jax.Array, rstd: jax.Array, sums: RowSum
 
 
 def backward_jnp(p: Problem, x, scale, mean, rstd, gy, gmean, grstd, gsum=None,
-                 total=lambda s: s):
+                 across_devices=lambda sums: sums):
     """The backward kernels' function in plain jnp, on the 3-D view (`x`: the normalized
     array, the sum with a residual; `gsum`: the sum's cotangent, added to dx, or None).
 
     JAX differentiates it for the gradient of the backward kernel (grad of grad), where mean
     and rstd are independent inputs. With a normalized axis sharded over a mesh it is the
-    per-device backward: `x` is one device's slice of each group, `total` sums the per-group
-    sums over the devices (a psum) and `p` is the whole problem (its `reduced` counts them all).
+    per-device backward: `x` is one device's slice of each group, `across_devices` sums the
+    per-group sums over the devices (a psum) and `p` is the whole problem (its `reduced`
+    counts them all).
     Returns (dx, dscale, doffset) as the kernels do; dscale/doffset are None when absent.
     """
     axis = p.view_reduce_axis
@@ -259,8 +261,8 @@ def backward_jnp(p: Problem, x, scale, mean, rstd, gy, gmean, grstd, gsum=None,
     xhat = normalized(x.astype(dtype), mean, rstd, p)
     g = gy.astype(dtype)
     gs = g if scale is None else g * of_rank(scale, g.ndim)
-    sums = RowSums(total(jnp.sum(gs, axis=axis, keepdims=True)),
-                   total(jnp.sum(gs * xhat, axis=axis, keepdims=True)))
+    sums = GroupSums(across_devices(jnp.sum(gs, axis=axis, keepdims=True)),
+                     across_devices(jnp.sum(gs * xhat, axis=axis, keepdims=True)))
     dx = input_gradient(gs, xhat, rstd, sums, gmean, grstd, p)
     dx = (dx if gsum is None else dx + gsum.astype(dtype)).astype(x.dtype)
     over = (0, 1) if p.rows else (0, 2)

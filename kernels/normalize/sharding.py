@@ -102,7 +102,7 @@ def _forward_merged(x, residual, scale, offset, p: Any, axes: tuple[str, ...]):
     xs = x.astype(p.stat_dtype)
     if residual is not None:  # added in the statistics dtype (see reference.normalize)
         xs = xs + residual.astype(p.stat_dtype)
-    total = None if residual is None else xs.astype(p.dtype)
+    summed = None if residual is None else xs.astype(p.dtype)
     count = x.shape[axis]
     if p.subtract_mean:
         local_mean = jnp.mean(xs, axis=axis, keepdims=True)
@@ -114,7 +114,7 @@ def _forward_merged(x, residual, scale, offset, p: Any, axes: tuple[str, ...]):
         m2 = lax.psum(jnp.sum(jnp.square(xs), axis=axis, keepdims=True), axes)
     rstd = lax.rsqrt(m2 / p.reduced + jnp.asarray(p.epsilon, p.stat_dtype))
     y = common.affine(common.normalized(xs, mean, rstd, p), scale, offset)
-    return y.astype(p.y_dtype), total, mean, rstd
+    return y.astype(p.y_dtype), summed, mean, rstd
 
 
 def backward_factors(static: Any, shapes: tuple) -> str:
@@ -140,7 +140,7 @@ def backward_rule(backward: Any, static: Any, layout: Layout) -> Plan:
         if reduced:
             dx, dscale, doffset = common.backward_jnp(
                 p, x, scale, mean, rstd, gy, gmean, grstd, gsum,
-                total=lambda s: lax.psum(s, reduced))
+                across_devices=lambda sums: lax.psum(sums, reduced))
         else:
             dx, dscale, doffset = backward(x, scale, mean, rstd, gy, gmean, grstd, gsum,
                                            local_static)

@@ -48,7 +48,7 @@ from jax import lax
 
 from kernels._blocks import core_ranges, range_block
 from kernels._pallas import mapped_under_vmap, mosaic_call, pl, pltpu, vmem_limit
-from kernels.gather.common import GatherConfig, Problem, gather_bytes, normalize_row
+from kernels.gather.common import GatherConfig, Problem, gather_bytes, row_of_index
 from kernels.gather.mosaic.config import (INDEX_BLOCK, gather_vmem_bytes, resolve_config,
                                           ring_depth)
 from kernels.gather.mosaic.ring import Ring, padded_to_blocks, stage, staged_scratch, staged_value
@@ -74,7 +74,7 @@ def _slab_gather_kernel(indices_hbm, x_hbm, fill_hbm, out_hbm, indices_smem, sem
         return out_hbm.at[batches, pl.ds(block * INDEX_BLOCK + j, 1), :]
 
     def start(j, carry):
-        row, in_range = normalize_row(indices_smem[j], p.n, p.mode)
+        row, in_range = row_of_index(indices_smem[j], p.n, p.mode)
         copy_row = pltpu.make_async_copy(x_hbm.at[batches, pl.ds(row, 1), :], destination(j),
                                          sem)
         if p.mode != "fill":
@@ -111,7 +111,7 @@ def _word_gather_kernel(indices_hbm, x_hbm, tail_hbm, out_ref, indices_smem, wor
     tail = word_rows(tail_hbm.at[batch], per_word, per_word)
 
     def row_of(j):
-        return normalize_row(staged_value(indices_smem, j), p.n, p.mode)
+        return row_of_index(staged_value(indices_smem, j), p.n, p.mode)
 
     def start_copy(j, buffer, sem):
         start_row_copy(words, tail, row_of(j)[0], p.n, per_word, buffer, sem)

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels._pallas import pl, triton_call, triton_load, triton_store
-from kernels.gather.common import GatherConfig, Problem, gather_bytes, normalize_row
+from kernels.gather.common import GatherConfig, Problem, gather_bytes, row_of_index
 from kernels.gather.triton.config import resolve_config
 
 __all__ = ["gather", "load_rows"]
@@ -47,7 +47,7 @@ def _gather_kernel(indices_ref, x_ref, out_ref, *, p: Problem, block_indices: in
     index_valid, column_valid = positions < p.num_indices, columns < p.columns
     indices = triton_load(indices_ref.at[pl.ds(first_index, block_indices)], mask=index_valid,
                           other=0)
-    rows, in_range = normalize_row(indices, p.n, p.mode)
+    rows, in_range = row_of_index(indices, p.n, p.mode)
     read = column_valid[None, :] & (in_range[:, None] if p.mode == "fill" else True)
     tile = load_rows(x_ref, batch, rows, columns, read,
                       other=jnp.asarray(p.fill_value, x_ref.dtype))

@@ -31,40 +31,40 @@ __all__ = ["backward"]
 
 def _backward_kernel(x_ref, scale_ref, mean_ref, rstd_ref, gy_ref, gmean_ref, grstd_ref,
                      gsum_ref, dx_ref, dscale_ref, doffset_ref, *sum_refs, p: Problem,
-                     s: Schedule):
+                     schedule: Schedule):
     """x: the normalized array (x + residual with a residual); gmean/grstd: None refs unless a
     second-order gradient; gsum: the forward's sum output's cotangent, added to dx (None
     without a residual or when the sum is unused); dscale/doffset: None without parameters;
     `sum_refs`: the per-group sums accumulated by a two-phase schedule."""
     dtype = p.stat_dtype
-    mean, rstd = s.load_stats(mean_ref), s.load_stats(rstd_ref)
-    valid = s.reduced_valid(x_ref.shape)
+    mean, rstd = schedule.load_stats(mean_ref), schedule.load_stats(rstd_ref)
+    valid = schedule.reduced_valid(x_ref.shape)
     x = zero_invalid(x_ref[...].astype(dtype), valid)
     g = zero_invalid(gy_ref[...].astype(dtype), valid)
     xhat = common.normalized(x, mean, rstd, p)
-    gs = g if scale_ref is None else g * s.load_param(scale_ref, dtype)
+    gs = g if scale_ref is None else g * schedule.load_param(scale_ref, dtype)
 
     def sums():
-        return common.row_sums(gs, xhat, all_valid(x.shape) if valid is None else valid, p)
+        return common.group_sums(gs, xhat, all_valid(x.shape) if valid is None else valid, p)
 
-    def write(total: common.RowSums):
-        gmean, grstd = (None if ref is None else s.load_stats(ref)
+    def write(sums: common.GroupSums):
+        gmean, grstd = (None if ref is None else schedule.load_stats(ref)
                         for ref in (gmean_ref, grstd_ref))
-        dx = common.input_gradient(gs, xhat, rstd, total, gmean, grstd, p)
+        dx = common.input_gradient(gs, xhat, rstd, sums, gmean, grstd, p)
         if gsum_ref is not None:
             dx = dx + gsum_ref[...].astype(dtype)
         dx_ref[...] = dx.astype(dx_ref.dtype)
         # Groups past the edge hold garbage (their dx writes are dropped); sum without them.
-        in_groups = s.group_valid(x.shape)
+        in_groups = schedule.group_valid(x.shape)
         group_axis = 1 - p.reduce_axis
         if dscale_ref is not None:
-            s.add_partial(dscale_ref, jnp.sum(zero_invalid(g * xhat, and_masks(in_groups, valid)),
-                                              axis=group_axis, keepdims=True))
+            weighted = zero_invalid(g * xhat, and_masks(in_groups, valid))
+            schedule.add_partial(dscale_ref, jnp.sum(weighted, axis=group_axis, keepdims=True))
         if doffset_ref is not None:
-            s.add_partial(doffset_ref, jnp.sum(zero_invalid(g, in_groups), axis=group_axis,
-                                               keepdims=True))
+            schedule.add_partial(doffset_ref, jnp.sum(zero_invalid(g, in_groups), axis=group_axis,
+                                                      keepdims=True))
 
-    if s.phases == 1:
+    if schedule.phases == 1:
         write(sums())
         return
     gs_ref, gs_xhat_ref = sum_refs
@@ -82,7 +82,7 @@ def _backward_kernel(x_ref, scale_ref, mean_ref, rstd_ref, gy_ref, gmean_ref, gr
 
     @pl.when(phase == 1)
     def _():
-        write(common.RowSums(gs_ref[...], gs_xhat_ref[...]))
+        write(common.GroupSums(gs_ref[...], gs_xhat_ref[...]))
 
 
 def backward(x, scale, mean, rstd, gy, gmean, grstd, gsum, p: Problem, *,
@@ -91,24 +91,26 @@ def backward(x, scale, mean, rstd, gy, gmean, grstd, gsum, p: Problem, *,
     normalized array (the forward's sum, with a residual); `gsum`, the sum's cotangent or
     None, is added to dx."""
     config = resolve_config(p, config)
-    s = Schedule(p, config)
-    num_partials = s.num_partials
+    schedule = Schedule(p, config)
+    num_partials = schedule.num_partials
     partial_shape = (num_partials, 1, p.reduced)
     partial = jax.ShapeDtypeStruct(partial_shape, p.stat_dtype)
-    stats_block = s.orient(s.block_groups, 1)
+    stats_block = schedule.orient(schedule.block_groups, 1)
     stat_cotangents = gmean is not None
-    cotangent_spec = s.stats_spec() if stat_cotangents else None
-    in_specs = [s.tile_spec(), s.param_spec() if p.has_scale else None, s.stats_spec(),
-                s.stats_spec(), s.tile_spec(), cotangent_spec, cotangent_spec,
-                None if gsum is None else s.tile_spec(last_phase=True)]
+    cotangent_spec = schedule.stats_spec() if stat_cotangents else None
+    in_specs = [schedule.tile_spec(), schedule.param_spec() if p.has_scale else None,
+                schedule.stats_spec(), schedule.stats_spec(), schedule.tile_spec(), cotangent_spec,
+                cotangent_spec, None if gsum is None else schedule.tile_spec(last_phase=True)]
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=0, grid=s.grid, in_specs=in_specs,
-        out_specs=[s.tile_spec(last_phase=True), s.partial_spec() if p.has_scale else None,
-                   s.partial_spec() if p.has_offset else None],
-        scratch_shapes=[pltpu.VMEM(stats_block, p.stat_dtype)] * 2 if s.phases == 2 else [])
-    mean, rstd, gmean, grstd = map(s.to_kernel_stats, (mean, rstd, gmean, grstd))
+        num_scalar_prefetch=0, grid=schedule.grid, in_specs=in_specs,
+        out_specs=[schedule.tile_spec(last_phase=True),
+                   schedule.partial_spec() if p.has_scale else None,
+                   schedule.partial_spec() if p.has_offset else None],
+        scratch_shapes=[pltpu.VMEM(stats_block, p.stat_dtype)] * 2 if schedule.phases == 2
+        else [])
+    mean, rstd, gmean, grstd = map(schedule.to_kernel_stats, (mean, rstd, gmean, grstd))
     dx, dscale, doffset = mosaic_call(
-        functools.partial(_backward_kernel, p=p, s=s),
+        functools.partial(_backward_kernel, p=p, schedule=schedule),
         out_shape=(jax.ShapeDtypeStruct(p.view_shape, p.dtype),
                    partial if p.has_scale else None, partial if p.has_offset else None),
         grid_spec=grid_spec,

@@ -30,7 +30,7 @@ __all__ = ["forward"]
 
 
 def _forward_kernel(x_ref, residual_ref, scale_ref, offset_ref, y_ref, sum_ref, mean_ref,
-                    rstd_ref, *moment_refs, p: Problem, s: Schedule):
+                    rstd_ref, *moment_refs, p: Problem, schedule: Schedule):
     """residual/sum: None refs without a residual; scale/offset: None refs when absent;
     `moment_refs`: the (count, mean, M2) accumulators of a two-phase schedule, none with one
     phase."""
@@ -38,7 +38,7 @@ def _forward_kernel(x_ref, residual_ref, scale_ref, offset_ref, y_ref, sum_ref, 
     x = x_ref[...].astype(dtype)
     if residual_ref is not None:  # added in the statistics dtype (see reference.normalize)
         x = x + residual_ref[...].astype(dtype)
-    valid = s.reduced_valid(x.shape)
+    valid = schedule.reduced_valid(x.shape)
     # Padding may be NaN: zero it before it meets any arithmetic.
     x = zero_invalid(x, valid)
 
@@ -46,15 +46,16 @@ def _forward_kernel(x_ref, residual_ref, scale_ref, offset_ref, y_ref, sum_ref, 
         return common.chunk_moments(x, all_valid(x.shape) if valid is None else valid, p)
 
     def write(mean, rstd):
-        scale, offset = s.load_param(scale_ref, dtype), s.load_param(offset_ref, dtype)
+        scale = schedule.load_param(scale_ref, dtype)
+        offset = schedule.load_param(offset_ref, dtype)
         y_ref[...] = common.affine(common.normalized(x, mean, rstd, p), scale,
                                    offset).astype(y_ref.dtype)
         if sum_ref is not None:
             sum_ref[...] = x.astype(sum_ref.dtype)
-        s.store_stats(mean_ref, mean)
-        s.store_stats(rstd_ref, rstd)
+        schedule.store_stats(mean_ref, mean)
+        schedule.store_stats(rstd_ref, rstd)
 
-    if s.phases == 1:
+    if schedule.phases == 1:
         write(*common.mean_and_rstd(moments(), p))
         return
     count_ref, mean_acc, m2_ref = moment_refs
@@ -81,23 +82,23 @@ def forward(x: jax.Array, residual: jax.Array | None, scale: jax.Array | None,
     """(y, x + residual or None, mean, rstd) for the view-shaped `x` (and `residual`) of a
     problem that `check` accepted."""
     config = resolve_config(p, config)
-    s = Schedule(p, config)
-    stats = jax.ShapeDtypeStruct(s.kernel_stats_shape(), p.stat_dtype)
-    stats_block = s.orient(s.block_groups, 1)
-    in_specs = [s.tile_spec(), s.tile_spec() if p.has_residual else None,
-                s.param_spec(last_phase=True) if p.has_scale else None,
-                s.param_spec(last_phase=True) if p.has_offset else None]
-    scratch = [pltpu.VMEM(stats_block, p.stat_dtype)] * 3 if s.phases == 2 else []
-    written = s.tile_spec(last_phase=True)
+    schedule = Schedule(p, config)
+    stats = jax.ShapeDtypeStruct(schedule.kernel_stats_shape(), p.stat_dtype)
+    stats_block = schedule.orient(schedule.block_groups, 1)
+    in_specs = [schedule.tile_spec(), schedule.tile_spec() if p.has_residual else None,
+                schedule.param_spec(last_phase=True) if p.has_scale else None,
+                schedule.param_spec(last_phase=True) if p.has_offset else None]
+    scratch = [pltpu.VMEM(stats_block, p.stat_dtype)] * 3 if schedule.phases == 2 else []
+    written = schedule.tile_spec(last_phase=True)
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=0, grid=s.grid, in_specs=in_specs,
-        out_specs=[written, written if p.has_residual else None, s.stats_spec(),
-                   s.stats_spec()],
+        num_scalar_prefetch=0, grid=schedule.grid, in_specs=in_specs,
+        out_specs=[written, written if p.has_residual else None, schedule.stats_spec(),
+                   schedule.stats_spec()],
         scratch_shapes=scratch)
-    total = jax.ShapeDtypeStruct(p.view_shape, p.dtype) if p.has_residual else None
-    y, total, mean, rstd = mosaic_call(
-        functools.partial(_forward_kernel, p=p, s=s),
-        out_shape=(jax.ShapeDtypeStruct(p.view_shape, p.y_dtype), total, stats, stats),
+    summed = jax.ShapeDtypeStruct(p.view_shape, p.dtype) if p.has_residual else None
+    y, summed, mean, rstd = mosaic_call(
+        functools.partial(_forward_kernel, p=p, schedule=schedule),
+        out_shape=(jax.ShapeDtypeStruct(p.view_shape, p.y_dtype), summed, stats, stats),
         grid_spec=grid_spec,
         dimension_semantics=SEMANTICS,
         interpret=interpret,
@@ -106,4 +107,4 @@ def forward(x: jax.Array, residual: jax.Array | None, scale: jax.Array | None,
         transcendentals=p.outer * p.groups,
         name="normalize_forward_mosaic",
     )(x, residual, *map(lane_dense, (scale, offset)))
-    return y, total, s.from_kernel_stats(mean), s.from_kernel_stats(rstd)
+    return y, summed, schedule.from_kernel_stats(mean), schedule.from_kernel_stats(rstd)

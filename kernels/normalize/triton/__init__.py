@@ -32,13 +32,13 @@ A GPU wants two waves of programs or more (`Target.min_programs`: 264 on an H100
 Groups give `outer · num_blocks` programs (num_blocks = cdiv(groups, block_groups)); where that
 is fewer than the SMs and a group is several chunks long (batch-norm-style statistics over
 leading axes, e.g. (1M, 64) over axis 0: 2 group blocks of 8192 chunks), the groups are split
-along the reduced axis into `splits` ranges of `per_split` chunks (`schedule`), at least two
+along the reduced axis into `splits` ranges of `per_split` chunks (`schedule_of`), at least two
 waves of them, reduced in parallel and merged by XLA, and the elementwise pass gets one
 program per tile.
 """
 
 from kernels.normalize.triton.backward import backward
-from kernels.normalize.triton.config import check, resolve_config, schedule
+from kernels.normalize.triton.config import check, resolve_config, schedule_of
 from kernels.normalize.triton.forward import forward
 
-__all__ = ["forward", "backward", "check", "resolve_config", "schedule"]
+__all__ = ["forward", "backward", "check", "resolve_config", "schedule_of"]

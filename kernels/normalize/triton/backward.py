@@ -36,7 +36,7 @@ from kernels._pallas import pl, triton_store
 from kernels.normalize import common
 from kernels.normalize.common import NormalizeConfig, Problem
 from kernels.normalize.triton.config import (Schedule, num_partials, reduction_traffic,
-                                             resolve_config, schedule, sums_in_program)
+                                             resolve_config, schedule_of, sums_in_program)
 from kernels.normalize.triton.tiles import Tiles, fold, launch, split_range, split_shape
 
 __all__ = ["backward"]
@@ -53,29 +53,30 @@ def _gradient_inputs(tiles: Tiles, refs, outer, chunk, mean, rstd, p: Problem):
 
 
 def _group_sums(tiles: Tiles, refs, outer, first, count, mean, rstd,
-                p: Problem) -> common.RowSums:
+                p: Problem) -> common.GroupSums:
     """sum(dy·scale) and sum(dy·scale·x̂) over chunks [first, first + count) of the groups."""
     def chunk_sums(chunk):
         _, gs, xhat = _gradient_inputs(tiles, refs, outer, chunk, mean, rstd, p)
-        return common.row_sums(gs, xhat, tiles.mask(chunk), p)
+        return common.group_sums(gs, xhat, tiles.mask(chunk), p)
 
     return fold(first, count, chunk_sums,
-                 lambda a, b: common.RowSums(a.gs + b.gs, a.gs_xhat + b.gs_xhat))
+                 lambda a, b: common.GroupSums(a.gs + b.gs, a.gs_xhat + b.gs_xhat))
 
 
 def _sums_kernel(x_ref, scale_ref, mean_ref, rstd_ref, gy_ref, gs_ref, gs_xhat_ref, *,
-                 p: Problem, config: NormalizeConfig, s: Schedule):
+                 p: Problem, config: NormalizeConfig, schedule: Schedule):
     outer, split = pl.program_id(0), pl.program_id(2)
     tiles = Tiles(p, config, pl.program_id(1))
     mean, rstd = tiles.load_stats(mean_ref, outer), tiles.load_stats(rstd_ref, outer)
-    sums = _group_sums(tiles, (x_ref, gy_ref, scale_ref), outer, *split_range(s), mean, rstd, p)
+    sums = _group_sums(tiles, (x_ref, gy_ref, scale_ref), outer, *split_range(schedule), mean,
+                       rstd, p)
     tiles.store_stats(gs_ref, outer, sums.gs, split)
     tiles.store_stats(gs_xhat_ref, outer, sums.gs_xhat, split)
 
 
 def _backward_kernel(x_ref, scale_ref, mean_ref, rstd_ref, gy_ref, gmean_ref, grstd_ref,
                      gsum_ref, gs_ref, gs_xhat_ref, dx_ref, dscale_ref, doffset_ref, *,
-                     p: Problem, config: NormalizeConfig, s: Schedule, partials: int):
+                     p: Problem, config: NormalizeConfig, schedule: Schedule, partials: int):
     """x: the normalized array (x + residual with a residual); gmean/grstd: None unless a
     second-order gradient; gsum: the cotangent of the forward's sum output (None without a
     residual or when the sum is unused), added to dx; gs/gs_xhat (the per-group sums from
@@ -95,15 +96,15 @@ def _backward_kernel(x_ref, scale_ref, mean_ref, rstd_ref, gy_ref, gmean_ref, gr
         mean, rstd = tiles.load_stats(mean_ref, outer), tiles.load_stats(rstd_ref, outer)
         refs = (x_ref, gy_ref, scale_ref)
         if gs_ref is not None:  # from the sums pass
-            sums = common.RowSums(tiles.load_stats(gs_ref, outer),
-                                  tiles.load_stats(gs_xhat_ref, outer))
-        elif s.num_chunks > 1:  # before this chunk's tiles load, so they are not live together
+            sums = common.GroupSums(tiles.load_stats(gs_ref, outer),
+                                    tiles.load_stats(gs_xhat_ref, outer))
+        elif schedule.num_chunks > 1:  # before this chunk's tiles load: not live together
             sums = _group_sums(Tiles(p, sums_config, program + i * partials), refs, outer, 0,
                                pl.cdiv(p.reduced, sums_config.block_reduced), mean, rstd, p)
         g, gs, xhat = _gradient_inputs(tiles, refs, outer, chunk, mean, rstd, p)
         valid = tiles.mask(chunk)
-        if s.num_chunks == 1:
-            sums = common.row_sums(gs, xhat, valid, p)
+        if schedule.num_chunks == 1:
+            sums = common.group_sums(gs, xhat, valid, p)
         gmean, grstd = (None if ref is None else tiles.load_stats(ref, outer)
                         for ref in (gmean_ref, grstd_ref))
         dx = common.input_gradient(gs, xhat, rstd, sums, gmean, grstd, p)
@@ -117,7 +118,7 @@ def _backward_kernel(x_ref, scale_ref, mean_ref, rstd_ref, gy_ref, gmean_ref, gr
                 accumulators[1] + jnp.sum(g, axis=group_axis))
 
     zeros = jnp.zeros((config.block_reduced,), p.stat_dtype)
-    dscale, doffset = int32_loop(pl.cdiv(s.num_blocks, partials), block_gradient,
+    dscale, doffset = int32_loop(pl.cdiv(schedule.num_blocks, partials), block_gradient,
                                  (zeros, zeros))
     tiles = Tiles(p, config, program)
     columns = pl.ds(tiles.chunk_start(chunk), config.block_reduced)
@@ -133,26 +134,27 @@ def backward(x, scale, mean, rstd, gy, gmean, grstd, gsum, p: Problem, *,
     normalized array (the forward's sum, with a residual); `gsum`, the sum's cotangent or
     None, is added to dx."""
     config = resolve_config(p, config)
-    s = schedule(p, config)
-    partials = num_partials(p, config, s)
+    schedule = schedule_of(p, config)
+    partials = num_partials(p, config, schedule)
     sums = (None, None)
-    if not sums_in_program(s):  # the per-group sums dx needs come from a first pass
+    if not sums_in_program(schedule):  # the per-group sums dx needs come from a first pass
         split_sums = launch(
-            functools.partial(_sums_kernel, p=p, config=config, s=s), p, config,
-            (p.outer, s.num_blocks, s.splits), (split_shape(p, s),) * 2,
-            reduction_traffic(p, 2, 6, s),
-            "normalize_sums_triton", interpret, s.per_split,
+            functools.partial(_sums_kernel, p=p, config=config, schedule=schedule), p, config,
+            (p.outer, schedule.num_blocks, schedule.splits), (split_shape(p, schedule),) * 2,
+            reduction_traffic(p, 2, 6, schedule),
+            "normalize_sums_triton", interpret, schedule.per_split,
         )(x, scale, mean, rstd, gy)
         sums = [jnp.sum(a, axis=p.view_reduce_axis, keepdims=True) for a in split_sums]
     partial = jax.ShapeDtypeStruct((p.outer * partials, p.reduced), p.stat_dtype)
     out_shape = (jax.ShapeDtypeStruct(p.view_shape, p.dtype), partial if p.has_scale else None,
                  partial if p.has_offset else None)
     dx, dscale, doffset = launch(
-        functools.partial(_backward_kernel, p=p, config=config, s=s, partials=partials), p,
-        config, (s.num_chunks, p.outer, partials), out_shape,
+        functools.partial(_backward_kernel, p=p, config=config, schedule=schedule,
+                          partials=partials),
+        p, config, (schedule.num_chunks, p.outer, partials), out_shape,
         common.backward_flops_and_bytes(p, p.outer * partials, gmean is not None,
                                         gsum is not None),
-        "normalize_backward_triton", interpret, pl.cdiv(s.num_blocks, partials),
+        "normalize_backward_triton", interpret, pl.cdiv(schedule.num_blocks, partials),
     )(x, scale, mean, rstd, gy, gmean, grstd, gsum, *sums)
     return dx, *(None if d is None else jnp.sum(d, axis=0).reshape(p.param_shape)
                  for d in (dscale, doffset))

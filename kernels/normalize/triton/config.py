@@ -1,6 +1,6 @@
 """How big the Triton normalize kernels' tiles are and how they become programs (the kernels
 themselves are in `forward.py` and `backward.py` beside it): the config (`resolve_config`), the
-checks that decline a problem or reject a config (`check`), the schedule (`schedule`: group
+checks that decline a problem or reject a config (`check`), the schedule (`schedule_of`: group
 blocks, chunks, and the reduction splits that fill the GPU), the backward's partial rows
 (`num_partials`) and a reduction pass's traffic for its cost estimate."""
 
@@ -17,7 +17,7 @@ from kernels._pallas import pl
 from kernels.normalize import common
 from kernels.normalize.common import NormalizeConfig, Problem
 
-__all__ = ["resolve_config", "check", "Schedule", "schedule", "sums_in_program", "num_partials",
+__all__ = ["resolve_config", "check", "Schedule", "schedule_of", "sums_in_program", "num_partials",
            "reduction_traffic"]
 
 _DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
@@ -105,7 +105,7 @@ class Schedule(NamedTuple):
     per_split: int  # chunks each reduction program folds (the last split may have fewer)
 
 
-def schedule(p: Problem, config: NormalizeConfig) -> Schedule:
+def schedule_of(p: Problem, config: NormalizeConfig) -> Schedule:
     """Splits only when the group blocks would not give every SM one program: a fused pass
     reads x once from HBM, the two phases twice, so one wave of fused programs wins."""
     num_blocks = pl.cdiv(p.groups, config.block_groups)
@@ -114,26 +114,26 @@ def schedule(p: Problem, config: NormalizeConfig) -> Schedule:
     return Schedule(num_blocks, num_chunks, split.splits, split.per_split)
 
 
-def sums_in_program(s: Schedule) -> bool:
+def sums_in_program(schedule: Schedule) -> bool:
     """Whether the backward's programs compute a group's two sums themselves (one chunk, or up
     to _MAX_REREAD_CHUNKS re-read), or take them from a `_sums_kernel` pass. A program reading
     the other chunk of a group finds it mostly in L2: the backward's grid puts the chunk first,
     so the programs of a block's chunks run side by side and each reads the chunk the other is
     reading (an estimate; not measured on a GPU). x and dy then come from HBM once, where the
     sums pass reads them a second time."""
-    return s.num_chunks <= _MAX_REREAD_CHUNKS
+    return schedule.num_chunks <= _MAX_REREAD_CHUNKS
 
 
-def num_partials(p: Problem, config: NormalizeConfig, s: Schedule) -> int:
+def num_partials(p: Problem, config: NormalizeConfig, schedule: Schedule) -> int:
     """Backward programs per slab and chunk (= partial dscale/doffset rows per slab): enough
     for two waves with the slabs and chunks, or `config.num_partials`, at most one per block."""
-    wanted = pl.cdiv(_targets.current("gpu").min_programs, p.outer * s.num_chunks)
-    return min(s.num_blocks, _or(config.num_partials, wanted))
+    wanted = pl.cdiv(_targets.current("gpu").min_programs, p.outer * schedule.num_chunks)
+    return min(schedule.num_blocks, _or(config.num_partials, wanted))
 
 
-def reduction_traffic(p: Problem, arrays: int, flops_per_element: int, s: Schedule):
+def reduction_traffic(p: Problem, arrays: int, flops_per_element: int, schedule: Schedule):
     """(flops, bytes) of a reduction pass: `arrays` view-sized reads and two per-split
     outputs."""
     item, stat = jnp.dtype(p.dtype).itemsize, jnp.dtype(p.stat_dtype).itemsize
     return (flops_per_element * p.size,
-            arrays * p.size * item + 2 * p.outer * p.groups * s.splits * stat)
+            arrays * p.size * item + 2 * p.outer * p.groups * schedule.splits * stat)

@@ -27,7 +27,7 @@ from kernels._blocks import int32_loop
 from kernels._pallas import pl
 from kernels.normalize import common
 from kernels.normalize.common import NormalizeConfig, Problem
-from kernels.normalize.triton.config import Schedule, reduction_traffic, resolve_config, schedule
+from kernels.normalize.triton.config import Schedule, reduction_traffic, resolve_config, schedule_of
 from kernels.normalize.triton.tiles import Tiles, fold, launch, split_range, split_shape
 
 __all__ = ["forward"]
@@ -40,10 +40,10 @@ def _load_input(tiles: Tiles, x_ref, residual_ref, outer, chunk, p: Problem,
     x = tiles.load(x_ref, outer, chunk, p.stat_dtype)
     if residual_ref is None:
         return x
-    total = x + tiles.load(residual_ref, outer, chunk, p.stat_dtype)
+    summed = x + tiles.load(residual_ref, outer, chunk, p.stat_dtype)
     if sum_ref is not None:
-        tiles.store(sum_ref, outer, chunk, total)
-    return total
+        tiles.store(sum_ref, outer, chunk, summed)
+    return summed
 
 
 def _moments(tiles: Tiles, x_ref, residual_ref, outer, chunk, p: Problem) -> common.Moments:
@@ -62,17 +62,17 @@ def _write_y(tiles: Tiles, refs, outer, chunk, x, mean, rstd, p: Problem) -> Non
 
 
 def _forward_kernel(x_ref, residual_ref, scale_ref, offset_ref, y_ref, sum_ref, mean_ref,
-                    rstd_ref, *, p: Problem, config: NormalizeConfig, s: Schedule):
+                    rstd_ref, *, p: Problem, config: NormalizeConfig, schedule: Schedule):
     """residual/sum: None refs without a residual; scale/offset: None refs when absent."""
     outer = pl.program_id(0)
     tiles = Tiles(p, config, pl.program_id(1))
     write = functools.partial(_write_y, tiles, (scale_ref, offset_ref, y_ref), outer, p=p)
-    if s.num_chunks == 1:  # the tile stays in registers: one read, one write
+    if schedule.num_chunks == 1:  # the tile stays in registers: one read, one write
         x = _load_input(tiles, x_ref, residual_ref, outer, 0, p, sum_ref)
         mean, rstd = common.mean_and_rstd(common.chunk_moments(x, tiles.mask(0), p), p)
         write(0, x, mean, rstd)
     else:
-        moments = fold(0, s.num_chunks,
+        moments = fold(0, schedule.num_chunks,
                         lambda c: _moments(tiles, x_ref, residual_ref, outer, c, p),
                         functools.partial(common.merge_moments, p=p))
         mean, rstd = common.mean_and_rstd(moments, p)
@@ -84,16 +84,16 @@ def _forward_kernel(x_ref, residual_ref, scale_ref, offset_ref, y_ref, sum_ref, 
                   mean, rstd)
             return carry
 
-        int32_loop(s.num_chunks, write_chunk, 0)
+        int32_loop(schedule.num_chunks, write_chunk, 0)
     tiles.store_stats(mean_ref, outer, mean)
     tiles.store_stats(rstd_ref, outer, rstd)
 
 
 def _moments_kernel(x_ref, residual_ref, means_ref, m2s_ref, *, p: Problem,
-                    config: NormalizeConfig, s: Schedule):
+                    config: NormalizeConfig, schedule: Schedule):
     outer, split = pl.program_id(0), pl.program_id(2)
     tiles = Tiles(p, config, pl.program_id(1))
-    moments = fold(*split_range(s),
+    moments = fold(*split_range(schedule),
                     lambda c: _moments(tiles, x_ref, residual_ref, outer, c, p),
                     functools.partial(common.merge_moments, p=p))
     tiles.store_stats(means_ref, outer, moments.mean, split)
@@ -109,12 +109,12 @@ def _normalize_kernel(x_ref, residual_ref, scale_ref, offset_ref, mean_ref, rstd
              tiles.load_stats(mean_ref, outer), tiles.load_stats(rstd_ref, outer), p)
 
 
-def _split_counts(p: Problem, config: NormalizeConfig, s: Schedule) -> jax.Array:
+def _split_counts(p: Problem, config: NormalizeConfig, schedule: Schedule) -> jax.Array:
     """Elements in each split, shaped to broadcast against `split_shape`. Computed by XLA
     (an iota), not a NumPy constant: custom_partitioning cannot trace a function that
     captures array constants."""
-    split_size = s.per_split * config.block_reduced
-    counts = jnp.clip(p.reduced - jnp.arange(s.splits, dtype=jnp.int32) * split_size, 0,
+    split_size = schedule.per_split * config.block_reduced
+    counts = jnp.clip(p.reduced - jnp.arange(schedule.splits, dtype=jnp.int32) * split_size, 0,
                       split_size)
     return counts.reshape((1, 1, -1) if p.rows else (1, -1, 1)).astype(p.stat_dtype)
 
@@ -125,24 +125,25 @@ def forward(x: jax.Array, residual: jax.Array | None, scale: jax.Array | None,
     """(y, x + residual or None, mean, rstd) for the view-shaped `x` (and `residual`) of a
     problem that `check` accepted."""
     config = resolve_config(p, config)
-    s = schedule(p, config)
+    schedule = schedule_of(p, config)
     stats = jax.ShapeDtypeStruct(p.stats_shape, p.stat_dtype)
     y = jax.ShapeDtypeStruct(p.view_shape, p.y_dtype)
-    total = jax.ShapeDtypeStruct(p.view_shape, p.dtype) if p.has_residual else None
+    summed = jax.ShapeDtypeStruct(p.view_shape, p.dtype) if p.has_residual else None
     cost = common.forward_flops_and_bytes(p)
-    if s.splits == 1:
-        return launch(functools.partial(_forward_kernel, p=p, config=config, s=s), p, config,
-                     (p.outer, s.num_blocks), (y, total, stats, stats), cost,
-                     "normalize_forward_triton", interpret, s.num_chunks)(
-                         x, residual, scale, offset)
-    means, m2s = launch(functools.partial(_moments_kernel, p=p, config=config, s=s), p, config,
-                       (p.outer, s.num_blocks, s.splits), (split_shape(p, s),) * 2,
-                       reduction_traffic(p, 1 + p.has_residual, 4, s),
-                       "normalize_moments_triton", interpret, s.per_split)(x, residual)
-    counts = _split_counts(p, config, s)
+    if schedule.splits == 1:
+        kernel = functools.partial(_forward_kernel, p=p, config=config, schedule=schedule)
+        return launch(kernel, p, config, (p.outer, schedule.num_blocks),
+                      (y, summed, stats, stats), cost, "normalize_forward_triton", interpret,
+                      schedule.num_chunks)(x, residual, scale, offset)
+    kernel = functools.partial(_moments_kernel, p=p, config=config, schedule=schedule)
+    means, m2s = launch(kernel, p, config, (p.outer, schedule.num_blocks, schedule.splits),
+                        (split_shape(p, schedule),) * 2,
+                        reduction_traffic(p, 1 + p.has_residual, 4, schedule),
+                        "normalize_moments_triton", interpret, schedule.per_split)(x, residual)
+    counts = _split_counts(p, config, schedule)
     mean, rstd = common.mean_and_rstd(common.merge_split_moments(means, m2s, counts, p), p)
-    y, total = launch(functools.partial(_normalize_kernel, p=p, config=config), p, config,
-                     (p.outer, s.num_blocks, s.num_chunks), (y, total), cost,
-                     "normalize_forward_triton", interpret)(
-                         x, residual, scale, offset, mean, rstd)
-    return y, total, mean, rstd
+    y, summed = launch(functools.partial(_normalize_kernel, p=p, config=config), p, config,
+                       (p.outer, schedule.num_blocks, schedule.num_chunks), (y, summed), cost,
+                       "normalize_forward_triton", interpret)(
+                           x, residual, scale, offset, mean, rstd)
+    return y, summed, mean, rstd

@@ -91,14 +91,15 @@ def fold(first, count, chunk_value, merge):
                          lambda i, acc: merge(acc, chunk_value(first + i)), chunk_value(first))
 
 
-def split_range(s: Schedule):
+def split_range(schedule: Schedule):
     """(first chunk, chunk count) of this program's split (grid axis 2)."""
-    return Split(s.splits, s.per_split).range_of(pl.program_id(2), s.num_chunks)
+    return Split(schedule.splits, schedule.per_split).range_of(pl.program_id(2),
+                                                               schedule.num_chunks)
 
 
-def split_shape(p: Problem, s: Schedule) -> jax.ShapeDtypeStruct:
+def split_shape(p: Problem, schedule: Schedule) -> jax.ShapeDtypeStruct:
     """One value per group and split, the splits along the view's reduced dim."""
-    shape = (p.outer, p.groups, s.splits) if p.rows else (p.outer, s.splits, p.groups)
+    shape = (p.outer, p.groups, schedule.splits) if p.rows else (p.outer, schedule.splits, p.groups)
     return jax.ShapeDtypeStruct(shape, p.stat_dtype)
 
 
