@@ -161,12 +161,16 @@ def run(
     *operands: Any,
     config: Any = None,
     out_sharding: NamedSharding | None = None,
+    empty: bool = False,
 ) -> Any:
     """`call(name, interpret, out_sharding, *operands)` with the implementation `choose` picks
     for each platform the program may be lowered for (see the module docstring). `operands` is
     a pytree of arrays (None for an absent one); `call` traces the chosen implementation;
     `config` is the caller's (see `choose`); `out_sharding` the caller's, checked
-    (`partition.out_sharding`).
+    (`partition.out_sharding`). `empty`: the call has nothing for a kernel to do (an output of
+    size zero, or nothing to sum over): the choice is made and checked as for any call, but the
+    reference computes the (empty or all-zero) result, the one place every op handles size
+    zero.
 
     Without an `out_sharding`, where JAX's own op (`xla`) cannot type its output's sharding on
     Explicit axes (a contraction over a sharded dim, a table sharded along the gathered axis),
@@ -185,6 +189,9 @@ def run(
                                        config)
         except NotImplementedError as declined:
             choices[platform] = str(declined)
+    if empty:
+        choices = {platform: choice if isinstance(choice, str) else (registry.REFERENCE, False)
+                   for platform, choice in choices.items()}
     accepted = list(dict.fromkeys(c for c in choices.values() if not isinstance(c, str)))
     if not accepted:
         raise NotImplementedError(choices["cpu"])

@@ -87,7 +87,7 @@ def _matmul(a: jax.Array, b: jax.Array, transpose_a: bool, static: _Static,
 
 def _run_whole(x: jax.Array, w: jax.Array, static: _Static) -> jax.Array:
     p = make_problem(x.shape, w.shape, x.dtype, w.dtype, static.geometry, static.out_dtype)
-    if p.is_empty:
+    if p.is_empty:  # a strided input gradient's phase that no tap reaches (`subpixel_phases`)
         return jnp.zeros((p.n, p.oh, p.ow, p.o), p.out_dtype)
     if _is_pointwise(p, static.config):
         out = _matmul(x.reshape(p.m, p.c), w.reshape(p.c, p.o), False, static, p.out_dtype)
@@ -299,4 +299,4 @@ def conv2d(
         return partition.constrain(out, out_sharding)
 
     return _dispatch.run("conv2d", implementation, interpret, checks, call, x, w,
-                         config=config, out_sharding=out_sharding)
+                         config=config, out_sharding=out_sharding, empty=problem.is_empty)

@@ -173,8 +173,6 @@ def gather(
                     (*table_dims[:axis], *partition.dims_of(indices), *table_dims[axis + 1:]), x)
             return reference_gather(x, indices, axis=axis, mode=mode, fill_value=fill_value,
                                     out_sharding=out_sharding)
-        if math.prod(out_shape) == 0:
-            return partition.constrain(jnp.zeros(out_shape, x.dtype), out_sharding)
         flat_indices = jnp.asarray(bounded_indices(indices, n, mode)).reshape(-1)
         wanted = partition.requested(out_sharding, len(out_shape))
         static = _Static(name, interpret, config, problem, SCATTER_MODE[mode],
@@ -190,7 +188,8 @@ def gather(
 
     operands = (x,) if host is not None else (x, indices)
     return _dispatch.run("gather", implementation, interpret, checks, call, *operands,
-                         config=config, out_sharding=out_sharding)
+                         config=config, out_sharding=out_sharding,
+                         empty=math.prod(out_shape) == 0)
 
 
 def _view_dims(dims: partition.Dims, groups: tuple[tuple[int, ...], ...]) -> partition.Dims:

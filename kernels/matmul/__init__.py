@@ -47,8 +47,6 @@ class _Static(NamedTuple):
 
 def _run_whole(a: jax.Array, b: jax.Array, static: _Static) -> jax.Array:
     p = make_problem(a, b, static.transpose_a, static.transpose_b, static.out_dtype)
-    if p.is_empty:
-        return jnp.zeros((*p.out_batch, p.m, p.n), p.out_dtype)
     return OP.module(static.implementation).matmul(a, b, p, config=static.config,
                                                    precision=static.precision,
                                                    interpret=static.interpret)
@@ -212,4 +210,4 @@ def matmul(
         return partition.constrain(out, out_sharding)
 
     return _dispatch.run("matmul", implementation, interpret, checks, call, a, b,
-                         config=config, out_sharding=out_sharding)
+                         config=config, out_sharding=out_sharding, empty=problem.is_empty)

@@ -151,8 +151,7 @@ def _normalize(x, scale, offset, residual, axis, epsilon, subtract_mean, out_dty
 
     def call(name, interpret, out_sharding, x, scale, offset, residual):
         # y is elementwise in x: asked another sharding, only y moves (the sum keeps x's).
-        if not registry.get(name).is_kernel or x.size == 0:
-            # Size zero: an empty result of the right shape, nothing for a kernel to do.
+        if not registry.get(name).is_kernel:
             out = reference_normalize(x, scale, offset, axis=axis, epsilon=epsilon,
                                       subtract_mean=bool(subtract_mean), residual=residual,
                                       out_dtype=y_dtype)
@@ -177,7 +176,8 @@ def _normalize(x, scale, offset, residual, axis, epsilon, subtract_mean, out_dty
                               out_sharding)
 
     return _dispatch.run(op, implementation, interpret, checks, call, x, scale, offset,
-                         residual, config=config, out_sharding=out_sharding)
+                         residual, config=config, out_sharding=out_sharding,
+                         empty=x.size == 0)
 
 
 def _with_sharding(out, out_sharding):
