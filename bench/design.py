@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from bench.harness import aligned
-from kernels import _targets
+from kernels import _targets, registry
 from kernels.compile import (CASES, distinct, implementation_for, launch_key, launches,
                              report, resources)
 
@@ -52,7 +52,7 @@ def _op_flops(case) -> int | None:
         return 2 * math.prod(batch) * m * n * k
     if case.op == "conv2d":  # output pixels x channels x taps x input channels per group
         kh, kw, cg, _ = shapes[1]
-        out = jax.eval_shape(lambda *arrays: case.call("xla", *arrays), *case.args)
+        out = jax.eval_shape(lambda *arrays: case.call(registry.REFERENCE, *arrays), *case.args)
         return 2 * out.size * kh * kw * cg
     return None
 
@@ -113,7 +113,7 @@ def _row(case, eqn, target, compile_kernels: bool) -> dict:
            "flops": cost.flops if cost else None, "op_flops": _op_flops(case),
            "bytes": cost.bytes_accessed if cost else None, "min_bytes": min_bytes,
            "resources": "not compiled"}
-    compiler = "triton" if target.platform == "gpu" else "libtpu"
+    compiler = registry.get(implementation_for(target.name)).compile_backend  # its package
     if compile_kernels and importlib.util.find_spec(compiler) is None:
         row["resources"] = f"not compiled: {compiler} is not installed (the test extra)"
     elif compile_kernels:

@@ -19,6 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from kernels import registry
+
 # Peak figures for the roofline floor: dense matrix throughput per input dtype (FLOP/s; float32
 # at each platform's default matmul precision: TF32 on H100, one bfloat16 pass on TPU) and HBM
 # bandwidth (B/s). H100 SXM5 and TPU v5e data sheets.
@@ -252,13 +254,13 @@ def measure(case: Case, implementations: Sequence[tuple[str, bool | str]],
         try:
             seconds = median_seconds(fn, *case.args, repeats=repeats, chained=chain_it)
         except Exception as error:  # noqa: BLE001 - a kernel that fails is a row, not a crash
-            if name == "xla":
+            if name == registry.REFERENCE:
                 raise
             # Kept in the JSON and the record, so the table never silently drops a kernel.
             message = f"{type(error).__name__}: {error}".splitlines()[0][:300]
             rows.append(_row(case, label(name, interpret), "failed", {"error": message}))
             continue
-        if name == "xla":
+        if name == registry.REFERENCE:
             xla_seconds = seconds
         rows.append(_row(case, label(name, interpret), "interpreted" if interpret else "speed", {
             "median_ms": seconds * 1e3, "timer": "chained" if chain_it else "waited",

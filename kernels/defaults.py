@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from kernels import registry
+
 __all__ = ["Default", "TABLE", "PLATFORMS", "default"]
 
 
@@ -76,4 +78,4 @@ def default(op: str, backend: str) -> tuple[str, ...]:
     `backend` (a lowering platform: "cpu", "cuda", "rocm", "tpu")."""
     platform = PLATFORMS.get(backend)
     entry = TABLE.get((_FAMILY.get(op, op), platform)) if platform else None
-    return entry.implementations if entry else ("xla",)
+    return entry.implementations if entry else (registry.REFERENCE,)

@@ -56,7 +56,9 @@ class Implementation:
     interpret: Mapping[bool | str, str] = dataclasses.field(default_factory=dict)
     strict_simulator: bool = False
     call_marker: str | None = None  # the custom call its kernels leave in lowered text
-    compile_backend: str | None = None  # kernels.compile's back end: "triton" or "libtpu"
+    # kernels.compile's back end for its kernels, named by its Python package ("triton",
+    # "libtpu"), which the test extra installs.
+    compile_backend: str | None = None
     # Whether its compiled kernels partition over Auto mesh axes (Mosaic's custom call has no
     # partitioner: on Auto TPU axes it is refused, `partition.check_partitionable`).
     auto_axes: bool = True
@@ -119,8 +121,9 @@ def native(platform: str, target: Target | None = None) -> str | None:
     if kind is None:
         return None
     target = target or _targets.current(kind)
+    lowerings = ("cuda", "rocm") if platform == "gpu" else (platform,)
     for entry in IMPLEMENTATIONS.values():
-        if platform in entry.platforms and entry.runs_on(target):
+        if any(p in entry.platforms for p in lowerings) and entry.runs_on(target):
             return entry.name
     return None
 

@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import kernels  # noqa: E402
 from kernels.compile import programs  # noqa: E402
+from kernels import registry  # noqa: E402
 from kernels.ops import OPS  # noqa: E402
 
 
@@ -200,15 +201,15 @@ if tuple(int(v) for v in jax.__version__.split(".")[:2]) < (0, 11):
 
 
 def main(impl: str, mesh_kinds: list[str]) -> None:
-    xla_cases = cases("xla")
+    xla_cases = cases(registry.REFERENCE)
     for axis_type in (getattr(AxisType, kind) for kind in mesh_kinds):
         for name, (fn, specs) in cases(impl).items():
             record = run_case(impl, name, fn, specs, axis_type, xla_cases[name][0])
             print(json.dumps(record), flush=True)
     for name in OUT_SHARDING_CASES:  # xla's process runs the default too (xla on a CPU)
-        for implementation in (impl, None) if impl == "xla" else (impl,):
+        for implementation in (impl, None) if impl == registry.REFERENCE else (impl,):
             print(json.dumps(run_out_sharding(implementation, name)), flush=True)
-    if impl != "xla":
+    if registry.get(impl).is_kernel:
         print(json.dumps(run_shard_map(impl)), flush=True)
         print(json.dumps(run_reduce_scatter(impl)), flush=True)
 

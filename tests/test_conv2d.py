@@ -239,7 +239,7 @@ X, W = jnp.ones((1, 5, 6, 4)), jnp.ones((3, 3, 4, 2))
     (X, jnp.ones((3, 4, 2)), {}, ValueError, "w must have rank 4"),
     (X, W, {"data_format": "NWHC"}, ValueError, "data_format must be 'NHWC' or 'NCHW'"),
     (X, W, {"data_format": "NCHW"}, ValueError, "x has 5 channels"),
-    (np.full((1, 5, 6, 4), "a"), W, {}, TypeError, "x must have a numeric dtype"),
+    (np.full((1, 5, 6, 4), "a"), W, {}, TypeError, "x must have a numeric or boolean dtype"),
 ])
 def test_bad_input(implementation, x, w, options, error, match):
     with pytest.raises(error, match=match):

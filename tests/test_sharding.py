@@ -16,8 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from kernels import registry
+from tests.support import IMPLEMENTATIONS, KERNELS
+
 HERE = Path(__file__).parent
-IMPLEMENTATIONS = ("xla", "triton", "mosaic")
 CASES = ("matmul/M", "matmul/N", "matmul/K", "matmul/batch+K", "normalize/rows",
          "normalize/normalized-axis", "normalize/rms-normalized-axis",
          "normalize/standardize-axis0", "normalize/residual-rows",
@@ -38,7 +40,9 @@ REDUCING = {"matmul/K", "matmul/batch+K", "normalize/normalized-axis",
 # where JAX alone would raise for some cases (a sharded contraction, a vocab-parallel table)
 # and is given the kernels' sharding; each kernel run also compares its output sharding with
 # xla's under its own mesh kind.
-MESH_KINDS = {"xla": ("Explicit",), "triton": ("Auto",), "mosaic": ("Explicit",)}
+# A kernel whose compiled calls partition on Auto axes (`auto_axes`) runs under Auto axes.
+MESH_KINDS = {name: ("Auto",) if registry.get(name).is_kernel and registry.get(name).auto_axes
+              else ("Explicit",) for name in IMPLEMENTATIONS}
 RUNS = [(impl, kind) for impl in IMPLEMENTATIONS for kind in MESH_KINDS[impl]]
 _results: dict[str, dict] = {}
 
@@ -99,7 +103,7 @@ def test_sharded_call_equals_unsharded(results, impl, case, mesh, request):
 
 
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("impl,mesh", [run for run in RUNS if run[0] != "xla"])
+@pytest.mark.parametrize("impl,mesh", [run for run in RUNS if registry.get(run[0]).is_kernel])
 def test_sharding_and_collectives(results, impl, case, mesh):
     r = results(impl)[(case, mesh)]
     if case == "conv2d/spatial":  # documented fallback: whole images, gathered once
@@ -129,7 +133,7 @@ REDUCE_SCATTERS = {"matmul/K-reduce-scatter", "matmul/K-both", "gather/vocab-red
 
 @pytest.mark.parametrize("case", OUT_SHARDING_CASES)
 @pytest.mark.parametrize("impl,mesh", [(impl, "Explicit") for impl in IMPLEMENTATIONS]
-                         + [("xla", "Explicit, default")])
+                         + [(registry.REFERENCE, "Explicit, default")])
 def test_out_sharding_on_explicit_axes(results, impl, mesh, case):
     """Every implementation and the default (xla on a CPU) run each case (none raises), with
     the values and gradients of the unsharded call, the output sharded as asked (or, not
@@ -139,19 +143,19 @@ def test_out_sharding_on_explicit_axes(results, impl, mesh, case):
     assert r["value_error"] <= 1e-5 * max(1.0, r["scale"]), r
     assert r["nan_match"] and r["grad_error"] <= 1e-3, r
     assert r["same_spec"] and r["grad_specs_match"], r
-    if impl in IMPLEMENTATIONS[1:] and case in REDUCE_SCATTERS:
+    if impl in KERNELS and case in REDUCE_SCATTERS:
         assert r["forward"]["reduce-scatter"] == 1 and r["forward"]["all-reduce"] == 0, r
         assert r["forward"]["all-gather"] == 0 and r["forward"]["collective-permute"] == 0, r
 
 
-@pytest.mark.parametrize("impl", IMPLEMENTATIONS[1:])
+@pytest.mark.parametrize("impl", KERNELS)
 def test_inside_shard_map(results, impl):
     r = results(impl)[("shard_map", "Manual")]
     assert r["value_error"] <= 1e-5 * max(1.0, r["scale"]), r
     assert r["grad_error"] <= 1e-3, r
 
 
-@pytest.mark.parametrize("impl", IMPLEMENTATIONS[1:])
+@pytest.mark.parametrize("impl", KERNELS)
 def test_row_parallel_matmul_reduce_scatters_into_a_sharded_output(results, impl):
     r = results(impl)[("matmul/K-reduce-scatter", "Auto")]
     assert r["value_error"] <= 1e-4, r

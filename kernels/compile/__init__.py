@@ -9,7 +9,8 @@ This package runs the real back ends, which work without the hardware, one modul
 - `mosaic`: libtpu, ahead of time for a device-less `v5e`, `v6e` or `v4` topology: VMEM and
   Mosaic's layout rules, and the kernel's planned VMEM;
 - `report`: the verdict (`KernelReport`) and what both back ends share to reach it;
-- `api`: the entry points (`compile_kernels`, `report`);
+- `api`: the entry points (`compile_kernels`, `report`) and each implementation's back end and
+  targets (`listing`, `python -m kernels.compile --list`);
 - `cases`: the shapes every kernel is compiled at (`CASES`, each op's `kernels/<op>/cases.py`);
 - `programs`: whole programs, compiled as users run them (each op's `PROGRAMS`);
 - `environment`: the variables the compilers need before jax starts (`use_compile_only_devices`,

@@ -32,7 +32,7 @@ def compile_kernels(fn: Callable[..., Any], *args: Any, target: str,
 
 def report(eqn, target: Target, timeout_s: float | None = DEFAULT_TIMEOUT_S) -> KernelReport:
     """Compiles one `pallas_call` equation (from `pallas_calls`) for `target`."""
-    backend = registry.get(implementation_for(target.name)).compile_backend
+    backend = registry.get(registry.native(target.lowering_platform, target)).compile_backend
     return _BACK_ENDS[backend](eqn, target, timeout_s)
 
 

@@ -103,7 +103,7 @@ _run = partition.partitioned(_run_whole, sharding.rule, sharding.factors)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _conv(x: jax.Array, w: jax.Array, static: _Static) -> jax.Array:
-    """Grouped NHWC/HWIO convolution of geometry `s.geometry`, in `s.out_dtype`."""
+    """Grouped NHWC/HWIO convolution of geometry `static.geometry`, in `static.out_dtype`."""
     return _run(x, w, static)
 
 

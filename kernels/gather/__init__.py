@@ -62,9 +62,9 @@ def _scatter_add_whole(g: jax.Array, indices: jax.Array, static: _Static) -> jax
 
 # Each device runs the kernels on its blocks of mesh-sharded operands (kernels.partition).
 _gather_sharded = partition.partitioned(_gather_whole, sharding.gather_rule,
-                                       sharding.gather_factors)
+                                        sharding.gather_factors)
 _scatter_add_sharded = partition.partitioned(_scatter_add_whole, sharding.scatter_rule,
-                                            sharding.scatter_factors)
+                                             sharding.scatter_factors)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -94,7 +94,7 @@ _jitted_gather = jax.jit(_gather, static_argnums=-1)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _scatter_add(g: jax.Array, indices: jax.Array, static: _Static) -> jax.Array:
-    """The transpose of `_gather` in `s`: g (batch, m, columns) -> (batch, n, columns)."""
+    """The transpose of `_gather` in `static`: g (batch, m, columns) -> (batch, n, columns)."""
     return _scatter_add_sharded(g, indices, static)
 
 
@@ -105,7 +105,7 @@ def _scatter_add_fwd(g, indices, static):
 def _scatter_add_bwd(static: _Static, indices, ct):
     # Its transpose is a gather with the matching forward rule (dropped rows gather zero).
     transposed = static.problem._replace(mode=TRANSPOSED_MODE[static.scatter_mode],
-                                    fill=fill_bits(0, static.problem.dtype))
+                                         fill=fill_bits(0, static.problem.dtype))
     dg = _gather(ct, indices, static._replace(problem=transposed))
     return dg, _float0_zeros(indices)
 

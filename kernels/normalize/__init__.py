@@ -60,9 +60,9 @@ def _backward_whole(x, scale, mean, rstd, gy, gmean, grstd, gsum, static: _Stati
 
 # Each device runs the kernels on its blocks of a mesh-sharded array (kernels.partition).
 _forward_sharded = partition.partitioned(_forward_whole, sharding.forward_rule,
-                                        sharding.forward_factors)
+                                         sharding.forward_factors)
 _backward_sharded = partition.partitioned(_backward_whole, sharding.backward_rule,
-                                         sharding.backward_factors)
+                                          sharding.backward_factors)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))

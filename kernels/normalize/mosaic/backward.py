@@ -44,7 +44,7 @@ def _backward_kernel(x_ref, scale_ref, mean_ref, rstd_ref, gy_ref, gmean_ref, gr
     xhat = common.normalized(x, mean, rstd, p)
     gs = g if scale_ref is None else g * schedule.load_param(scale_ref, dtype)
 
-    def sums():
+    def chunk_sums():
         return common.group_sums(gs, xhat, all_valid(x.shape) if valid is None else valid, p)
 
     def write(sums: common.GroupSums):
@@ -65,20 +65,20 @@ def _backward_kernel(x_ref, scale_ref, mean_ref, rstd_ref, gy_ref, gmean_ref, gr
                                                       keepdims=True))
 
     if schedule.phases == 1:
-        write(sums())
+        write(chunk_sums())
         return
     gs_ref, gs_xhat_ref = sum_refs
     phase, chunk = pl.program_id(2), pl.program_id(3)
 
     @pl.when((phase == 0) & (chunk == 0))
     def _():
-        gs_ref[...], gs_xhat_ref[...] = sums()
+        gs_ref[...], gs_xhat_ref[...] = chunk_sums()
 
     @pl.when((phase == 0) & (chunk > 0))
     def _():
-        chunk_sums = sums()
-        gs_ref[...] += chunk_sums.gs
-        gs_xhat_ref[...] += chunk_sums.gs_xhat
+        sums = chunk_sums()
+        gs_ref[...] += sums.gs
+        gs_xhat_ref[...] += sums.gs_xhat
 
     @pl.when(phase == 1)
     def _():

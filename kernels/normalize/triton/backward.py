@@ -60,7 +60,7 @@ def _group_sums(tiles: Tiles, refs, outer, first, count, mean, rstd,
         return common.group_sums(gs, xhat, tiles.mask(chunk), p)
 
     return fold(first, count, chunk_sums,
-                 lambda a, b: common.GroupSums(a.gs + b.gs, a.gs_xhat + b.gs_xhat))
+                lambda a, b: common.GroupSums(a.gs + b.gs, a.gs_xhat + b.gs_xhat))
 
 
 def _sums_kernel(x_ref, scale_ref, mean_ref, rstd_ref, gy_ref, gs_ref, gs_xhat_ref, *,

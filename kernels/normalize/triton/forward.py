@@ -73,8 +73,8 @@ def _forward_kernel(x_ref, residual_ref, scale_ref, offset_ref, y_ref, sum_ref, 
         write(0, x, mean, rstd)
     else:
         moments = fold(0, schedule.num_chunks,
-                        lambda c: _moments(tiles, x_ref, residual_ref, outer, c, p),
-                        functools.partial(common.merge_moments, p=p))
+                       lambda c: _moments(tiles, x_ref, residual_ref, outer, c, p),
+                       functools.partial(common.merge_moments, p=p))
         mean, rstd = common.mean_and_rstd(moments, p)
 
         def write_chunk(chunk, carry):
@@ -94,8 +94,8 @@ def _moments_kernel(x_ref, residual_ref, means_ref, m2s_ref, *, p: Problem,
     outer, split = pl.program_id(0), pl.program_id(2)
     tiles = Tiles(p, config, pl.program_id(1))
     moments = fold(*split_range(schedule),
-                    lambda c: _moments(tiles, x_ref, residual_ref, outer, c, p),
-                    functools.partial(common.merge_moments, p=p))
+                   lambda c: _moments(tiles, x_ref, residual_ref, outer, c, p),
+                   functools.partial(common.merge_moments, p=p))
     tiles.store_stats(means_ref, outer, moments.mean, split)
     tiles.store_stats(m2s_ref, outer, moments.m2, split)
 
