@@ -68,7 +68,10 @@ def test_every_op_has_every_piece(name):
     assert op.cases.PROGRAMS and all(p.op == name for p in op.cases.PROGRAMS.values()), \
         "whole programs (PROGRAMS)"
     assert sorted(op.cases.BENCH) == ["cpu", "interpret", "native", "strict"], "bench shapes"
-    assert op.cases.sharded("xla") and isinstance(op.cases.OUT_SHARDING, dict), "sharded cases"
+    assert op.cases.sharded(registry.REFERENCE) and isinstance(op.cases.OUT_SHARDING, dict), \
+        "sharded cases"
+    assert isinstance(op.cases.REDUCING, set) and isinstance(op.cases.REDUCE_SCATTERS, set), \
+        "which sharded cases reduce (REDUCING, REDUCE_SCATTERS)"
     assert name in BENCHES, "a bench module (bench/<op>.py)"
     for platform in ("gpu", "tpu"):
         assert (name, platform) in defaults.TABLE, f"a default on {platform}"

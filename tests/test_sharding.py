@@ -17,23 +17,15 @@ from pathlib import Path
 import pytest
 
 from kernels import registry
+from kernels.ops import OPS
 from tests.support import IMPLEMENTATIONS, KERNELS
 
 HERE = Path(__file__).parent
-CASES = ("matmul/M", "matmul/N", "matmul/K", "matmul/batch+K", "normalize/rows",
-         "normalize/normalized-axis", "normalize/rms-normalized-axis",
-         "normalize/standardize-axis0", "normalize/residual-rows",
-         "normalize/residual-normalized-axis", "gather/indices", "gather/2d-indices",
-         "gather/vocab-clip", "gather/vocab-default", "gather/vocab-fill", "gather/vocab-wrap",
-         "conv2d/batch", "conv2d/out-channels", "conv2d/in-channels",
-         "conv2d/depthwise-channels", "conv2d/spatial")
-# Cases whose rule sums per-shard partials in the forward pass (a sharded contraction or
-# normalized axis, a vocab-parallel table).
-REDUCING = {"matmul/K", "matmul/batch+K", "normalize/normalized-axis",
-            "normalize/rms-normalized-axis", "normalize/standardize-axis0",
-            "normalize/residual-normalized-axis", "gather/2d-indices",
-            "gather/vocab-clip", "gather/vocab-default", "gather/vocab-fill", "gather/vocab-wrap",
-            "conv2d/in-channels"}
+# Every op's sharded cases (kernels/<op>/cases.py: `sharded`), and those whose rule sums
+# per-shard partials in the forward pass (`REDUCING`: a sharded contraction or normalized axis,
+# a vocab-parallel table).
+CASES = tuple(name for op in OPS.values() for name in op.cases.sharded(registry.REFERENCE))
+REDUCING = set().union(*(op.cases.REDUCING for op in OPS.values()))
 # The mesh kinds each implementation's cases run on. The partitioning (kernels/partition/
 # and each op's sharding rule) is one code path for every kernel, so each mesh kind is proven
 # with one kernel and each kernel under a mesh. JAX's own op (xla) runs under Explicit axes,
@@ -119,16 +111,10 @@ def test_sharding_and_collectives(results, impl, case, mesh):
         assert reduces == 0, r
 
 
-# sharded_run.OUT_SHARDING_CASES: out_sharding on Explicit axes, given or not (the first three
-# are the cases where JAX's own op alone raises without one), and the ones whose kernels must
-# reduce-scatter into the sharding asked for.
-OUT_SHARDING_CASES = ("matmul/K", "gather/vocab", "conv2d/in-channels",
-                      "matmul/K-reduce-scatter", "matmul/K-both", "gather/vocab-reduce-scatter",
-                      "conv2d/in-channels-reduce-scatter", "gather/2d-indices-both",
-                      "matmul/sequence-sharded", "layer_norm/replicated",
-                      "layer_norm/residual-sum")
-REDUCE_SCATTERS = {"matmul/K-reduce-scatter", "matmul/K-both", "gather/vocab-reduce-scatter",
-                   "conv2d/in-channels-reduce-scatter"}
+# Every op's out_sharding cases on Explicit axes, given or not (`OUT_SHARDING`), and the ones
+# whose kernels must reduce-scatter into the sharding asked for (`REDUCE_SCATTERS`).
+OUT_SHARDING_CASES = tuple(name for op in OPS.values() for name in op.cases.OUT_SHARDING)
+REDUCE_SCATTERS = set().union(*(op.cases.REDUCE_SCATTERS for op in OPS.values()))
 
 
 @pytest.mark.parametrize("case", OUT_SHARDING_CASES)

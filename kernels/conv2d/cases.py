@@ -1,7 +1,7 @@
 """conv2d beyond its unit tests, as data (`OP.cases`): the shapes its kernels are compiled at
 (`COMPILE`, read by `kernels.compile`), its whole programs (`PROGRAMS`), its bench shapes
-(`BENCH`, read by `bench/conv2d.py`) and its sharded cases (`sharded`, `OUT_SHARDING`, run by
-tests/sharded_run.py on 8 CPU devices)."""
+(`BENCH`, read by `bench/conv2d.py`) and its sharded cases (`sharded`, `OUT_SHARDING`, with
+`REDUCING` and `REDUCE_SCATTERS`, run by tests/sharded_run.py on 8 CPU devices)."""
 
 from __future__ import annotations
 
@@ -78,6 +78,10 @@ def sharded(impl):
     }
 
 
+# The sharded cases whose rule sums per-shard partials in the forward pass.
+REDUCING = {"conv2d/in-channels"}
+
+
 def _with_out_sharding(impl):
     return lambda x, w, s: conv2d(x, w, out_sharding=s, implementation=impl)
 
@@ -95,3 +99,5 @@ OUT_SHARDING = {
         [((4, 6, 6, 8), P("data", None, None, "model")), ((3, 3, 8, 8), P(None, None, "model"))],
         P("data", None, None, "model"), P("data", None, None, "model")),
 }
+# The out_sharding cases whose kernels must reduce-scatter into the sharding asked for.
+REDUCE_SCATTERS = {"conv2d/in-channels-reduce-scatter"}

@@ -1,8 +1,8 @@
 """gather beyond its unit tests, as data (`OP.cases`): the shapes its kernels are compiled at
 (`COMPILE`, read by `kernels.compile`), its whole programs (`PROGRAMS`), its bench shapes
-(`BENCH`, read by `bench/gather.py`) and its sharded cases (`sharded`, `OUT_SHARDING`, run by
-tests/sharded_run.py on 8 CPU devices, where "ids" operands are indices of every kind:
-negative, past either end)."""
+(`BENCH`, read by `bench/gather.py`) and its sharded cases (`sharded`, `OUT_SHARDING`, with
+`REDUCING` and `REDUCE_SCATTERS`, run by tests/sharded_run.py on 8 CPU devices, where "ids"
+operands are indices of every kind: negative, past either end)."""
 
 from __future__ import annotations
 
@@ -68,6 +68,11 @@ def sharded(impl):
     }
 
 
+# The sharded cases whose rule sums per-shard partials in the forward pass (a vocab-parallel
+# table's sum over owners).
+REDUCING = {"gather/2d-indices", "gather/vocab-clip", "gather/vocab-default",
+            "gather/vocab-fill", "gather/vocab-wrap"}
+
 # out_sharding on Explicit axes: name -> (op of (arrays, out_sharding), operands, asked, want):
 # `asked` the out_sharding given (None: the default, where JAX's own op alone would raise),
 # `want` the output's spec. A table sharded along the gathered axis reduce-scatters into an
@@ -85,3 +90,5 @@ OUT_SHARDING = {
         lambda impl: lambda x, i, s: gather(x, i, out_sharding=s, implementation=impl),
         [((96, 16), P()), ("ids2x32", P("data", "model"))], None, P("data", "model")),
 }
+# The out_sharding cases whose kernels must reduce-scatter into the sharding asked for.
+REDUCE_SCATTERS = {"gather/vocab-reduce-scatter"}

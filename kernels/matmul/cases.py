@@ -1,7 +1,7 @@
 """matmul beyond its unit tests, as data (`OP.cases`): the shapes its kernels are compiled at
 (`COMPILE`, read by `kernels.compile`), its whole programs (`PROGRAMS`), its bench shapes
-(`BENCH`, read by `bench/matmul.py`) and its sharded cases (`sharded`, `OUT_SHARDING`, run by
-tests/sharded_run.py on 8 CPU devices)."""
+(`BENCH`, read by `bench/matmul.py`) and its sharded cases (`sharded`, `OUT_SHARDING`, with
+`REDUCING` and `REDUCE_SCATTERS`, run by tests/sharded_run.py on 8 CPU devices)."""
 
 from __future__ import annotations
 
@@ -68,6 +68,10 @@ def sharded(impl):
     }
 
 
+# The sharded cases whose rule sums per-shard partials in the forward pass.
+REDUCING = {"matmul/K", "matmul/batch+K"}
+
+
 def _with_out_sharding(impl):
     return lambda a, b, s: matmul(a, b, out_sharding=s, implementation=impl)
 
@@ -91,3 +95,5 @@ OUT_SHARDING = {
         _with_out_sharding, [((4, 16, 32), P(None, "model", None)), ((32, 48), P())],
         None, P(None, "model")),
 }
+# The out_sharding cases whose kernels must reduce-scatter into the sharding asked for.
+REDUCE_SCATTERS = {"matmul/K-reduce-scatter", "matmul/K-both"}

@@ -1,7 +1,7 @@
-"""normalize beyond its unit tests, as data (`OP.cases`): the shapes its kernels are compiled
-at (`COMPILE`, read by `kernels.compile`), its whole programs (`PROGRAMS`), its bench shapes
-(`BENCH`, read by `bench/normalize.py`) and its sharded cases (`sharded`, `OUT_SHARDING`, run
-by tests/sharded_run.py on 8 CPU devices)."""
+"""normalize beyond its unit tests, as data (`OP.cases`): the shapes its kernels are compiled at
+(`COMPILE`, read by `kernels.compile`), its whole programs (`PROGRAMS`), its bench shapes
+(`BENCH`, read by `bench/normalize.py`) and its sharded cases (`sharded`, `OUT_SHARDING`, run by
+tests/sharded_run.py on 8 CPU devices)."""
 
 from __future__ import annotations
 
@@ -118,6 +118,10 @@ def sharded(impl):
     }
 
 
+# The sharded cases whose rule sums per-shard partials in the forward pass (Chan's merge).
+REDUCING = {"normalize/normalized-axis", "normalize/rms-normalized-axis",
+            "normalize/standardize-axis0", "normalize/residual-normalized-axis"}
+
 # out_sharding on Explicit axes: name -> (op of (arrays, out_sharding), operands, asked, want):
 # `asked` the out_sharding given, `want` the output's spec (y's: the sum keeps x's).
 OUT_SHARDING = {
@@ -130,3 +134,4 @@ OUT_SHARDING = {
                                                 implementation=impl)[1],
         [((64, 40), P("data", None)), ((64, 40), P("data", None))], P(), P("data")),
 }
+REDUCE_SCATTERS: set[str] = set()  # out_sharding cases that must reduce-scatter: none
