@@ -105,9 +105,6 @@ class Problem(NamedTuple):
         """The reduced axis of the 3-D view (and of the statistics, where it has size 1)."""
         return 2 if self.rows else 1
 
-    def tile_shape(self, block_groups: int, block_reduced: int) -> tuple[int, int]:
-        return (block_groups, block_reduced) if self.rows else (block_reduced, block_groups)
-
     @property
     def size(self) -> int:
         return self.outer * self.groups * self.reduced
