@@ -27,13 +27,24 @@ from kernels.ops import OPS
 # Each op's bench module, bench/<op>.py (its shapes are data in kernels/<op>/cases.py).
 BENCHES = {name: importlib.import_module(f"bench.{name}") for name in OPS}
 RECORDS = Path(__file__).parent / "records"
-# --interpret value -> the interpreted plans run on a CPU: (shape set, implementations).
-_FAST = ("interpret", [*((name, True) for name in registry.kernel_names()),
-                        (registry.REFERENCE, False)])
+# --interpret value -> the interpreted plans run on a CPU: (shape set, implementations). The
+# fast interpreter's rows at model-test sizes; the strict rows on small grids for the
+# simulators, and for kernels with no fast interpreter (Mosaic GPU's interpreter).
+_FAST = ("interpret", [*((name, True) for name in registry.kernel_names()
+                         if registry.get(name).fast_interpreter), (registry.REFERENCE, False)])
 _STRICT = ("strict", [*((name, "strict") for name in registry.kernel_names()
-                        if registry.get(name).strict_simulator), (registry.REFERENCE, False)])
+                        if registry.get(name).strict_simulator
+                        or not registry.get(name).fast_interpreter),
+                      (registry.REFERENCE, False)])
 INTERPRET_CHOICES = {"none": [_FAST, _STRICT], "true": [_FAST], "strict": [_STRICT],
                      "false": []}
+
+
+def _of_op(op: str, implementations: list[tuple[str, bool | str]]) -> list[tuple[str, bool | str]]:
+    """The `implementations` that `op` has and the installed jax runs."""
+    return [(name, mode) for name, mode in implementations
+            if not registry.get(name).is_kernel
+            or OPS[op].has(name) and not registry.unavailable(name)]
 
 
 def record_path(device_kind: str) -> Path:
@@ -132,21 +143,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.record and platform is None:
         parser.error("--record needs a GPU or TPU: CPU timings are not evidence for a default")
 
-    # The platform's kernel is timed natively next to xla, whichever of them is the default.
-    kernel = registry.native(jax.default_backend()) if platform else None
-    native = ([(kernel, False)] if kernel else []) + [(registry.REFERENCE, False)]
+    # The platform's kernels are timed natively next to xla, whichever of them is the default.
+    native = [*((name, False) for name in registry.kernel_names()
+                if platform and registry.runs_natively(name, jax.default_backend())),
+              (registry.REFERENCE, False)]
     on_accelerator = platform is not None
     device_kind = jax.devices()[0].device_kind
     plan = []
     for op in ops:
-        plan += [(case, native, args.repeats)
+        plan += [(case, _of_op(op, native), args.repeats)
                  for case in BENCHES[op].cases("native" if on_accelerator else "cpu")]
         interpreted = [] if on_accelerator or args.no_interpret else INTERPRET_CHOICES[
             args.interpret]
         for shapes, implementations in interpreted:
             # The simulator's rows take up to seconds each: fewer runs there.
             repeats = 3 if shapes == "strict" else args.repeats
-            plan += [(case, implementations, repeats) for case in BENCHES[op].cases(shapes)]
+            plan += [(case, _of_op(op, implementations), repeats)
+                     for case in BENCHES[op].cases(shapes)]
     # On a device every op is timed by the chained timer, whose floor is measured first.
     timer = {"method": "chained" if on_accelerator else "waited per call"}
     if on_accelerator:

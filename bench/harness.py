@@ -256,9 +256,11 @@ def measure(case: Case, implementations: Sequence[tuple[str, bool | str]],
         except Exception as error:  # noqa: BLE001 - a kernel that fails is a row, not a crash
             if name == registry.REFERENCE:
                 raise
-            # Kept in the JSON and the record, so the table never silently drops a kernel.
+            # Kept in the JSON and the record, so the table never silently drops a kernel; a
+            # kernel that does not take the case says so (it is not a failure).
             message = f"{type(error).__name__}: {error}".splitlines()[0][:300]
-            rows.append(_row(case, label(name, interpret), "failed", {"error": message}))
+            kind = "declined" if isinstance(error, NotImplementedError) else "failed"
+            rows.append(_row(case, label(name, interpret), kind, {"error": message}))
             continue
         if name == registry.REFERENCE:
             xla_seconds = seconds

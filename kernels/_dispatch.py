@@ -94,22 +94,23 @@ def resolve_interpret(name: str, interpret: Interpret, platform: str = "cpu",
     `None` interprets exactly where the platform is not the kernel's own, with the HLO
     interpreter, or with "strict" where `$KERNELS_INTERPRET` says so.
 
-    TPU interpret mode's ordered host callbacks cannot sit in a `platform_dependent` branch
-    that lowering for a TPU prunes (jax's cond lowering then expects their tokens). So where
-    the environment's "strict" meets a program built for TPUs (`_targets.program_platform`:
-    the abstract device in scope or the operands' mesh), the Mosaic kernel is compiled in
-    every branch."""
+    An interpreter that runs through ordered host callbacks (TPU interpret mode, Mosaic GPU's
+    interpreter: the entry's `interpreter_callbacks`) cannot sit in a `platform_dependent`
+    branch that lowering for the kernel's platform prunes (jax's cond lowering then expects
+    their tokens). So where such a mode meets a program built for the kernel's platform
+    (`_targets.program_platform`: the abstract device in scope or the operands' mesh), the
+    kernel is compiled in every branch."""
     entry = registry.get(name)
     if not entry.is_kernel:
         return False
     if interpret is not None:
         return interpret
-    native = registry.native(platform) == name
-    strict = _environment_strict()
-    if native or (strict and entry.strict_simulator
-                  and _targets.program_platform(operands) in entry.platforms):
+    mode = STRICT if _environment_strict() else True
+    if registry.compiles_for(name, platform) or (
+            mode in entry.interpreter_callbacks
+            and registry.compiles_for(name, _targets.program_platform(operands))):
         return False
-    return STRICT if strict else True
+    return mode
 
 
 def choose(
@@ -142,8 +143,12 @@ def choose(
         try:
             if registry.get(name).is_kernel:
                 partition.check_partitionable(name, interpreted, operands)
-                with _targets.for_operands(operands), _targets.interpreted(
-                        _targets.interpreter_sized(interpreted, config)):
+                fast = (_targets.interpreter_sized(interpreted, config)
+                        and registry.get(name).fast_interpreter)
+                with _targets.for_operands(operands), _targets.interpreted(fast):
+                    reason = None if interpreted else registry.device_reason(name, platform)
+                    if reason:
+                        raise NotImplementedError(reason)
                     checks[name]()
         except NotImplementedError as declined:
             reasons.append(f"{name}: {declined}")

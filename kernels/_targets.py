@@ -87,6 +87,12 @@ TARGETS = {
                     shared_memory=166_912, num_sms=108, fpus_per_sm=64,
                     memory_bandwidth=2_039_040_000_000, l2_cache=40 * MIB, clock_ghz=1.41,
                     device_memory=80 * 1024 * MIB),
+    # B200: Mosaic GPU's sm_100a (Triton's kernels are built for Ampere and Hopper). The
+    # vendor's figures; L2 and clock as NVIDIA's B200 materials state them (approximate).
+    "sm_100": Target("sm_100", "gpu", "NVIDIA B200", compute_capability=100,
+                     shared_memory=232_448, num_sms=148, fpus_per_sm=128,
+                     memory_bandwidth=8_000_000_000_000, l2_cache=126 * MIB, clock_ghz=1.965,
+                     device_memory=180 * 1024 * MIB),
     "v5e": Target("v5e", "tpu", "TPU v5 lite", vmem=128 * MIB, scoped_vmem=16 * MIB,
                   topology=(("topology_name", "v5e:1x1"),), num_cores=1),
     "v6e": Target("v6e", "tpu", "TPU v6 lite", vmem=128 * MIB, scoped_vmem=32 * MIB,

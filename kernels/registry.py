@@ -27,11 +27,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels import _targets
-from kernels._pallas.lowering import MOSAIC_CALL_MARKER, TRITON_CALL_MARKER
+from kernels._pallas.lowering import (MOSAIC_CALL_MARKER, MOSAIC_GPU_CALL_MARKER,
+                                      TRITON_CALL_MARKER)
 from kernels._targets import Target
 
 __all__ = ["Implementation", "IMPLEMENTATIONS", "REFERENCE", "Op", "names", "kernel_names", "get",
-           "native", "unavailable", "registered"]
+           "native", "compiles_for", "runs_natively", "device_reason", "unavailable",
+           "registered"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,30 +57,45 @@ class Implementation:
     # branch, `_dispatch.resolve_interpret`), rather than the HLO interpreter again.
     interpret: Mapping[bool | str, str] = dataclasses.field(default_factory=dict)
     strict_simulator: bool = False
+    # The interpret modes that run through ordered host callbacks (TPU interpret mode, Mosaic
+    # GPU's interpreter): those cannot sit in a `platform_dependent` branch that lowering for
+    # the kernel's own platform prunes, so a program built for that platform compiles the
+    # kernel in every branch (`_dispatch.resolve_interpret`).
+    interpreter_callbacks: tuple[bool | str, ...] = ()
     call_marker: str | None = None  # the custom call its kernels leave in lowered text
-    # kernels.compile's back end for its kernels, named by its Python package ("triton",
-    # "libtpu"), which the test extra installs.
+    # kernels.compile's back end for its kernels (`compile.api`): "triton" and "libtpu" (the
+    # Python packages the test extra installs), "mosaic_gpu" (XLA's GPU compiler).
     compile_backend: str | None = None
     # Whether its compiled kernels partition over Auto mesh axes (Mosaic's custom call has no
     # partitioner: on Auto TPU axes it is refused, `partition.check_partitionable`).
     auto_axes: bool = True
     supports_float64: bool = True  # float64 inputs run (else declined with a reason)
+    # Whether `interpret=True` is the fast interpreter (Pallas' HLO interpreter on blocks sized
+    # for it, at model-test sizes); else it runs the "strict" interpreter's schedule, slowly.
+    fast_interpreter: bool = True
+    # Whether every op it has kernels for runs the op's shared test base with it (a new
+    # implementation whose kernels do not yet take every case runs its own tests until then).
+    shared_tests: bool = True
 
     @property
     def is_kernel(self) -> bool:
         return self.subpackage is not None
 
 
-def _gpu(min_capability: int) -> Callable[[Target], bool]:
-    return lambda t: (t.platform == "gpu"
-                      and (t.compute_capability or min_capability) >= min_capability)
+def _gpu_families(*majors: int) -> Callable[[Target], bool]:
+    """GPUs of these compute-capability majors (9: Hopper, 10: datacenter Blackwell); an
+    unknown GPU (the fast interpreter's) is taken as one."""
+    return lambda t: (t.platform == "gpu" and (t.compute_capability is None
+                                               or t.compute_capability // 10 in majors))
 
 
 REFERENCE = "xla"  # the implementation that runs each op's reference: JAX's own ops
 _ENTRIES = (
     Implementation(REFERENCE, None),
+    # Ampere and Hopper: the GPUs its kernels are compiled for (sm_80, sm_90) and timed on. On
+    # sm_100 one backward spills (normalize 4096x12000 float32: 16 bytes); Mosaic GPU is there.
     Implementation(
-        "triton", "triton", platforms=("cuda", "rocm"), runs_on=_gpu(80),
+        "triton", "triton", platforms=("cuda", "rocm"), runs_on=_gpu_families(8, 9),
         backend="jax.experimental.pallas.triton",
         interpret={True: "Pallas' HLO interpreter on blocks sized for it",
                    "strict": "Pallas' HLO interpreter on the device's blocks"},
@@ -89,8 +106,20 @@ _ENTRIES = (
         interpret={True: "Pallas' HLO interpreter on blocks sized for it",
                    "strict": "TPU interpret mode on the device's blocks (out-of-bounds reads "
                              "raise, uninitialized memory is NaN)"},
-        strict_simulator=True, call_marker=MOSAIC_CALL_MARKER, compile_backend="libtpu",
+        strict_simulator=True, interpreter_callbacks=("strict",),
+        call_marker=MOSAIC_CALL_MARKER, compile_backend="libtpu",
         auto_axes=False, supports_float64=False),
+    # Pallas' Mosaic GPU backend, the GPU backend JAX keeps (Triton's is deprecated): sm_90a
+    # and sm_100a only, cuda only. Work in progress: normalize's forward (rows) so far.
+    Implementation(
+        "mosaic_gpu", "mosaic_gpu", platforms=("cuda",), runs_on=_gpu_families(9, 10),
+        backend="jax.experimental.pallas.mosaic_gpu", min_jax=(0, 12),
+        interpret={True: "Mosaic GPU's interpreter on the device's blocks",
+                   "strict": "Mosaic GPU's interpreter on the device's blocks, with its race "
+                             "detector"},
+        interpreter_callbacks=(True, "strict"), call_marker=MOSAIC_GPU_CALL_MARKER,
+        compile_backend="mosaic_gpu",
+        supports_float64=False, fast_interpreter=False, shared_tests=False),
 )
 # A lowering platform -> the kind of `_targets.Target` its devices are.
 _TARGET_PLATFORM = {"cuda": "gpu", "rocm": "gpu", "gpu": "gpu", "tpu": "tpu"}
@@ -112,20 +141,40 @@ def get(name: str) -> Implementation:
     return IMPLEMENTATIONS[name]
 
 
-def native(platform: str, target: Target | None = None) -> str | None:
-    """The implementation whose kernels run compiled in a program lowered for `platform`
-    ("cuda", "rocm", "tpu", "cpu"; "gpu" as jax.default_backend() says it) on `target`
-    (default: the device such a call targets now, `_targets.current`); None where only the
-    reference runs (a CPU)."""
-    kind = _TARGET_PLATFORM.get(platform)
-    if kind is None:
-        return None
-    target = target or _targets.current(kind)
+def compiles_for(name: str, platform: str) -> bool:
+    """Whether implementation `name`'s kernels are compiled (not interpreted) in a program
+    lowered for `platform` ("cuda", "rocm", "tpu", "cpu"; "gpu" as jax.default_backend() says
+    it): its own platforms."""
     lowerings = ("cuda", "rocm") if platform == "gpu" else (platform,)
-    for entry in IMPLEMENTATIONS.values():
-        if any(p in entry.platforms for p in lowerings) and entry.runs_on(target):
-            return entry.name
-    return None
+    return any(p in IMPLEMENTATIONS[name].platforms for p in lowerings)
+
+
+def runs_natively(name: str, platform: str, target: Target | None = None) -> bool:
+    """Whether implementation `name`'s kernels run compiled in a program lowered for
+    `platform` on `target` (default: the device such a call targets now, `_targets.current`):
+    its platform, and a device its `runs_on` takes."""
+    kind = _TARGET_PLATFORM.get(platform)
+    return (kind is not None and compiles_for(name, platform)
+            and IMPLEMENTATIONS[name].runs_on(target or _targets.current(kind)))
+
+
+def device_reason(name: str, platform: str) -> str | None:
+    """Why implementation `name`, compiled for `platform`, cannot run on the device a call
+    targets now (`runs_on`), or None."""
+    kind = _TARGET_PLATFORM.get(platform)
+    if kind is None or not compiles_for(name, platform):
+        return None
+    target = _targets.current(kind)
+    if IMPLEMENTATIONS[name].runs_on(target):
+        return None
+    return f"its kernels do not run on {target.device_kind} ({target.name})"
+
+
+def native(platform: str, target: Target | None = None) -> str | None:
+    """The first implementation (in the registry's order) whose kernels run compiled on
+    `platform` and `target` (`runs_natively`); None where only the reference runs (a CPU)."""
+    return next((name for name in IMPLEMENTATIONS if runs_natively(name, platform, target)),
+                None)
 
 
 @functools.cache

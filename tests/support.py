@@ -16,12 +16,14 @@ import numpy as np
 from kernels import registry
 from kernels._pallas import lowered_text
 
-# Every test of an op runs for each registered implementation (kernels.registry).
-IMPLEMENTATIONS = registry.names()
-KERNELS = registry.kernel_names()
+# Every test of an op runs for each registered implementation (kernels.registry) that the
+# installed jax runs and that takes the shared test base (`shared_tests`).
+IMPLEMENTATIONS = tuple(name for name in registry.names()
+                        if registry.get(name).shared_tests and not registry.unavailable(name))
+KERNELS = tuple(name for name in IMPLEMENTATIONS if registry.get(name).is_kernel)
 # A kernel's own lowering platform, and the custom call it leaves in lowered text.
-PLATFORM = {name: registry.get(name).platforms[0] for name in KERNELS}
-MARKER = {name: registry.get(name).call_marker for name in KERNELS}
+PLATFORM = {name: registry.get(name).platforms[0] for name in registry.kernel_names()}
+MARKER = {name: registry.get(name).call_marker for name in registry.kernel_names()}
 # Capability flags: what an implementation declines (and must decline with a reason).
 SUPPORTS_FLOAT64 = {name: registry.get(name).supports_float64 for name in IMPLEMENTATIONS}
 

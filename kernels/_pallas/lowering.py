@@ -13,11 +13,13 @@ import jax
 
 from kernels import _targets
 
-__all__ = ["MOSAIC_CALL_MARKER", "TRITON_CALL_MARKER", "lower", "lowered_text", "on_target"]
+__all__ = ["MOSAIC_CALL_MARKER", "MOSAIC_GPU_CALL_MARKER", "TRITON_CALL_MARKER", "lower",
+           "lowered_text", "on_target"]
 
 
 TRITON_CALL_MARKER = "__gpu$xla.gpu.triton"
 MOSAIC_CALL_MARKER = "tpu_custom_call"
+MOSAIC_GPU_CALL_MARKER = "mosaic_gpu_v2"
 
 
 _PLATFORMS = {"cuda": "gpu", "tpu": "tpu"}

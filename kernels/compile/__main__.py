@@ -14,15 +14,26 @@ from kernels import compile as package
 from kernels import registry
 from kernels.compile import programs
 from kernels._targets import TARGETS
-from kernels.compile.api import compile_kernels, implementation_for, listing
+from kernels.compile.api import compile_kernels, implemented_targets, listing
 from kernels.compile.cases import CASES, Case
+from kernels.compile.mosaic_gpu import OWN_PROCESS
+from kernels.ops import OPS
 from kernels.compile.report import DEFAULT_TIMEOUT_S, KernelReport, resources
 
 
-def _row(case: Case, r: KernelReport) -> dict[str, Any]:
-    return {"op": case.op, "case": case.description, "kernel": r.name, "target": r.target,
+def _row(case: Case, r: KernelReport, implementation: str) -> dict[str, Any]:
+    return {"op": case.op, "case": case.description, "implementation": implementation,
+            "kernel": r.name, "target": r.target,
             "verdict": "ok" if r.fits else "FAIL", "grid": "x".join(map(str, r.grid)),
             "resources": resources(r), "seconds": round(r.seconds, 2), "error": r.error}
+
+
+def _implementations(op: str, target: str) -> list[str]:
+    """The kernel implementations of `op` compiled for `target`: those whose kernels run there
+    and that the installed jax has."""
+    return [name for name in registry.kernel_names()
+            if target in implemented_targets(name) and not registry.unavailable(name)
+            and OPS[op].has(name)]
 
 
 def _programs_main(args: argparse.Namespace, targets: list[str]) -> int:
@@ -63,7 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kernels.compile", description=package.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ops", default=",".join(CASES), help="comma-separated ops")
-    parser.add_argument("--targets", default=",".join(TARGETS), help="comma-separated targets")
+    parser.add_argument("--targets", default=",".join(t for t in TARGETS if t not in OWN_PROCESS),
+                        help="comma-separated targets (default: all but "
+                             f"{', '.join(OWN_PROCESS)}, which Mosaic GPU compiles for only in "
+                             "a process of its own: name it alone)")
     parser.add_argument("--json", metavar="PATH", help="also write every report to PATH")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
                         help="seconds per kernel compile")
@@ -96,15 +110,23 @@ def main(argv: list[str] | None = None) -> int:
     for op in ops:
         for case in CASES[op]:
             for target in targets:
-                for report in compile_kernels(case.function(implementation_for(target)),
-                                              *case.args, target=target,
-                                              timeout_s=args.timeout):
-                    row = _row(case, report)
-                    failures += row["verdict"] != "ok"
-                    rows.append(row)
-                    print(f"{row['verdict']:4}  {target:5}  {report.name:40}  {case.description:52}"
-                          f"  grid {row['grid']:14}  {row['resources']}  {row['seconds']:.1f}s"
-                          + (f"\n      {report.error}" if report.error else ""), flush=True)
+                for implementation in _implementations(op, target):
+                    try:
+                        reports = compile_kernels(case.function(implementation), *case.args,
+                                                  target=target, timeout_s=args.timeout,
+                                                  implementation=implementation)
+                    except NotImplementedError as declined:  # a case the kernel does not take
+                        print(f"declined  {target:6}  {implementation:10}  {case.description}: "
+                              f"{declined}", flush=True)
+                        continue
+                    for report in reports:
+                        row = _row(case, report, implementation)
+                        failures += row["verdict"] != "ok"
+                        rows.append(row)
+                        print(f"{row['verdict']:4}  {target:6}  {report.name:40}  "
+                              f"{case.description:52}  grid {row['grid']:14}  "
+                              f"{row['resources']}  {row['seconds']:.1f}s"
+                              + (f"\n      {report.error}" if report.error else ""), flush=True)
     return _finish(rows, failures, args.json,
                    f"{len(rows)} kernel compiles, {failures} failed or over budget (compiled on "
                    "this machine for the named targets; nothing here ran on a device)")

@@ -9,41 +9,53 @@ from kernels import registry
 from kernels._targets import TARGETS, Target
 from kernels.compile.launches import pallas_calls
 from kernels.compile.mosaic import mosaic_report
+from kernels.compile.mosaic_gpu import mosaic_gpu_report
 from kernels.compile.report import DEFAULT_TIMEOUT_S, KernelReport
 from kernels.compile.triton import triton_report
 
-__all__ = ["compile_kernels", "report", "implementation_for", "listing"]
+__all__ = ["compile_kernels", "report", "implementation_for", "implemented_targets", "listing"]
 
 # An implementation's `compile_backend` -> what compiles one of its kernels for a target.
-_BACK_ENDS = {"triton": triton_report, "libtpu": mosaic_report}
+_BACK_ENDS = {"triton": triton_report, "libtpu": mosaic_report,
+              "mosaic_gpu": mosaic_gpu_report}
 
 
 def compile_kernels(fn: Callable[..., Any], *args: Any, target: str,
-                    timeout_s: float | None = DEFAULT_TIMEOUT_S) -> list[KernelReport]:
+                    timeout_s: float | None = DEFAULT_TIMEOUT_S,
+                    implementation: str | None = None) -> list[KernelReport]:
     """Compiles each kernel that `fn(*args)` launches for `target` (a key of `TARGETS`).
 
-    `fn` calls the ops with the target's implementation (`implementation_for`) and
-    `interpret=False`; `args` are arrays or `jax.ShapeDtypeStruct`s. Returns one
+    `fn` calls the ops with `implementation` (default: the target's, `implementation_for`)
+    and `interpret=False`; `args` are arrays or `jax.ShapeDtypeStruct`s. Returns one
     report per distinct kernel; a compiler error becomes a report's `error`, not an exception.
     """
     chosen = TARGETS[target]
-    return [report(eqn, chosen, timeout_s) for eqn in pallas_calls(fn, *args, target=chosen)]
+    return [report(eqn, chosen, timeout_s, implementation)
+            for eqn in pallas_calls(fn, *args, target=chosen)]
 
 
-def report(eqn, target: Target, timeout_s: float | None = DEFAULT_TIMEOUT_S) -> KernelReport:
-    """Compiles one `pallas_call` equation (from `pallas_calls`) for `target`."""
-    backend = registry.get(registry.native(target.lowering_platform, target)).compile_backend
-    return _BACK_ENDS[backend](eqn, target, timeout_s)
+def report(eqn, target: Target, timeout_s: float | None = DEFAULT_TIMEOUT_S,
+           implementation: str | None = None) -> KernelReport:
+    """Compiles one `pallas_call` equation (from `pallas_calls`) of `implementation`
+    (default: the target's) for `target`."""
+    name = implementation or registry.native(target.lowering_platform, target)
+    return _BACK_ENDS[registry.get(name).compile_backend](eqn, target, timeout_s)
 
 
 def listing() -> list[dict[str, Any]]:
     """Per registered implementation, its compile back end and the targets its kernels are
     compiled for (an implementation that runs the reference has none)."""
     return [{"implementation": entry.name, "back_end": entry.compile_backend,
-             "targets": [name for name, target in TARGETS.items()
-                         if entry.compile_backend and registry.native(
-                             target.lowering_platform, target) == entry.name]}
+             "targets": implemented_targets(entry.name)}
             for entry in registry.IMPLEMENTATIONS.values()]
+
+
+def implemented_targets(implementation: str) -> list[str]:
+    """The targets `implementation`'s kernels are compiled for: of its platforms, the devices
+    its `runs_on` takes (none for the reference)."""
+    entry = registry.get(implementation)
+    return [name for name, target in TARGETS.items() if entry.compile_backend
+            and registry.runs_natively(implementation, target.lowering_platform, target)]
 
 
 def implementation_for(target: str) -> str:

@@ -14,7 +14,8 @@ from jax.extend import core as jax_core
 from kernels._pallas import on_target
 from kernels._targets import Target
 
-__all__ = ["equations", "find_pallas_calls", "launches", "launch_key", "pallas_calls",
+__all__ = ["KERNEL_PRIMITIVES", "equations", "find_pallas_calls", "grid_of", "launches",
+           "launch_key", "pallas_calls",
            "distinct", "operands", "bind"]
 
 
@@ -27,12 +28,17 @@ def _sub_jaxprs(value: Any):
             yield v
 
 
+# The primitives a kernel launch is: `pallas_call` (Triton, Mosaic), and `mpmd_map`, which
+# Mosaic GPU's `plgpu.kernel` binds.
+KERNEL_PRIMITIVES = ("pallas_call", "mpmd_map")
+
+
 def equations(jaxpr):
     """Every equation of `jaxpr` and of the jaxprs nested in it, in order, without looking
-    inside a `pallas_call` (a kernel's body is not the program's)."""
+    inside a kernel launch (a kernel's body is not the program's)."""
     for eqn in jaxpr.eqns:
         yield eqn
-        if eqn.primitive.name == "pallas_call":
+        if eqn.primitive.name in KERNEL_PRIMITIVES:
             continue
         for value in eqn.params.values():
             for sub in _sub_jaxprs(value):
@@ -40,8 +46,21 @@ def equations(jaxpr):
 
 
 def find_pallas_calls(jaxpr) -> list:
-    """The `pallas_call` equations of `jaxpr` and of every jaxpr nested in it, in order."""
-    return [eqn for eqn in equations(jaxpr) if eqn.primitive.name == "pallas_call"]
+    """The kernel launches (`KERNEL_PRIMITIVES` equations) of `jaxpr` and of every jaxpr
+    nested in it, in order."""
+    return [eqn for eqn in equations(jaxpr) if eqn.primitive.name in KERNEL_PRIMITIVES]
+
+
+def grid_of(eqn) -> tuple[int, ...]:
+    """A launch's grid: its programs (Triton), grid steps (Mosaic) or CTAs (Mosaic GPU)."""
+    if eqn.primitive.name == "mpmd_map":
+        return tuple(eqn.params["meshes"][0].grid)
+    return tuple(eqn.params["grid_mapping"].grid)
+
+
+def _body(eqn) -> str:
+    return str(eqn.params["jaxprs"][0] if eqn.primitive.name == "mpmd_map"
+               else eqn.params["jaxpr"])
 
 
 def operands(eqn) -> str:
@@ -59,8 +78,7 @@ def launches(fn: Callable[..., Any], *args: Any, target: Target) -> list:
 
 def launch_key(eqn) -> tuple:
     """What makes two launches the same kernel: name, operands, grid and body."""
-    return (eqn.params["name"], operands(eqn), eqn.params["grid_mapping"].grid,
-            str(eqn.params["jaxpr"]))
+    return (eqn.params["name"], operands(eqn), grid_of(eqn), _body(eqn))
 
 
 def pallas_calls(fn: Callable[..., Any], *args: Any, target: Target) -> list:

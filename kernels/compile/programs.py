@@ -28,7 +28,6 @@ import dataclasses
 import functools
 import os
 import re
-import shutil
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -105,14 +104,16 @@ def devices(target_name: str, count: int) -> tuple[Any, ...]:
 
 
 def _ptxas_on_path() -> None:
-    """XLA turns PTX into cubins with ptxas; without a CUDA toolkit, PyPI's triton ships one."""
-    if shutil.which("ptxas"):
-        return
+    """XLA turns PTX into cubins with the first ptxas on PATH: put first the CUDA 12 one that
+    PyPI's triton ships (the test extra), matching the jax-cuda12 plugin, whatever toolkit the
+    machine has (a CUDA 13.0 ptxas rejects the plugin's sm_100a PTX: "SM version specified by
+    .target is higher than default SM version assumed"); without triton, the machine's."""
     with contextlib.suppress(ImportError):
         import triton
 
         bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+        if not os.environ.get("PATH", "").startswith(bin_dir + os.pathsep):
+            os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
 
 
 def collectives(text: str) -> dict[str, int]:

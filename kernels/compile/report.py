@@ -86,9 +86,12 @@ def with_timeout(work: Callable[[], Any], timeout_s: float | None) -> Any:
 def resources(r: KernelReport) -> str:
     """A report's resources in one line: Triton's shared memory, registers and spills, or
     Mosaic's planned VMEM against its limit."""
-    if r.shared_limit is not None:
-        return (f"smem {r.shared_bytes}/{r.shared_limit} regs {r.registers} "
-                f"spill {r.spill_bytes} warps {r.num_warps} stages {r.num_stages} "
-                f"loads {'/'.join(f'{b}B' for b in sorted(r.load_bytes, reverse=True))}"
-                if r.compiled else "")
+    if r.shared_limit is not None:  # a GPU kernel
+        if not r.compiled:
+            return ""
+        text = f"smem {r.shared_bytes}/{r.shared_limit} regs {r.registers} spill {r.spill_bytes}"
+        if r.load_bytes is None:  # Mosaic GPU: ptxas's report only
+            return text
+        return (f"{text} warps {r.num_warps} stages {r.num_stages} "
+                f"loads {'/'.join(f'{b}B' for b in sorted(r.load_bytes, reverse=True))}")
     return f"vmem {r.vmem_planned / 2**20:.1f}/{r.vmem_limit / 2**20:.0f} MiB (planned/limit)"

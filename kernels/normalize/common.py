@@ -301,12 +301,13 @@ def minimum_bytes(p: Problem) -> int:
     return p.size * ((1 + 2 * p.has_residual) * item + jnp.dtype(p.y_dtype).itemsize)
 
 
-def check_dtype(p: Problem, allowed: tuple) -> None:
+def check_dtype(p: Problem, allowed: tuple, device: str = "TPU") -> None:
     """Declines an `x` (or `out_dtype`) dtype the kernel does not take."""
     for what, dtype in (("x has dtype", p.dtype), ("out_dtype is", p.y_dtype)):
         if jnp.dtype(dtype) not in tuple(jnp.dtype(d) for d in allowed):
             name = jnp.dtype(dtype).name
             if name == "float64":
-                raise NotImplementedError(f"float64 is not supported on TPU ({what} float64)")
+                raise NotImplementedError(f"float64 is not supported on {device} ({what} "
+                                          "float64)")
             raise NotImplementedError(f"{what} {name}; the kernel takes "
                                       f"{', '.join(jnp.dtype(d).name for d in allowed)}")

@@ -201,7 +201,8 @@ def _interpreter_sized(static: Any) -> bool:
     """`_targets.interpreter_sized` of `static`: an op's NamedTuple with `interpret` and
     `config` fields, or a tuple holding one."""
     if hasattr(static, "interpret"):
-        return _targets.interpreter_sized(static.interpret, static.config)
+        return (_targets.interpreter_sized(static.interpret, static.config)
+                and registry.get(static.implementation).fast_interpreter)
     return type(static) is tuple and any(map(_interpreter_sized, static))
 
 

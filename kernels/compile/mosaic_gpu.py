@@ -1,0 +1,91 @@
+"""Mosaic GPU's back end on a CPU, for `sm_90` (H100: sm_90a) and `sm_100` (B200: sm_100a): the
+kernel alone is compiled by XLA's own GPU compiler for a compile-only device of the target
+(`kernels.compile.programs.devices`), which runs Mosaic GPU's pipeline (its layout inference
+rejects what the interpreter accepts) and ptxas; Mosaic GPU's dump of ptxas's report
+(`MOSAIC_GPU_DUMP_TO`, `MOSAIC_GPU_DUMP_PTXAS`) gives the registers, spills and shared memory.
+Needs `jax[cuda12-local]` (the test extra), as whole programs do."""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import re
+import tempfile
+import time
+
+import jax
+
+from kernels._targets import Target
+from kernels.compile.launches import bind, grid_of, operands
+from kernels.compile.report import KernelReport, first_line, with_timeout
+
+__all__ = ["mosaic_gpu_report", "OWN_PROCESS"]
+
+# Measured (jax 0.12.0.1): in a process that has compiled a Mosaic GPU kernel for sm_90a, a
+# compile for sm_100a fails in ptxas ("SM version specified by .target is higher than default
+# SM version assumed"), and in a fresh process it compiles: Mosaic GPU keeps the first
+# architecture it compiled for. So one process compiles for one GPU generation, and
+# `python -m kernels.compile` leaves these targets to a run of their own (`--targets sm_100`).
+OWN_PROCESS = ("sm_100",)
+_compiled_for: list[str] = []  # the GPU target this process's Mosaic GPU compiles are for
+
+
+@contextlib.contextmanager
+def _dumped_to(folder: str):
+    """Mosaic GPU writes each kernel's PTX and ptxas report under `folder` (read at every
+    kernel compile)."""
+    saved = {k: os.environ.get(k) for k in ("MOSAIC_GPU_DUMP_TO", "MOSAIC_GPU_DUMP_PTXAS")}
+    os.environ.update(MOSAIC_GPU_DUMP_TO=folder, MOSAIC_GPU_DUMP_PTXAS="1")
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _ptxas(folder: str) -> dict[str, int | None]:
+    text = "".join(open(path).read() for path in glob.glob(os.path.join(folder, "*.ptxas")))
+    registers = re.search(r"Used (\d+) registers", text)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    shared = re.search(r"(\d+) bytes smem", text)
+    return {"registers": int(registers[1]) if registers else None,
+            "spill_bytes": int(spills[1]) + int(spills[2]) if spills else None,
+            "shared_bytes": int(shared[1]) if shared else None}
+
+
+def mosaic_gpu_report(eqn, target: Target, timeout_s: float | None) -> KernelReport:
+    """Compiles one Mosaic GPU `pallas_call` equation for `target` (a GPU of the sm_90 or
+    sm_100 family)."""
+    from kernels.compile.programs import devices  # the compile-only GPUs (the CUDA plugin)
+
+    name = eqn.params["name"]
+    start = time.perf_counter()
+    report = dict(name=name, target=target.name, grid=grid_of(eqn),
+                  operands=operands(eqn), shared_limit=target.shared_memory)
+    if _compiled_for and _compiled_for[0] != target.name:
+        return KernelReport(compiled=False, seconds=0.0, error=(
+            f"{name} for {target.name}: this process compiled Mosaic GPU kernels for "
+            f"{_compiled_for[0]}; compile for {target.name} in a process of its own"), **report)
+    _compiled_for[:1] = [target.name]
+    device = devices(target.name, 1)[0]
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    args = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=sharding)
+            for v in eqn.invars]
+    with tempfile.TemporaryDirectory() as folder:
+        def work():
+            with _dumped_to(folder), jax.default_device(device):
+                jax.jit(bind(eqn)).trace(*args).lower().compile()
+            return _ptxas(folder)
+
+        try:
+            resources = with_timeout(work, timeout_s)
+        except Exception as error:  # noqa: BLE001 - the verdict is the report
+            return KernelReport(compiled=False, error=f"{name} for {target.name}: "
+                                f"{first_line(error)}", seconds=time.perf_counter() - start,
+                                **report)
+    return KernelReport(compiled=True, error=None, seconds=time.perf_counter() - start,
+                        **report, **resources)

@@ -1,0 +1,172 @@
+"""normalize's Mosaic GPU implementation (`implementation="mosaic_gpu"`, jax >= 0.12), which
+has not joined the op's shared test base yet (its registry entry's `shared_tests`): the forward
+of the rows layout in Mosaic GPU's interpreter against float64 truth, its declines, its
+gradient (XLA's backward formula for now), and the real compilers: each kernel alone for
+sm_90a and sm_100a (ptxas's registers, spills, shared memory), whole programs on 1 and 4 GPUs,
+and a cuda export. On an older jax it declines with the reason."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels import registry
+from kernels.normalize import layer_norm, normalize, rms_norm
+from tests.support import assert_close, random, weighted_sum
+
+HERE = Path(__file__).parent
+MISSING = registry.unavailable("mosaic_gpu")
+needs_mosaic_gpu = pytest.mark.skipif(MISSING is not None, reason=f"mosaic_gpu: {MISSING}")
+pytestmark = pytest.mark.usefixtures("strict_interpret")
+
+
+def _truth(x, scale, offset, subtract_mean=True, residual=None, epsilon=1e-5):
+    x = np.asarray(x, np.float64) + (0 if residual is None else np.asarray(residual, np.float64))
+    mean = x.mean(-1, keepdims=True) if subtract_mean else 0.0
+    var = ((x - mean) ** 2).mean(-1, keepdims=True)
+    y = (x - mean) / np.sqrt(var + epsilon)
+    y = y if scale is None else y * np.asarray(scale, np.float64)
+    return y if offset is None else y + np.asarray(offset, np.float64)
+
+
+@pytest.mark.skipif(MISSING is None, reason="this jax has Mosaic GPU")
+def test_an_older_jax_declines_with_the_reason():
+    with pytest.raises(NotImplementedError, match=r"layer_norm: mosaic_gpu: needs jax >= 0.12"):
+        layer_norm(jnp.ones((4, 128)), implementation="mosaic_gpu")
+
+
+@needs_mosaic_gpu
+@pytest.mark.parametrize("shape", [(37, 1024), (5, 128), (3, 4096), (2, 3, 256)], ids=str)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_layer_norm_forward_matches_float64_truth(shape, dtype):
+    """Ragged row blocks (37 rows: 9 blocks of 4 and one of 1), one row of 4096, batch dims;
+    "strict" runs the interpreter with its race detector."""
+    x = random(shape, dtype, seed=1)
+    scale, offset = random(shape[-1:], jnp.float32, seed=2), random(shape[-1:], jnp.float32, 3)
+    y = layer_norm(x, scale, offset, implementation="mosaic_gpu")
+    assert y.dtype == dtype and y.shape == x.shape
+    assert_close(y, _truth(x, scale, offset), dtype, reduction_length=shape[-1])
+
+
+@needs_mosaic_gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_rms_norm_with_residual_and_out_dtype(dtype):
+    x, residual = random((6, 512), dtype, seed=4), random((6, 512), dtype, seed=5)
+    scale = random((512,), jnp.float32, seed=6)
+    y, summed = rms_norm(x, scale, residual=residual, out_dtype=jnp.float32,
+                         implementation="mosaic_gpu", interpret=True)
+    assert y.dtype == jnp.float32 and summed.dtype == dtype
+    want_sum = (np.asarray(x, np.float64) + np.asarray(residual, np.float64))
+    assert_close(summed, want_sum, dtype)
+    assert_close(y, _truth(x, scale, None, subtract_mean=False, residual=residual, epsilon=1e-6),
+                 dtype, reduction_length=512)
+
+
+@needs_mosaic_gpu
+def test_gradients_match_jax_of_the_reference():
+    """The backward is XLA's (the backward formula in jnp) until its kernel is written; the
+    forward's statistics feed it."""
+    x = random((12, 256), jnp.float32, seed=7)
+    scale, offset = random((256,), jnp.float32, 8), random((256,), jnp.float32, 9)
+    loss = lambda impl: lambda *a: weighted_sum(layer_norm(*a, implementation=impl))  # noqa: E731
+    got = jax.grad(loss("mosaic_gpu"), argnums=(0, 1, 2))(x, scale, offset)
+    want = jax.grad(loss("xla"), argnums=(0, 1, 2))(x, scale, offset)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+
+
+@needs_mosaic_gpu
+@pytest.mark.parametrize("call,reason", [
+    (lambda: normalize(jnp.ones((256, 128)), axis=0, implementation="mosaic_gpu"),
+     "the columns layout"),
+    (lambda: layer_norm(jnp.ones((4, 100)), implementation="mosaic_gpu"), "rows of 100"),
+    (lambda: layer_norm(jnp.ones((4, 8192)), implementation="mosaic_gpu"), "rows of 8192"),
+])
+def test_what_it_does_not_take_yet_declines(call, reason):
+    with pytest.raises(NotImplementedError, match=f"mosaic_gpu: {reason}"):
+        call()
+
+
+@needs_mosaic_gpu
+def test_float64_declines_and_a_sequence_falls_through():
+    with jax.enable_x64(True):
+        x = jnp.ones((4, 128), jnp.float64)
+        with pytest.raises(NotImplementedError, match="float64 is not supported on Mosaic GPU"):
+            layer_norm(x, implementation="mosaic_gpu")
+        assert layer_norm(x, implementation=("mosaic_gpu", "xla")).dtype == jnp.float64
+
+
+def _compiled(script: str) -> list[dict]:
+    """Runs `script` in a process of its own (compile-only GPUs are per process, and Mosaic
+    GPU compiles for one GPU generation per process: `kernels.compile.mosaic_gpu.OWN_PROCESS`)
+    and returns the JSON lines it prints."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=600, env=env, cwd=HERE.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+@needs_mosaic_gpu
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("target", ["sm_90", "sm_100"])
+def test_every_kernel_compiles_without_spills(target):
+    """`python -m kernels.compile` for the normalize cases Mosaic GPU takes: Mosaic GPU's
+    layout inference accepts the kernel (the interpreter does not check layouts), and ptxas
+    fits it in registers with no spills."""
+    rows = _compiled(
+        "import json, dataclasses\n"
+        "from kernels.compile import use_compile_only_devices; use_compile_only_devices()\n"
+        "from kernels.compile import CASES, compile_kernels\n"
+        "for case in CASES['normalize']:\n"
+        "    try:\n"
+        "        reports = compile_kernels(case.function('mosaic_gpu'), *case.args, "
+        f"target='{target}', implementation='mosaic_gpu')\n"
+        "    except NotImplementedError:  # a case the kernel does not take yet\n"
+        "        continue\n"
+        "    for r in reports:\n"
+        "        print(json.dumps(dataclasses.asdict(r)))\n")
+    assert len(rows) >= 3  # the 8192x1024 layer norms (plain and with a residual), the rms_norm
+    for r in rows:
+        assert r["compiled"] and r["name"] == "normalize_forward_mosaic_gpu", r
+        assert r["spill_bytes"] == 0 and r["registers"] <= 255, r
+        assert r["shared_bytes"] <= r["shared_limit"], r
+
+
+@needs_mosaic_gpu
+@pytest.mark.timeout(600)
+def test_whole_programs_and_an_export_carry_the_kernel():
+    """The layer_norm and rms_norm programs (forward and gradient) compiled for H100s on one
+    device and on 4-device meshes with Auto and Explicit axes: the kernel's custom call in each
+    (the gradient's backward is XLA's for now), no operand all-gathered; and a cuda export
+    needs no disabled safety check (Mosaic GPU's custom call is on JAX's stable list)."""
+    reports = _compiled(
+        "import dataclasses, json\n"
+        "from kernels.compile import use_compile_only_devices; use_compile_only_devices()\n"
+        "from kernels.compile import programs\n"
+        "for r in programs.compile_ops('sm_90', 4, implementations=('mosaic_gpu',), "
+        "programs=['layer_norm', 'rms_norm']):\n"
+        "    print(json.dumps(dataclasses.asdict(r)))\n"
+        "import jax, jax.numpy as jnp, kernels\n"
+        "from kernels._pallas import on_target\n"
+        "from kernels._targets import TARGETS\n"
+        "x = jax.ShapeDtypeStruct((64, 256), jnp.bfloat16)\n"
+        "fn = jax.jit(lambda x: kernels.layer_norm(x, implementation='mosaic_gpu'))\n"
+        "with on_target(TARGETS['sm_90']):\n"
+        "    text = jax.export.export(fn, platforms=('cuda',))(x).mlir_module()\n"
+        "print(json.dumps({'export_calls': text.count('mosaic_gpu_v2')}))\n")
+    programs, (export,) = reports[:-1], reports[-1:]
+    assert len(programs) == 6
+    for r in programs:
+        assert r["compiled"] and r["kernel_calls"] >= 1, r
+        assert dict(r["collectives"])["all-gather"] == 0, r
+    assert export["export_calls"] == 1
