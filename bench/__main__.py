@@ -144,14 +144,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--record needs a GPU or TPU: CPU timings are not evidence for a default")
 
     # The platform's kernels are timed natively next to xla, whichever of them is the default.
-    native = [*((name, False) for name in registry.kernel_names()
-                if platform and registry.runs_natively(name, jax.default_backend())),
-              (registry.REFERENCE, False)]
+    native_plan = [*((name, False) for name in registry.kernel_names()
+                     if platform and registry.runs_natively(name, jax.default_backend())),
+                   (registry.REFERENCE, False)]
     on_accelerator = platform is not None
     device_kind = jax.devices()[0].device_kind
     plan = []
     for op in ops:
-        plan += [(case, _of_op(op, native), args.repeats)
+        plan += [(case, _of_op(op, native_plan), args.repeats)
                  for case in BENCHES[op].cases("native" if on_accelerator else "cpu")]
         interpreted = [] if on_accelerator or args.no_interpret else INTERPRET_CHOICES[
             args.interpret]

@@ -285,8 +285,8 @@ def measure(case: Case, implementations: Sequence[tuple[str, bool | str]],
 
 
 def _row(case: Case, implementation: str, kind: str, figures: dict) -> dict:
-    """One row: the case, the implementation and its kind ("speed", "interpreted" or
-    "failed"), then `figures`; a figure not given is None ('-' in the table)."""
+    """One row: the case, the implementation and its kind ("speed", "interpreted", "failed" or
+    "declined"), then `figures`; a figure not given is None ('-' in the table)."""
     empty = {"median_ms": None, "GB/s": None, "TFLOP/s": None, "max_rel_err": None,
              **{f"floor_{d}_us": None for d in DEVICES}, "vs_xla": None}
     return {"op": case.op, "shape": case.shape, "dtype": case.dtype, "flops": case.flops,

@@ -15,8 +15,11 @@ an out-of-bounds read raise and uninitialized memory NaN; Pallas has no stricter
 Triton kernels, which run in the HLO interpreter). The kernels get it as an argument. The fast
 interpreter (`True`) runs each kernel on blocks sized for the interpreter
 (`_targets.INTERPRETER`: few, large programs); "strict" runs the schedule of the device, as
-compiled. The dispatch checks a kernel with its target in scope; `kernels.partition`, through
-which every kernel call goes, traces it so.
+compiled. (Mosaic GPU kernels have no fast interpreter: `True` and "strict" run Mosaic GPU's
+interpreter on the device's blocks, "strict" with its race detector; the registry entry's
+`fast_interpreter` and `interpreter_callbacks`.) The dispatch checks a kernel with its target
+in scope, and declines one compiled for a device its entry's `runs_on` refuses;
+`kernels.partition`, through which every kernel call goes, traces it so.
 
 Each op passes the checks of its Pallas implementations. A check raises `NotImplementedError`
 with a reason when its kernel cannot take the inputs (a dtype, a shape, an option); the next
@@ -89,8 +92,9 @@ def _environment_strict() -> bool:
 def resolve_interpret(name: str, interpret: Interpret, platform: str = "cpu",
                       operands: Sequence[Any] = ()) -> bool | str:
     """How implementation `name` runs in a program lowered for `platform`: `False`
-    (compiled), `True` (the HLO interpreter, interpreter-sized blocks) or "strict" (the
-    device's blocks; Mosaic kernels in TPU interpret mode, Triton's in the HLO interpreter).
+    (compiled), `True` (the HLO interpreter, interpreter-sized blocks; Mosaic GPU: its own
+    interpreter) or "strict" (the device's blocks; Mosaic kernels in TPU interpret mode,
+    Triton's in the HLO interpreter, Mosaic GPU's in its interpreter with race detection).
     `None` interprets exactly where the platform is not the kernel's own, with the HLO
     interpreter, or with "strict" where `$KERNELS_INTERPRET` says so.
 

@@ -116,7 +116,8 @@ _PLATFORMS = {"gpu": ("gpu", "cuda", "rocm"), "tpu": ("tpu",)}
 def _by_device_kind(platform: str, device: Any) -> Target:
     """The target whose kind `device` is; else the platform's default, but with the device's
     own TensorCores where it says how many it has (a v5p's 2: kernels that cut their blocks
-    into one range per core, `_blocks.core_ranges`, would otherwise leave one idle)."""
+    into one range per core, `_blocks.core_ranges`, would otherwise leave one idle), and a
+    GPU's own compute capability (which implementations run on it: `kernels.registry`)."""
     for target in TARGETS.values():
         if (target.platform == platform
                 and device.device_kind.startswith(target.device_kind[:11])):
@@ -125,7 +126,19 @@ def _by_device_kind(platform: str, device: Any) -> Target:
     cores = getattr(device, "num_cores", None)
     if platform == "tpu" and isinstance(cores, int) and cores > 0 and cores != default.num_cores:
         return dataclasses.replace(default, num_cores=cores)
+    capability = _compute_capability(device) if platform == "gpu" else None
+    if capability and capability != default.compute_capability:
+        return dataclasses.replace(default, compute_capability=capability)
     return default
+
+
+def _compute_capability(device: Any) -> int | None:
+    """A GPU device's compute capability as major * 10 + minor ("9.0" -> 90), if it says."""
+    try:
+        major, minor = str(getattr(device, "compute_capability", "")).split(".")[:2]
+        return int(major) * 10 + int(minor)
+    except ValueError:
+        return None
 
 
 # The abstract device of the mesh an op's operands live on, while the op traces (`for_operands`).

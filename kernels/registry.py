@@ -47,7 +47,9 @@ class Implementation:
     # The lowering platforms whose programs run its kernels compiled ("cuda" and "rocm" apart);
     # on any other platform they are interpreted.
     platforms: tuple[str, ...] = ()
-    # Whether it is the native kernel of a device (`native`): a GPU's compute capability, a TPU.
+    # The devices its compiled kernels run on (a GPU's compute capability, a TPU): where the
+    # program's device is another, a compiled call declines (`device_reason`); `native` and the
+    # compile checks' targets follow it.
     runs_on: Callable[[Target], bool] = lambda target: False
     backend: str | None = None  # the Pallas backend module its kernels need from jax
     min_jax: tuple[int, ...] = (0, 10)  # the oldest jax it runs on

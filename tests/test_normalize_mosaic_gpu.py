@@ -66,21 +66,52 @@ def test_rms_norm_with_residual_and_out_dtype(dtype):
     assert y.dtype == jnp.float32 and summed.dtype == dtype
     want_sum = (np.asarray(x, np.float64) + np.asarray(residual, np.float64))
     assert_close(summed, want_sum, dtype)
+    # y is normalized from the float32 sum (not the rounded one), and written in float32.
     assert_close(y, _truth(x, scale, None, subtract_mean=False, residual=residual, epsilon=1e-6),
-                 dtype, reduction_length=512)
+                 jnp.float32, reduction_length=512)
 
 
 @needs_mosaic_gpu
-def test_gradients_match_jax_of_the_reference():
+def test_layer_norm_with_residual_and_without_parameters():
+    x, residual = random((9, 384), jnp.float32, seed=10), random((9, 384), jnp.float32, 11)
+    y, summed = layer_norm(x, residual=residual, implementation="mosaic_gpu")
+    assert_close(summed, np.asarray(x, np.float64) + np.asarray(residual, np.float64),
+                 jnp.float32)
+    assert_close(y, _truth(x, None, None, residual=residual), jnp.float32, reduction_length=384)
+
+
+@needs_mosaic_gpu
+@pytest.mark.parametrize("case", ["large_mean", "small_spread"])
+def test_statistics_where_epsilon_and_cancellation_matter(case):
+    """A large mean with a unit spread (1e4 + N(0, 1): the mean is subtracted before the
+    squares, in float32 as XLA does), and a spread of 1e-3, where epsilon (1e-5) is most of
+    the variance: a kernel that dropped or misplaced epsilon is off by 30% there."""
+    base = np.random.default_rng(12).standard_normal((37, 1024))
+    x = jnp.asarray((1e4 + base) if case == "large_mean" else 1e-3 * base, jnp.float32)
+    y = layer_norm(x, implementation="mosaic_gpu")
+    # Two sums of 1024 terms reach y (the mean's, then the variance's): XLA's own float32
+    # layer norm is 9.1e-4 off the float64 truth at the large mean, within that rule's 9.8e-4.
+    assert_close(y, _truth(x, None, None), jnp.float32, reduction_length=2 * 1024)
+
+
+@needs_mosaic_gpu
+@pytest.mark.parametrize("op", [layer_norm, rms_norm], ids=["layer_norm", "rms_norm"])
+def test_gradients_match_jax_of_the_reference(op):
     """The backward is XLA's (the backward formula in jnp) until its kernel is written; the
-    forward's statistics feed it."""
-    x = random((12, 256), jnp.float32, seed=7)
-    scale, offset = random((256,), jnp.float32, 8), random((256,), jnp.float32, 9)
-    loss = lambda impl: lambda *a: weighted_sum(layer_norm(*a, implementation=impl))  # noqa: E731
-    got = jax.grad(loss("mosaic_gpu"), argnums=(0, 1, 2))(x, scale, offset)
-    want = jax.grad(loss("xla"), argnums=(0, 1, 2))(x, scale, offset)
-    for g, w in zip(got, want):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+    forward's saved statistics (mean, 1/std, over ragged row blocks) feed it, so a wrong
+    statistic shows in every gradient."""
+    x = random((37, 1024), jnp.float32, seed=7)
+    scale = random((1024,), jnp.float32, 8)
+
+    def loss(implementation):
+        return lambda x, s: weighted_sum(op(x, s, implementation=implementation))
+
+    got = jax.grad(loss("mosaic_gpu"), argnums=(0, 1))(x, scale)
+    with jax.enable_x64(True):
+        wide = [a.astype(jnp.float64) for a in (x, scale)]
+        want = jax.grad(loss("xla"), argnums=(0, 1))(*wide)
+    assert_close(got[0], want[0], jnp.float32, reduction_length=1024)
+    assert_close(got[1], want[1], jnp.float32, reduction_length=37)
 
 
 @needs_mosaic_gpu

@@ -12,13 +12,13 @@ from typing import Any
 
 from kernels import compile as package
 from kernels import registry
-from kernels.compile import programs
 from kernels._targets import TARGETS
+from kernels.compile import programs
 from kernels.compile.api import compile_kernels, implemented_targets, listing
 from kernels.compile.cases import CASES, Case
 from kernels.compile.mosaic_gpu import OWN_PROCESS
-from kernels.ops import OPS
 from kernels.compile.report import DEFAULT_TIMEOUT_S, KernelReport, resources
+from kernels.ops import OPS
 
 
 def _row(case: Case, r: KernelReport, implementation: str) -> dict[str, Any]:

@@ -58,8 +58,9 @@ def _ptxas(folder: str) -> dict[str, int | None]:
 
 
 def mosaic_gpu_report(eqn, target: Target, timeout_s: float | None) -> KernelReport:
-    """Compiles one Mosaic GPU `pallas_call` equation for `target` (a GPU of the sm_90 or
-    sm_100 family)."""
+    """Compiles one Mosaic GPU kernel launch (an `mpmd_map` equation, `launches.grid_of`) for
+    `target` (a GPU of the sm_90 or sm_100 family); a compile that leaves no ptxas report is
+    a failure, not a kernel of no resources."""
     from kernels.compile.programs import devices  # the compile-only GPUs (the CUDA plugin)
 
     name = eqn.params["name"]
@@ -83,6 +84,8 @@ def mosaic_gpu_report(eqn, target: Target, timeout_s: float | None) -> KernelRep
 
         try:
             resources = with_timeout(work, timeout_s)
+            if resources["registers"] is None:
+                raise RuntimeError("Mosaic GPU left no ptxas report (MOSAIC_GPU_DUMP_PTXAS)")
         except Exception as error:  # noqa: BLE001 - the verdict is the report
             return KernelReport(compiled=False, error=f"{name} for {target.name}: "
                                 f"{first_line(error)}", seconds=time.perf_counter() - start,

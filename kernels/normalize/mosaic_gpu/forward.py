@@ -7,7 +7,8 @@ The view `(outer, groups, reduced)` is taken as `rows = outer * groups` rows of 
 elements. Grid `(ceil(rows / block_rows),)`, one CTA (one warpgroup, 128 threads) per block of
 `block_rows` rows (`config.block_groups`, `config.resolve_config`). A CTA loads its block of x
 (and of residual) from GMEM straight into registers (`_pallas.mosaic_gpu.row_layout`: the 4
-warps along the row, each warp's 32 lanes in 16-byte vectors), so x is read once and y
+warps along the row, each warp's 32 lanes in vectors of 16 bytes of the wider of x's and y's
+dtypes), so x is read once and y
 written once; no shared memory but the 2 KiB Pallas reserves for the cross-warp reductions of
 the statistics. The last CTA of a ragged grid runs the same body traced for its
 `rows % block_rows` rows (Mosaic GPU's loads take no mask).
@@ -36,7 +37,9 @@ def _normalize_block(refs: dict, first, count: int, p: Problem) -> None:
     """Rows [first, first + count) of the block: the body of one CTA."""
     row = p.reduced
     rows, shape = pl.ds(first, count), (count, row)
-    layout = row_layout(count, row, jnp.dtype(p.dtype).itemsize)
+    # One layout for every block of the CTA, so no value changes registers: its vectors are
+    # 16 bytes of the widest of x and y (bfloat16 x, float32 y: 4 elements).
+    layout = row_layout(count, row, max(jnp.dtype(p.dtype).itemsize, p.y_dtype.itemsize))
     x = load(refs["x"].at[rows], layout).astype(jnp.float32)
     if "residual" in refs:
         x = x + load(refs["residual"].at[rows], layout).astype(jnp.float32)
