@@ -308,12 +308,13 @@ def header() -> str:
 
 
 def format_row(row: dict) -> str:
-    """One row of the table; '-' where a figure does not apply, and why a failed row failed."""
+    """One row of the table; '-' where a figure does not apply, and why a failed or declined
+    row has none."""
     line = "  ".join(("-" if row[name] is None else fmt.format(row[name])).ljust(width)
                      for name, fmt, width in _COLUMNS).rstrip()
     if row.get("below_timer_floor"):
         line += "  (roofline under the timer's floor)"
-    return line + (f"  FAILED: {row['error']}" if "error" in row else "")
+    return line + (f"  {row['kind'].upper()}: {row['error']}" if "error" in row else "")
 
 
 def table(rows: list[dict]) -> str:
