@@ -67,7 +67,8 @@ def summary(ops: list[str], rows: list[dict], design_rows: list[dict] | None,
         "proven: numerics of every kernel against the float64 reference, interpreted on a CPU "
         "(the test suite: the strict simulator on the device's schedule at small sizes, the "
         "fast interpreter at model-test sizes); compiled by the real back ends for sm_90, "
-        "sm_80, v5e, v6e and v4 (python -m kernels.compile)",
+        "sm_80, v5e, v6e and v4, and Mosaic GPU's kernels for sm_90a and sm_100a "
+        "(python -m kernels.compile)",
         "ran on a device: " + (", ".join(recorded) + " (bench/records/)" if recorded else
                                "none recorded; no kernel has been timed on a GPU or TPU"),
     ]
