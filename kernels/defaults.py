@@ -33,8 +33,8 @@ class Default:
     evidence: str  # "bench/records/<device kind>.json: <the figures>" or "design: <why>"
 
 
-# jax.default_backend() (or a device's platform) -> the table's platform.
-PLATFORMS = {"gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}
+# jax.default_backend() (or a device's or lowering platform) -> the table's platform.
+PLATFORMS = registry.PLATFORMS
 
 # Public op names -> the op family an entry covers.
 _FAMILY = {"layer_norm": "normalize", "rms_norm": "normalize"}

@@ -31,9 +31,9 @@ from kernels._pallas.lowering import (MOSAIC_CALL_MARKER, MOSAIC_GPU_CALL_MARKER
                                       TRITON_CALL_MARKER)
 from kernels._targets import Target
 
-__all__ = ["Implementation", "IMPLEMENTATIONS", "REFERENCE", "Op", "names", "kernel_names", "get",
-           "native", "compiles_for", "runs_natively", "device_reason", "unavailable",
-           "registered"]
+__all__ = ["Implementation", "IMPLEMENTATIONS", "REFERENCE", "PLATFORMS", "Op", "names",
+           "kernel_names", "get", "native", "compiles_for", "runs_natively", "device_reason",
+           "unavailable", "registered"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,8 +126,9 @@ _ENTRIES = (
         compile_backend="mosaic_gpu",
         supports_float64=False, fast_interpreter=False, shared_tests=False),
 )
-# A lowering platform -> the kind of `_targets.Target` its devices are.
-_TARGET_PLATFORM = {"cuda": "gpu", "rocm": "gpu", "gpu": "gpu", "tpu": "tpu"}
+# A lowering platform (or jax.default_backend(), a device's platform) -> the kind of
+# `_targets.Target` its devices are: also the defaults table's platform.
+PLATFORMS = {"cuda": "gpu", "rocm": "gpu", "gpu": "gpu", "tpu": "tpu"}
 # name -> entry, in the order `names` lists them (the default of every op's tests). Changed
 # only by `registered` (a test's temporary entry).
 IMPLEMENTATIONS: dict[str, Implementation] = {entry.name: entry for entry in _ENTRIES}
@@ -158,7 +159,7 @@ def runs_natively(name: str, platform: str, target: Target | None = None) -> boo
     """Whether implementation `name`'s kernels run compiled in a program lowered for
     `platform` on `target` (default: the device such a call targets now, `_targets.current`):
     its platform, and a device its `runs_on` takes."""
-    kind = _TARGET_PLATFORM.get(platform)
+    kind = PLATFORMS.get(platform)
     return (kind is not None and compiles_for(name, platform)
             and IMPLEMENTATIONS[name].runs_on(target or _targets.current(kind)))
 
@@ -166,7 +167,7 @@ def runs_natively(name: str, platform: str, target: Target | None = None) -> boo
 def device_reason(name: str, platform: str) -> str | None:
     """Why implementation `name`, compiled for `platform`, cannot run on the device a call
     targets now (`runs_on`), or None."""
-    kind = _TARGET_PLATFORM.get(platform)
+    kind = PLATFORMS.get(platform)
     if kind is None or not compiles_for(name, platform):
         return None
     target = _targets.current(kind)
