@@ -1,7 +1,7 @@
 """normalize's Mosaic GPU implementation (`implementation="mosaic_gpu"`, jax >= 0.12), which
 has not joined the op's shared test base yet (its registry entry's `shared_tests`): the forward
-of the rows layout in Mosaic GPU's interpreter against float64 truth, its declines, its
-gradient (XLA's backward formula for now), and the real compilers: each kernel alone for
+and the backward of the rows layout in Mosaic GPU's interpreter against float64 truth, its
+declines, and the real compilers: each kernel alone for
 sm_90a and sm_100a (ptxas's registers, spills, shared memory), whole programs on 1 and 4 GPUs,
 and a cuda export. On an older jax it declines with the reason."""
 
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from kernels import registry
-from kernels.normalize import layer_norm, normalize, rms_norm
+from kernels.normalize import NormalizeConfig, layer_norm, normalize, rms_norm
 from tests.support import assert_close, random, weighted_sum
 
 HERE = Path(__file__).parent
@@ -94,24 +94,88 @@ def test_statistics_where_epsilon_and_cancellation_matter(case):
     assert_close(y, _truth(x, None, None), jnp.float32, reduction_length=2 * 1024)
 
 
+def _float64_gradients(loss, *args):
+    with jax.enable_x64(True):
+        return jax.grad(loss("xla"), argnums=tuple(range(len(args))))(
+            *[a.astype(jnp.float64) for a in args])
+
+
 @needs_mosaic_gpu
 @pytest.mark.parametrize("op", [layer_norm, rms_norm], ids=["layer_norm", "rms_norm"])
-def test_gradients_match_jax_of_the_reference(op):
-    """The backward is XLA's (the backward formula in jnp) until its kernel is written; the
-    forward's saved statistics (mean, 1/std, over ragged row blocks) feed it, so a wrong
-    statistic shows in every gradient."""
-    x = random((37, 1024), jnp.float32, seed=7)
-    scale = random((1024,), jnp.float32, 8)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_backward_kernel_matches_float64_truth(op, dtype):
+    """dx, dscale and doffset from the backward kernel over ragged row blocks (37 rows of 256:
+    4 whole blocks of 8 and a CTA for the last 5), against JAX's gradient of the reference in
+    float64."""
+    x = random((37, 256), dtype, seed=7)
+    params = [random((256,), jnp.float32, 8), random((256,), jnp.float32, 9)]
+    params = params[:1] if op is rms_norm else params
 
     def loss(implementation):
-        return lambda x, s: weighted_sum(op(x, s, implementation=implementation))
+        return lambda x, *ps: weighted_sum(op(x, *ps, implementation=implementation))
+
+    got = jax.grad(loss("mosaic_gpu"), argnums=tuple(range(1 + len(params))))(x, *params)
+    want = _float64_gradients(loss, x, *params)
+    assert got[0].dtype == dtype
+    assert_close(got[0], want[0], dtype, reduction_length=256)
+    for g, w in zip(got[1:], want[1:]):  # a sum over the 37 rows of float32 terms
+        assert_close(g, w, jnp.float32, reduction_length=37)
+
+
+@needs_mosaic_gpu
+def test_backward_ctas_walking_several_blocks():
+    """300 one-row blocks over the H100's two waves (264 CTAs): CTAs walk one or two blocks
+    and sum them in registers before writing their partial rows of dscale and doffset."""
+    x = random((300, 128), jnp.float32, seed=13)
+    scale, offset = random((128,), jnp.float32, 14), random((128,), jnp.float32, 15)
+    config = NormalizeConfig(block_groups=1)
+
+    def loss(implementation):
+        return lambda x, s, o: weighted_sum(layer_norm(
+            x, s, o, implementation=implementation,
+            config=None if implementation == "xla" else config))
+
+    got = jax.grad(loss("mosaic_gpu"), argnums=(0, 1, 2))(x, scale, offset)
+    want = _float64_gradients(loss, x, scale, offset)
+    assert_close(got[0], want[0], jnp.float32, reduction_length=128)
+    for g, w in zip(got[1:], want[1:]):
+        assert_close(g, w, jnp.float32, reduction_length=300)
+
+
+@needs_mosaic_gpu
+def test_backward_of_the_residual_add_and_its_sum():
+    """Both outputs used: the sum's cotangent reaches dx (= dresidual) in the kernel."""
+    x, residual = random((20, 384), jnp.float32, 16), random((20, 384), jnp.float32, 17)
+    scale = random((384,), jnp.float32, 18)
+
+    def loss(implementation):
+        def f(x, residual, scale):
+            y, summed = layer_norm(x, scale, residual=residual, implementation=implementation)
+            return weighted_sum(y) + weighted_sum(summed * summed)
+        return f
+
+    got = jax.grad(loss("mosaic_gpu"), argnums=(0, 1, 2))(x, residual, scale)
+    want = _float64_gradients(loss, x, residual, scale)
+    # x + residual is rounded to float32 before the sum's square reaches the cotangent.
+    for g, w in zip(got[:2], want[:2]):
+        assert_close(g, w, jnp.float32, reduction_length=384)
+    assert_close(got[2], want[2], jnp.float32, reduction_length=20)
+
+
+@needs_mosaic_gpu
+def test_second_order_gradients():
+    """grad of grad: the backward kernel takes the cotangents of the saved mean and 1/std."""
+    x, scale = random((9, 128), jnp.float32, 19), random((128,), jnp.float32, 20)
+
+    def loss(implementation):
+        def inner(x, s):
+            return weighted_sum(layer_norm(x, s, implementation=implementation))
+        return lambda x, s: weighted_sum(jax.grad(inner, argnums=(0, 1))(x, s)[0])
 
     got = jax.grad(loss("mosaic_gpu"), argnums=(0, 1))(x, scale)
-    with jax.enable_x64(True):
-        wide = [a.astype(jnp.float64) for a in (x, scale)]
-        want = jax.grad(loss("xla"), argnums=(0, 1))(*wide)
-    assert_close(got[0], want[0], jnp.float32, reduction_length=1024)
-    assert_close(got[1], want[1], jnp.float32, reduction_length=37)
+    want = _float64_gradients(loss, x, scale)
+    for g, w in zip(got, want):
+        assert_close(g, w, jnp.float32, reduction_length=2 * 128)
 
 
 @needs_mosaic_gpu
@@ -166,9 +230,13 @@ def test_every_kernel_compiles_without_spills(target):
         "        continue\n"
         "    for r in reports:\n"
         "        print(json.dumps(dataclasses.asdict(r)))\n")
-    assert len(rows) >= 3  # the 8192x1024 layer norms (plain and with a residual), the rms_norm
+    # The 8192x1024 layer norms (plain and with a residual) and the rms_norm, each a forward
+    # and a backward kernel.
+    assert len(rows) >= 6
+    assert {r["name"] for r in rows} == {"normalize_forward_mosaic_gpu",
+                                         "normalize_backward_mosaic_gpu"}
     for r in rows:
-        assert r["compiled"] and r["name"] == "normalize_forward_mosaic_gpu", r
+        assert r["compiled"], r
         assert r["spill_bytes"] == 0 and r["registers"] <= 255, r
         assert r["shared_bytes"] <= r["shared_limit"], r
 
@@ -178,7 +246,7 @@ def test_every_kernel_compiles_without_spills(target):
 def test_whole_programs_and_an_export_carry_the_kernel():
     """The layer_norm and rms_norm programs (forward and gradient) compiled for H100s on one
     device and on 4-device meshes with Auto and Explicit axes: the kernel's custom call in each
-    (the gradient's backward is XLA's for now), no operand all-gathered; and a cuda export
+    and its backward's, no operand all-gathered; and a cuda export
     needs no disabled safety check (Mosaic GPU's custom call is on JAX's stable list)."""
     reports = _compiled(
         "import dataclasses, json\n"
@@ -198,6 +266,6 @@ def test_whole_programs_and_an_export_carry_the_kernel():
     programs, (export,) = reports[:-1], reports[-1:]
     assert len(programs) == 6
     for r in programs:
-        assert r["compiled"] and r["kernel_calls"] >= 1, r
+        assert r["compiled"] and r["kernel_calls"] >= 2, r
         assert dict(r["collectives"])["all-gather"] == 0, r
     assert export["export_calls"] == 1

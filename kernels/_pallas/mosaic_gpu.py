@@ -16,7 +16,8 @@ import jax
 from jax.experimental.mosaic.gpu import TiledLayout
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-__all__ = ["WARPS", "LANES", "mosaic_gpu_call", "row_layout", "load", "store"]
+__all__ = ["WARPS", "LANES", "mosaic_gpu_call", "row_layout", "load", "store", "per_row",
+           "per_column"]
 
 WARPS, LANES = 4, 32  # one warpgroup per CTA
 
@@ -52,6 +53,17 @@ def load(ref: Any, layout: Any = None) -> jax.Array:
 
 def store(ref: Any, value: jax.Array) -> None:
     plgpu.store(ref, value, optimized=False)
+
+
+def per_row(value: jax.Array, shape: tuple[int, int]) -> jax.Array:
+    """One value per row of a (rows, columns) block, broadcast along the rows (Mosaic GPU
+    takes broadcasts only as `broadcast_in_dim`, not by numpy's rules)."""
+    return jax.lax.broadcast_in_dim(value, shape, (0,))
+
+
+def per_column(value: jax.Array, shape: tuple[int, int]) -> jax.Array:
+    """One value per column of a (rows, columns) block, broadcast down the columns."""
+    return jax.lax.broadcast_in_dim(value, shape, (1,))
 
 
 def mosaic_gpu_call(body: Callable[..., None], *, out_shape: Sequence[jax.ShapeDtypeStruct],

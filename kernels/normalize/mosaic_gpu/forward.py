@@ -26,7 +26,8 @@ import jax
 import jax.numpy as jnp
 
 from kernels._pallas import pl
-from kernels._pallas.mosaic_gpu import load, mosaic_gpu_call, row_layout, store
+from kernels._pallas.mosaic_gpu import (load, mosaic_gpu_call, per_column, per_row, row_layout,
+                                        store)
 from kernels.normalize.common import NormalizeConfig, Problem
 from kernels.normalize.mosaic_gpu.config import resolve_config
 
@@ -45,23 +46,17 @@ def _normalize_block(refs: dict, first, count: int, p: Problem) -> None:
         x = x + load(refs["residual"].at[rows], layout).astype(jnp.float32)
         refs["sum"][rows] = x.astype(refs["sum"].dtype)
 
-    def per_row(v):
-        return jax.lax.broadcast_in_dim(v, shape, (0,))
-
-    def per_column(v):
-        return jax.lax.broadcast_in_dim(v, shape, (1,))
-
     if p.subtract_mean:
         mean = jnp.mean(x, axis=1)
         store(refs["mean"].at[rows], mean)
-        x = x - per_row(mean)
+        x = x - per_row(mean, shape)
     rstd = jax.lax.rsqrt(jnp.mean(x * x, axis=1) + p.epsilon)
     store(refs["rstd"].at[rows], rstd)
-    y = x * per_row(rstd)
+    y = x * per_row(rstd, shape)
     if "scale" in refs:
-        y = y * per_column(load(refs["scale"]))
+        y = y * per_column(load(refs["scale"]), shape)
     if "offset" in refs:
-        y = y + per_column(load(refs["offset"]))
+        y = y + per_column(load(refs["offset"]), shape)
     refs["y"][rows] = y.astype(refs["y"].dtype)
 
 
