@@ -1,7 +1,7 @@
 """normalize's Mosaic GPU implementation (`implementation="mosaic_gpu"`, jax >= 0.12), which
 has not joined the op's shared test base yet (its registry entry's `shared_tests`): the forward
-and the backward of the rows layout in Mosaic GPU's interpreter against float64 truth, its
-declines, and the real compilers: each kernel alone for
+and the backward in Mosaic GPU's interpreter against float64 truth, what it rejects, and the
+real compilers: each kernel alone for
 sm_90a and sm_100a (ptxas's registers, spills, shared memory), whole programs on 1 and 4 GPUs,
 and a cuda export. On an older jax it declines with the reason."""
 
@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from kernels import registry
+from kernels.compile import CASES
 from kernels.normalize import NormalizeConfig, layer_norm, normalize, rms_norm
 from tests.support import assert_close, random, weighted_sum
 
@@ -44,11 +45,14 @@ def test_an_older_jax_declines_with_the_reason():
 
 
 @needs_mosaic_gpu
-@pytest.mark.parametrize("shape", [(37, 1024), (5, 128), (3, 4096), (2, 3, 256)], ids=str)
+@pytest.mark.parametrize("shape", [(37, 1024), (3, 7), (5, 300), (2, 3, 256), (3, 9000)],
+                         ids=str)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_layer_norm_forward_matches_float64_truth(shape, dtype):
-    """Ragged row blocks (37 rows: 9 blocks of 4 and one of 1), one row of 4096, batch dims;
-    "strict" runs the interpreter with its race detector."""
+    """A ragged last block (37 rows in blocks of 8 or 16), rows shorter than a piece and not
+    a multiple of 16 bytes (7: padded in the wrapper), a ragged last piece (300), batch dims,
+    and rows of 36 pieces, streamed per pass (9000); "strict" runs the interpreter with its
+    race detector."""
     x = random(shape, dtype, seed=1)
     scale, offset = random(shape[-1:], jnp.float32, seed=2), random(shape[-1:], jnp.float32, 3)
     y = layer_norm(x, scale, offset, implementation="mosaic_gpu")
@@ -179,15 +183,38 @@ def test_second_order_gradients():
 
 
 @needs_mosaic_gpu
-@pytest.mark.parametrize("call,reason", [
-    (lambda: normalize(jnp.ones((256, 128)), axis=0, implementation="mosaic_gpu"),
-     "the columns layout"),
-    (lambda: layer_norm(jnp.ones((4, 100)), implementation="mosaic_gpu"), "rows of 100"),
-    (lambda: layer_norm(jnp.ones((4, 8192)), implementation="mosaic_gpu"), "rows of 8192"),
+@pytest.mark.parametrize("shape,axis", [((300, 37), 0), ((6, 20, 7), -2), ((4, 9, 6), (0, 2))],
+                         ids=str)
+def test_the_columns_layout_and_axes_apart(shape, axis):
+    """Normalized axes followed by others (transposed to rows by XLA) and axes that are not
+    contiguous, forward and gradient, against float64 truth."""
+    axes = (axis,) if isinstance(axis, int) else axis
+    x = random(shape, jnp.float32, seed=21)
+    params = [random(tuple(shape[a] for a in axes), jnp.float32, seed) for seed in (22, 23)]
+
+    def loss(implementation):
+        return lambda x, s, o: weighted_sum(normalize(x, s, o, axis=axis,
+                                                      implementation=implementation))
+
+    got = jax.grad(loss("mosaic_gpu"), argnums=(0, 1, 2))(x, *params)
+    want = _float64_gradients(loss, x, *params)
+    n = int(np.prod([shape[a] for a in axes]))
+    assert_close(got[0], want[0], jnp.float32, reduction_length=n)
+    for g, w in zip(got[1:], want[1:]):
+        assert_close(g, w, jnp.float32, reduction_length=x.size // n)
+
+
+@needs_mosaic_gpu
+@pytest.mark.parametrize("config,message", [
+    (NormalizeConfig(block_reduced=128), "config.block_reduced: the Mosaic GPU kernels take "
+                                         "whole rows"),
+    (NormalizeConfig(block_groups=0), "config.block_groups must be an int in"),
+    (NormalizeConfig(block_groups=300), "config.block_groups must be an int in"),
+    (NormalizeConfig(block_groups=200), "bytes of shared memory a CTA plans"),
 ])
-def test_what_it_does_not_take_yet_declines(call, reason):
-    with pytest.raises(NotImplementedError, match=f"mosaic_gpu: {reason}"):
-        call()
+def test_a_config_it_cannot_run_is_rejected(config, message):
+    with pytest.raises(ValueError, match=message):
+        layer_norm(jnp.ones((256, 4096)), implementation="mosaic_gpu", config=config)
 
 
 @needs_mosaic_gpu
@@ -223,16 +250,12 @@ def test_every_kernel_compiles_without_spills(target):
         "from kernels.compile import use_compile_only_devices; use_compile_only_devices()\n"
         "from kernels.compile import CASES, compile_kernels\n"
         "for case in CASES['normalize']:\n"
-        "    try:\n"
-        "        reports = compile_kernels(case.function('mosaic_gpu'), *case.args, "
+        "    reports = compile_kernels(case.function('mosaic_gpu'), *case.args, "
         f"target='{target}', implementation='mosaic_gpu')\n"
-        "    except NotImplementedError:  # a case the kernel does not take yet\n"
-        "        continue\n"
         "    for r in reports:\n"
         "        print(json.dumps(dataclasses.asdict(r)))\n")
-    # The 8192x1024 layer norms (plain and with a residual) and the rms_norm, each a forward
-    # and a backward kernel.
-    assert len(rows) >= 6
+    # Every case (forward and backward kernels; the axis=(0, 2) case's transpose is XLA's).
+    assert len(rows) == 2 * len(CASES["normalize"])
     assert {r["name"] for r in rows} == {"normalize_forward_mosaic_gpu",
                                          "normalize_backward_mosaic_gpu"}
     for r in rows:

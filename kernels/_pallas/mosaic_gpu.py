@@ -1,10 +1,20 @@
 """Mosaic GPU kernel calls (jax >= 0.12, `kernels.registry`'s `mosaic_gpu` entry): the launch
-(`mosaic_gpu_call`), the register layout of a block of rows (`row_layout`), and plain GMEM
-loads and stores. Imported only by Mosaic GPU kernels, which the registry imports only where
-the installed jax has the backend.
+(`mosaic_gpu_call`), the register layout of a block of rows (`row_layout`), plain GMEM loads
+and stores, and blocks of rows moved by TMA in pieces (`StagedRows`, `RowWriter`). Imported
+only by Mosaic GPU kernels, which the registry imports only where the installed jax has the
+backend.
 
 One CTA is one warpgroup (4 warps of 32 threads) under Warpgroup lowering semantics: the kernel
 body is array code for the whole warpgroup, and a grid point is a CTA.
+
+Rows by TMA
+-----------
+A block of `block_rows` rows is moved in pieces of `PIECE` columns (one TMA box each: a copy
+moves at most 256 elements along a dimension), each piece a dense (block_rows, PIECE) tile in
+shared memory. TMA zero-fills what it reads past the array's edges and drops what it writes
+past them, so a ragged last block of rows and a row that is not a multiple of `PIECE` need no
+mask on their loads and stores (a reduction still masks the padding where zeros would bias
+it). A GMEM row must be a multiple of 16 bytes (TMA's stride rule).
 """
 
 from __future__ import annotations
@@ -13,13 +23,16 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import TiledLayout
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-__all__ = ["WARPS", "LANES", "mosaic_gpu_call", "row_layout", "load", "store", "per_row",
-           "per_column"]
+__all__ = ["WARPS", "LANES", "PIECE", "mosaic_gpu_call", "row_layout", "load", "store", "per_row",
+           "per_column", "piece_columns", "StagedRows", "RowWriter"]
 
 WARPS, LANES = 4, 32  # one warpgroup per CTA
+PIECE = 256  # columns one TMA copy moves: Mosaic GPU's limit of 256 elements per dimension
 
 
 def row_layout(block_rows: int, row: int, itemsize: int, warps_along_row: int = WARPS) -> Any:
@@ -66,9 +79,108 @@ def per_column(value: jax.Array, shape: tuple[int, int]) -> jax.Array:
     return jax.lax.broadcast_in_dim(value, shape, (1,))
 
 
+def piece_columns(piece: jax.Array) -> Any:
+    """Columns [piece·PIECE, (piece + 1)·PIECE), for a traced `piece` (jax checks a static
+    slice against the array's edge; TMA zero-fills reads past it and drops writes)."""
+    return pl.ds(piece * PIECE, PIECE)
+
+
+class StagedRows:
+    """A block of rows of the GMEM arrays `gmem` (name -> ref), copied piece by piece by TMA
+    into `smem` (name -> a (slots, block_rows, PIECE) scratch ref) and read into registers.
+
+    Resident (`slots` == the row's pieces): every piece is copied once (`start`) and stays for
+    every pass over the row; the first pass waits for each piece as it reaches it, so it
+    computes on the first pieces while the others land. Streamed (2 slots): each read copies
+    its piece again, the next one in flight while this one is read; x is then read from GMEM
+    (mostly L2) once per pass. `barriers`: `slots` barriers of len(gmem) arrivals."""
+
+    def __init__(self, gmem: dict, smem: dict, barriers: Any, num_pieces: int, resident: bool):
+        self.gmem, self.smem, self.barriers = gmem, smem, barriers
+        self.num_pieces, self.resident = num_pieces, resident
+        self.block_rows = next(iter(smem.values())).shape[1]
+
+    def _copy(self, first, piece, slot) -> None:
+        rows = pl.ds(first, self.block_rows)
+        for name, ref in self.gmem.items():
+            plgpu.copy_gmem_to_smem(ref.at[rows, piece_columns(piece)], self.smem[name].at[slot],
+                                    self.barriers.at[slot])
+
+    def start(self, first: jax.Array) -> None:
+        """Starts copying the block of rows from `first` (the reads of the previous block, if
+        any, must be done: this waits for every thread's)."""
+        plgpu.commit_smem()
+        if not self.resident:
+            self._copy(first, jnp.int32(0), 0)
+            return
+
+        def copy(piece, carry):
+            self._copy(first, piece, piece)
+            return carry
+
+        jax.lax.fori_loop(0, self.num_pieces, copy, 0)
+
+    def read(self, first: jax.Array, piece: jax.Array, step: jax.Array, total_steps: int,
+             layout: Any) -> dict:
+        """Piece `piece` of each array in float32 registers. `step`: this read's place among
+        the block's `total_steps` reads, in order (pass · num_pieces + piece)."""
+        if self.resident:
+            @pl.when(step < self.num_pieces)  # the first pass: wait for the piece to land
+            def _():
+                plgpu.barrier_wait(self.barriers.at[piece])
+            slot = piece
+        else:
+            slot = step % 2
+            plgpu.commit_smem()  # every thread has read the other slot: it may be refilled
+
+            # pl.when, not the copy's predicate: Mosaic GPU's interpreter (jax 0.12.0.1)
+            # takes a predicate operand for a transform of the barrier and fails.
+            @pl.when(step + 1 < total_steps)
+            def _():
+                self._copy(first, (step + 1) % self.num_pieces, 1 - slot)
+
+            plgpu.barrier_wait(self.barriers.at[slot])
+        return {name: plgpu.load(ref.at[slot], layout=layout).astype(jnp.float32)
+                for name, ref in self.smem.items()}
+
+
+class RowWriter:
+    """Writes pieces of a block of rows to the GMEM arrays `gmem` through a ring of 2 SMEM
+    slots per array (`smem`: name -> (2, block_rows, PIECE)), one TMA store per piece."""
+
+    def __init__(self, gmem: dict, smem: dict):
+        self.gmem, self.smem = gmem, smem
+        self.block_rows = next(iter(smem.values())).shape[1]
+
+    def write(self, first: jax.Array, piece: jax.Array, values: dict) -> None:
+        """Piece `piece` of the rows from `first`; a block's pieces are written in order, from
+        0 (so a slot alternates within a block, and `start` separates blocks)."""
+        slot = piece % 2
+        # The stores issued two pieces ago, from this slot, have read it (this waits for the
+        # whole warpgroup).
+        plgpu.wait_smem_to_gmem(len(values), wait_read_only=True)
+        for name, value in values.items():
+            self.smem[name].at[slot][...] = value.astype(self.smem[name].dtype)
+        plgpu.commit_smem()
+        for name in values:
+            plgpu.copy_smem_to_gmem(self.smem[name].at[slot], self.gmem[name].at[
+                pl.ds(first, self.block_rows), piece_columns(piece)])
+
+    @staticmethod
+    def start() -> None:
+        """Before a CTA's next block: its stores have read both slots (the last piece of a
+        block and the first of the next can share a slot)."""
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    @staticmethod
+    def finish() -> None:
+        """Waits for every store (SMEM is freed when the kernel ends)."""
+        plgpu.wait_smem_to_gmem(0)
+
+
 def mosaic_gpu_call(body: Callable[..., None], *, out_shape: Sequence[jax.ShapeDtypeStruct],
                     grid: tuple[int, ...], grid_names: tuple[str, ...], interpret: bool | str,
-                    name: str) -> Callable[..., Any]:
+                    name: str, scratch: Sequence[Any] = ()) -> Callable[..., Any]:
     """`plgpu.kernel(body, ...)`, one warpgroup per CTA, launched as `name`. `interpret` (the
     dispatch's mode): False compiles; True and "strict" run Mosaic GPU's interpreter on the
     device's schedule, "strict" with its race detector (Pallas' HLO interpreter cannot run
@@ -78,6 +190,7 @@ def mosaic_gpu_call(body: Callable[..., None], *, out_shape: Sequence[jax.ShapeD
     body.__name__ = name  # the launch's name in jaxprs, HLO and the compile reports
     return plgpu.kernel(
         body, out_type=tuple(out_shape), grid=grid, grid_names=grid_names,
+        scratch_types=tuple(scratch),
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=params)

@@ -1,19 +1,25 @@
 """normalize's kernels lowered through Mosaic GPU (`implementation="mosaic_gpu"`, jax >= 0.12,
-sm_90a and sm_100a). Work in progress: the rows layout (rows of a multiple of 128 elements, up
-to `config._MAX_ROW`), forward and backward, one pass each; everything else declines with its
-reason.
+sm_90a and sm_100a): every layout, row length and dtype but float64, forward and backward.
 
-Loop nests, per CTA (one warpgroup), rows r of a block::
+The kernels work on rows: the columns layout (normalized axes followed by others) is
+transposed to rows first, and a row that is not a multiple of 16 bytes is padded (each a copy
+by XLA, `forward.rows_view`). A block of rows moves by TMA in pieces of 256 columns
+(`_pallas.mosaic_gpu.StagedRows`), which zero-fills past the array's edges, so ragged rows and
+blocks need no masks on loads and stores. Loop nests, per CTA (one warpgroup), over the pieces
+k of its block of rows (`config.plan_of` sizes the blocks):
 
     forward (`forward.py`), one block per CTA:
-        x[r, :] (+ residual[r, :])            -> registers (float32); sum[r, :] written
-        mean[r] = sum(x[r, :]) / n            # RMS: none
-        rstd[r] = rsqrt(sum((x[r, :] - mean[r])²) / n + epsilon)
-        y[r, :] = (x[r, :] - mean[r]) * rstd[r] * scale + offset
-    backward (`backward.py`), CTA q walks blocks q, q + num_programs, ...:
-        x̂ = (x[r, :] - mean[r]) * rstd[r];  gs = dy[r, :] * scale
-        dx[r, :] = rstd[r] * (gs - mean(gs) - x̂ * mean(gs * x̂)) (+ dsum[r, :])
-        acc_dscale += dy * x̂;  acc_doffset += dy      # written as CTA q's partial rows
+        pass 1: acc += x[k] (+ residual[k], the sum written)     -> a first mean m
+        pass 2: acc_d += x[k] - m;  acc += (x[k] - m)²            -> mean, rstd (RMS: no pass 2)
+        pass 3: y[k] = (x[k] - mean) * rstd * scale[k] + offset[k]
+    backward (`backward.py`), CTA q walks blocks q, q + programs, ...:
+        pass 1: acc_gs += dy[k] * scale[k];  acc_gsx += dy[k] * scale[k] * x̂[k]
+        pass 2: dx[k] = rstd * (gs - sum(acc_gs)/n - x̂ * sum(acc_gsx)/n) (+ dsum[k])
+                dscale_terms[k] += dy[k] * x̂[k];  doffset_terms[k] += dy[k]   # shared memory
+
+A block stays in shared memory for its passes where it fits (x read from GMEM once); longer
+rows stream their pieces again per pass (`Plan.resident`). The dscale/doffset terms are the
+CTA's partial rows, summed by XLA (deterministic).
 """
 
 from __future__ import annotations

@@ -1,30 +1,25 @@
-"""normalize's backward as a Pallas kernel lowered through Mosaic GPU (sm_90a, sm_100a): the
-rows layout, each row whole in registers, dscale and doffset as deterministic partial rows.
+"""normalize's backward as a Pallas kernel lowered through Mosaic GPU (sm_90a, sm_100a).
 
 Block schedule
 --------------
-The view is taken as `rows` rows of `reduced` elements, in `num_blocks` blocks of
-`block_rows` rows (`config.block_groups`, `config.resolve_config`; the last one ragged). Grid
-`(num_programs + ragged,)` of CTAs (one warpgroup each, the rows in the forward's register
-layout, `_pallas.mosaic_gpu.row_layout`):
+On the forward's rows view and blocks (`forward.py`; `config.plan_of` with `backward=True`),
+x (the sum, with a residual), dy and the sum's cotangent dsum move by TMA in pieces of `PIECE`
+columns. Grid `(programs,)`; CTA q takes blocks q, q + programs, ... (`Plan.accumulate`), or
+one block each. Per block, with x̂ = (x - mean) * rstd and gs = dy * scale:
 
-    CTA q < num_programs, for block b in q, q + num_programs, ... (the whole blocks):
-        x[b], dy[b] (and the sum's cotangent dsum[b])  -> registers (float32)
-        x̂ = (x - mean) * rstd;  gs = dy * scale
-        dx[b] = rstd * (gs - mean(gs) - x̂ * mean(gs * x̂)) (+ dsum[b])  # common.input_gradient
-        acc_dscale += dy * x̂;  acc_doffset += dy                       # elementwise, in registers
-    dscale_partial[q·block_rows : (q+1)·block_rows], doffset_partial[...] = the accumulators
-    CTA num_programs (a ragged grid only): the last block's rows, traced for them, into
-    the last `rows % block_rows` partial rows.
+    pass 1:  acc_gs += gs[k];  acc_gsx += gs[k] * x̂[k]                  # registers
+    pass 2:  dx[k] = rstd * (gs - sum(acc_gs)/n - x̂ * sum(acc_gsx)/n) (+ dsum[k])
+             dscale_terms[k] += dy[k] * x̂[k];  doffset_terms[k] += dy[k]
 
-`num_programs` = the whole blocks, at most `Target.min_programs` (two waves of the target's
-SMs), so the partial rows (float32, `num_programs · block_rows` of `reduced`) stay a small
-fraction of the traffic; XLA sums them (no float atomics: the same result on every run). The
-accumulators are written as they lie in registers: summing a block's rows first would cross
-warps, which Mosaic GPU's layout inference declines for this layout. x and dy are read once and dx written
-once: the three passes of the backward's floor, where XLA's fusions take more
-(`bench`'s design figures). The second-order terms (cotangents of the saved mean and 1/std)
-are read per row when given.
+dx is written once through a 2-slot ring of pieces. The dscale/doffset terms are summed over
+the CTA's blocks in shared memory (float32, (block_rows, width) each) and written at the end as
+the CTA's `block_rows` partial rows; where they do not fit (very long rows) each CTA writes its
+block's terms as partial rows. `programs` is then at most `Target.min_programs` (two waves of
+the target's SMs), so the partial rows (`programs · block_rows` of the row's width, float32)
+stay a small fraction of the traffic; XLA sums them (no float atomics: the same result on every
+run). Resident blocks read x and dy from GMEM once: with dx written once, the backward's three
+passes over the data (`common.backward_flops_and_bytes`). Streamed blocks read them twice.
+The cotangents of the saved mean and 1/std (second order) are read per row when given.
 """
 
 from __future__ import annotations
@@ -33,108 +28,147 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kernels import _targets
 from kernels._pallas import pl
-from kernels._pallas.mosaic_gpu import load, mosaic_gpu_call, per_column, per_row, row_layout
+from kernels._pallas.mosaic_gpu import (PIECE, RowWriter, StagedRows, load, mosaic_gpu_call,
+                                        per_column, per_row, piece_columns)
 from kernels.normalize import common
 from kernels.normalize.common import NormalizeConfig, Problem
-from kernels.normalize.mosaic_gpu.config import resolve_config
+from kernels.normalize.mosaic_gpu.config import Plan, plan_of
+from kernels.normalize.mosaic_gpu.forward import (fold, from_rows_view, layout_of, padded_rows,
+                                                  rows_view)
 
-__all__ = ["backward", "num_programs"]
+__all__ = ["backward"]
 
-
-def num_programs(p: Problem, block_rows: int) -> int:
-    """CTAs that walk the whole blocks: one per block, up to two waves of the target's SMs."""
-    whole_blocks = p.outer * p.groups // block_rows
-    return max(1, min(whole_blocks, _targets.current("gpu").min_programs))
+_PARTIALS = ("dscale", "doffset")
 
 
-def _layout(block_rows: int, p: Problem):
-    """One register layout for every block of the CTA, its vectors 16 bytes of float32, the
-    widest dtype it moves (the partial rows; a 16-bit x moves in 8-byte vectors)."""
-    return row_layout(block_rows, p.reduced, jnp.dtype(jnp.float32).itemsize)
-
-
-def _block_gradient(refs: dict, first, count: int, p: Problem):
-    """dx of rows [first, first + count), written; returns their (dy·x̂, dy) in registers."""
-    rows, shape = pl.ds(first, count), (count, p.reduced)
-    layout = _layout(count, p)
-    x = load(refs["x"].at[rows], layout).astype(jnp.float32)
-    g = load(refs["gy"].at[rows], layout).astype(jnp.float32)
-    stat = {name: per_row(load(refs[name].at[rows]), shape)
+def _block_gradient(refs: dict, io: StagedRows, writer: RowWriter, terms: dict, first,
+                    p: Problem, plan: Plan) -> None:
+    """dx of rows [first, first + block_rows), written; their dscale/doffset terms added to
+    the shared-memory accumulators `terms` (or, where empty, written as partial rows)."""
+    shape = (plan.block_rows, PIECE)
+    layout = layout_of(plan)
+    io.start(first)
+    stat = {name: per_row(load(refs[name].at[pl.ds(first, plan.block_rows)]), shape)
             for name in ("mean", "rstd", "gmean", "grstd") if name in refs}
-    xhat = common.normalized(x, stat.get("mean"), stat["rstd"], p)
-    gs = g * per_column(load(refs["scale"]), shape) if "scale" in refs else g
-    sums = common.GroupSums(per_row(jnp.sum(gs, axis=1), shape),
-                            per_row(jnp.sum(gs * xhat, axis=1), shape))
-    dx = common.input_gradient(gs, xhat, stat["rstd"], sums, stat.get("gmean"),
-                               stat.get("grstd"), p)
-    if "gsum" in refs:
-        dx = dx + load(refs["gsum"].at[rows], layout).astype(jnp.float32)
-    refs["dx"][rows] = dx.astype(refs["dx"].dtype)
-    return g * xhat, g
+
+    def read(pass_index, piece):
+        values = io.read(first, piece, pass_index * plan.num_pieces + piece,
+                         2 * plan.num_pieces, layout)
+        g = values["gy"]
+        gs = g * per_column(load(refs["scale"].at[piece_columns(piece)]), shape) \
+            if "scale" in refs else g
+        return g, gs, common.normalized(values["x"], stat.get("mean"), stat["rstd"], p), values
+
+    def sums(piece, accumulators):
+        _, gs, xhat, _ = read(0, piece)
+        return accumulators[0] + gs, accumulators[1] + gs * xhat
+
+    zeros = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), layout)
+    acc_gs, acc_gsx = fold(plan, sums, (zeros, zeros))
+    group_sums = common.GroupSums(per_row(jnp.sum(acc_gs, axis=1), shape),
+                                  per_row(jnp.sum(acc_gsx, axis=1), shape))
+
+    def gradient(piece, carry):
+        g, gs, xhat, values = read(1, piece)
+        dx = common.input_gradient(gs, xhat, stat["rstd"], group_sums, stat.get("gmean"),
+                                   stat.get("grstd"), p)
+        if "gsum" in values:
+            dx = dx + values["gsum"]
+        out = {"dx": dx}
+        for name, value in (("dscale", g * xhat), ("doffset", g)):
+            if name in terms:
+                accumulator = terms[name].at[piece]
+                accumulator[...] = plgpu.load(accumulator, layout=layout) + value
+            elif name in refs:
+                out[name] = value
+        writer.write(first, piece, out)
+        return carry
+
+    fold(plan, gradient, 0)
 
 
-def _store_partials(refs: dict, first, count: int, dscale, doffset) -> None:
-    """Partial rows [first, first + count) of dscale and doffset: a CTA's accumulators, as they
-    lie in its registers (a sum over their rows would cross warps, which Mosaic GPU's layout
-    inference declines for this layout)."""
-    for name, value in (("dscale", dscale), ("doffset", doffset)):
-        if name in refs:
-            refs[name][pl.ds(first, count)] = value
+def _store_terms(refs: dict, terms: dict, program, plan: Plan) -> None:
+    """The CTA's summed terms, as its `block_rows` partial rows."""
+    plgpu.commit_smem()
+
+    def store(piece, carry):
+        for name, accumulator in terms.items():
+            plgpu.copy_smem_to_gmem(accumulator.at[piece], refs[name].at[
+                pl.ds(program * plan.block_rows, plan.block_rows), piece_columns(piece)])
+        return carry
+
+    fold(plan, store, 0)
+
+
 def backward(x, scale, mean, rstd, gy, gmean, grstd, gsum, p: Problem, *,
              config: NormalizeConfig | None, interpret: bool | str):
     """(dx, dscale or None, doffset or None); dscale/doffset in `p.param_shape`. `x` is the
     normalized array (the forward's sum, with a residual); `gsum`, the sum's cotangent or
     None, is added to dx."""
-    num_rows, row = p.outer * p.groups, p.reduced
-    block_rows = min(resolve_config(p, config, backward=True).block_groups, num_rows)
-    whole_blocks, tail = divmod(num_rows, block_rows)
-    programs = num_programs(p, block_rows)
-
-    inputs = {"x": x.reshape(num_rows, row), "gy": gy.reshape(num_rows, row)}
+    plan = plan_of(p, config, backward=True, has_gsum=gsum is not None)
+    staged_inputs = {name: rows_view(a, p, plan) for name, a in
+                     (("x", x), ("gy", gy), ("gsum", gsum)) if a is not None}
+    inputs = dict(staged_inputs)
     if scale is not None:
-        inputs["scale"] = scale.reshape(row).astype(jnp.float32)
+        inputs["scale"] = jnp.pad(scale.reshape(plan.reduced).astype(jnp.float32),
+                                  (0, plan.width - plan.reduced))
     per_row_inputs = {"mean": mean if p.subtract_mean else None, "rstd": rstd,
                       "gmean": gmean if p.subtract_mean else None, "grstd": grstd}
-    inputs.update((name, value.reshape(num_rows)) for name, value in per_row_inputs.items()
-                  if value is not None)
-    if gsum is not None:
-        inputs["gsum"] = gsum.reshape(num_rows, row)
-    partial = jax.ShapeDtypeStruct((programs * block_rows + tail, row), jnp.float32)
-    outputs = {"dx": jax.ShapeDtypeStruct((num_rows, row), p.dtype)}
-    if p.has_scale:
-        outputs["dscale"] = partial
-    if p.has_offset:
-        outputs["doffset"] = partial
+    inputs.update((name, padded_rows(v, plan)) for name, v in per_row_inputs.items()
+                  if v is not None)
+    partial_rows = (plan.programs if plan.accumulate else plan.num_blocks) * plan.block_rows
+    outputs = {"dx": jax.ShapeDtypeStruct((plan.rows, plan.aligned), p.dtype)}
+    for name, present in zip(_PARTIALS, (p.has_scale, p.has_offset)):
+        if present:
+            outputs[name] = jax.ShapeDtypeStruct((partial_rows, plan.width), jnp.float32)
+    staged = {name: plgpu.SMEM((plan.slots, plan.block_rows, PIECE), a.dtype)
+              for name, a in staged_inputs.items()}
+    written = ["dx"] + ([] if plan.accumulate else [n for n in _PARTIALS if n in outputs])
+    rings = {name: plgpu.SMEM((2, plan.block_rows, PIECE), outputs[name].dtype)
+             for name in written}
+    terms = {name: plgpu.SMEM((plan.num_pieces, plan.block_rows, PIECE), jnp.float32)
+             for name in _PARTIALS if name in outputs and plan.accumulate}
+    scratch = [*staged.values(), *rings.values(), *terms.values(),
+               plgpu.Barrier(num_arrivals=len(staged), num_barriers=plan.slots)]
 
     def body(*refs):
-        named = dict(zip([*inputs, *outputs], refs))
+        names = [*inputs, *outputs]
+        named = dict(zip(names, refs))
+        smem = dict(zip([*staged, *rings, *terms], refs[len(names):]))
+        io = StagedRows({n: named[n] for n in staged}, {n: smem[n] for n in staged}, refs[-1],
+                        plan.num_pieces, plan.resident)
+        writer = RowWriter({n: named[n] for n in written}, {n: smem[n] for n in rings})
+        accumulators = {n: smem[n] for n in terms}
         program = jax.lax.axis_index("programs")
+        if not plan.accumulate:
+            _block_gradient(named, io, writer, {}, program * plan.block_rows, p, plan)
+            RowWriter.finish()
+            return
+        zeros = plgpu.layout_cast(jnp.zeros((plan.block_rows, PIECE), jnp.float32),
+                                  layout_of(plan))
 
-        @pl.when(program < programs)
-        def _():
-            def step(i, accumulators):
-                block = program + i * programs
-                dscale, doffset = _block_gradient(named, block * block_rows, block_rows, p)
-                return accumulators[0] + dscale, accumulators[1] + doffset
+        def clear(piece, carry):
+            for accumulator in accumulators.values():
+                accumulator.at[piece][...] = zeros
+            return carry
 
-            zeros = plgpu.layout_cast(jnp.zeros((block_rows, row), jnp.float32),
-                                      _layout(block_rows, p))
-            steps = (whole_blocks - program + programs - 1) // programs
-            dscale, doffset = jax.lax.fori_loop(0, steps, step, (zeros, zeros))
-            _store_partials(named, program * block_rows, block_rows, dscale, doffset)
+        def walk(i, carry):
+            block = program + i * plan.programs
+            RowWriter.start()
+            _block_gradient(named, io, writer, accumulators, block * plan.block_rows, p, plan)
+            return carry
 
-        if tail:
-            @pl.when(program == programs)
-            def _():
-                _store_partials(named, programs * block_rows, tail,
-                                *_block_gradient(named, whole_blocks * block_rows, tail, p))
+        fold(plan, clear, 0)
+        jax.lax.fori_loop(0, (plan.num_blocks - program + plan.programs - 1) // plan.programs,
+                          walk, 0)
+        _store_terms(named, accumulators, program, plan)
+        RowWriter.finish()
 
     results = dict(zip(outputs, mosaic_gpu_call(
-        body, out_shape=list(outputs.values()), grid=(programs + bool(tail),),
-        grid_names=("programs",), interpret=interpret,
-        name="normalize_backward_mosaic_gpu")(*inputs.values())))
-    return (results["dx"].reshape(p.view_shape),
-            *(jnp.sum(results[name], axis=0).reshape(p.param_shape) if name in results else None
-              for name in ("dscale", "doffset")))
+        body, out_shape=list(outputs.values()), grid=(plan.programs,), grid_names=("programs",),
+        interpret=interpret, name="normalize_backward_mosaic_gpu", scratch=scratch)(
+            *inputs.values())))
+    return (from_rows_view(results["dx"], p, plan),
+            *(jnp.sum(results[name][:, :plan.reduced], axis=0).reshape(p.param_shape)
+              if name in results else None for name in _PARTIALS))

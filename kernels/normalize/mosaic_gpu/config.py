@@ -1,67 +1,145 @@
 """How the Mosaic GPU normalize kernels' blocks are sized (the kernels are in `forward.py` and
-`backward.py`):
-the config (`resolve_config`) and the checks that decline a problem or reject a config
-(`check`)."""
+`backward.py`): the config (`resolve_config`), the plan of one call (`plan_of`: rows per CTA,
+pieces, whether a block stays in shared memory, CTAs) and the checks that decline a problem or
+reject a config (`check`)."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax.numpy as jnp
 
+from kernels import _targets
 from kernels._blocks import is_positive_int
+from kernels._pallas import pl
+from kernels._pallas.mosaic_gpu import PIECE
 from kernels.normalize import common
 from kernels.normalize.common import NormalizeConfig, Problem
 
-__all__ = ["resolve_config", "check"]
+__all__ = ["Plan", "plan_of", "resolve_config", "check"]
 
 _DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
-# The longest row one CTA holds in registers. Compiled for sm_90a (ptxas, jax 0.12.0.1): a row
-# of 4096 with the 4 warps along it takes 118 registers in float32 and 110 in bfloat16, no
-# spills; 8 rows of 4096 at once spilled 540-612 bytes. The backward's one row of 4096 (x, dy
-# and two accumulators) takes 234 registers in bfloat16 and 228 in float32 with a residual, no
-# spills. Longer rows need the shared-memory path, not written yet.
-_MAX_ROW = 4096
-# Values of x one thread holds: rows per CTA are chosen so that a thread holds about this many
-# (4 rows of 1024: 64-70 registers; 1 row of 4096: 110-118).
-_VALUES_PER_THREAD = 32
-# The backward holds x, dy and two column-sum accumulators per value: half as many (2 rows of
-# 1024 in bfloat16 with a residual: 135 registers, sm_90a; 4 rows took 238).
-_BACKWARD_VALUES_PER_THREAD = 16
-_THREADS = 128  # one warpgroup
+# Bytes of input rows one CTA moves per block: two CTAs per SM keep 64 KiB in flight, over the
+# ~20 KiB an H100 SM needs to cover HBM's latency at full bandwidth (3.35 TB/s x ~800 ns over
+# 132 SMs; an estimate, not measured).
+_BLOCK_BYTES = 32 * 1024
+# Rows per CTA at most: a pass carries one float32 accumulator of (rows, PIECE) per sum,
+# 2 values a thread per row.
 _MAX_BLOCK_ROWS = 16
-# The most elements of x one CTA holds (a config's block_groups x row): 4 rows of 4096 took
-# 229-239 registers without spills (sm_90a, ptxas); 8 rows of 4096 spilled 540-612 bytes.
-_MAX_BLOCK_ELEMENTS = 4 * 4096
+_TMA_ALIGNMENT = 16  # bytes: TMA needs every GMEM stride but the last a multiple of 16 bytes
+# A resident block has one barrier per piece, and Mosaic GPU takes at most 32 barriers in one
+# allocation ("Only up to 32 barriers per group supported", compiling a 16384-column float32
+# row for sm_90a, jax 0.12.0.1): rows of more pieces are streamed.
+_MAX_RESIDENT_PIECES = 32
 
 
-def resolve_config(p: Problem, config: NormalizeConfig | None,
-                   backward: bool = False) -> NormalizeConfig:
-    """`config` with its Mosaic GPU fields filled: `block_groups` rows per CTA (by default
-    the most, up to 16, at `_VALUES_PER_THREAD` values of x per thread, or
-    `_BACKWARD_VALUES_PER_THREAD` in the `backward`), `block_reduced` the whole row."""
-    config = config or NormalizeConfig()
-    values = _BACKWARD_VALUES_PER_THREAD if backward else _VALUES_PER_THREAD
-    default = max(1, min(_MAX_BLOCK_ROWS, values * _THREADS // max(p.reduced, 1)))
-    return NormalizeConfig(block_groups=config.block_groups or default,
-                           block_reduced=p.reduced)
+class Plan(NamedTuple):
+    """One call of a Mosaic GPU normalize kernel on the rows view: `rows` rows of `reduced`
+    elements (`aligned` in GMEM, padded to TMA's 16 bytes where `reduced` is not), in blocks
+    of `block_rows`, each row `num_pieces` pieces of `PIECE` columns. `resident`: a block's
+    pieces stay in shared memory for every pass (else each pass streams them again).
+    `programs`: CTAs; the backward's walk the blocks and `accumulate` their dscale/doffset
+    terms in shared memory (else each CTA writes its block's terms as partial rows)."""
+
+    rows: int
+    reduced: int
+    aligned: int
+    block_rows: int
+    num_pieces: int
+    resident: bool
+    programs: int
+    accumulate: bool = False
+
+    @property
+    def num_blocks(self) -> int:
+        return pl.cdiv(self.rows, self.block_rows)
+
+    @property
+    def width(self) -> int:
+        """Columns a block's pieces span (padded: TMA zero-fills them on loads)."""
+        return self.num_pieces * PIECE
+
+    @property
+    def slots(self) -> int:
+        return self.num_pieces if self.resident else 2
+
+
+def _aligned(p: Problem) -> int:
+    itemsize = min(jnp.dtype(p.dtype).itemsize, p.y_dtype.itemsize)
+    step = _TMA_ALIGNMENT // itemsize
+    return pl.cdiv(p.reduced, step) * step
+
+
+def _smem_budget() -> int:
+    """Shared memory one CTA may plan: half the target's, so two CTAs share an SM."""
+    return _targets.current("gpu").shared_memory // 2
+
+
+def plan_of(p: Problem, config: NormalizeConfig | None, backward: bool = False,
+            has_gsum: bool = False) -> Plan:
+    """The plan of the forward (or the `backward`, `has_gsum`: it reads the sum's cotangent)
+    for a problem `check` accepted. Rows per CTA: `config.block_groups`, else as many as
+    `_BLOCK_BYTES` of input rows (at most `_MAX_BLOCK_ROWS`) within the shared memory budget;
+    the block stays in shared memory where it fits, else it is streamed per pass."""
+    rows, n = p.outer * p.groups, p.reduced
+    num_pieces = pl.cdiv(n, PIECE)
+    item = jnp.dtype(p.dtype).itemsize
+    if backward:
+        input_bytes = item * (2 + has_gsum)
+        ring_bytes = 2 * PIECE * item
+        accumulator_bytes = 4 * (p.has_scale + p.has_offset)
+    else:
+        input_bytes = item * (1 + p.has_residual)
+        ring_bytes = 2 * PIECE * (p.y_dtype.itemsize + item * p.has_residual)
+        accumulator_bytes = 0
+    width, budget = num_pieces * PIECE, _smem_budget()
+
+    def smem(block_rows, resident, accumulate):
+        if resident and num_pieces > _MAX_RESIDENT_PIECES:
+            return budget + 1
+        inputs = width if resident else 2 * PIECE
+        return block_rows * (inputs * input_bytes + ring_bytes
+                             + accumulate * width * accumulator_bytes)
+
+    accumulates = bool(accumulator_bytes)
+    if config and config.block_groups:
+        block_rows = min(config.block_groups, rows)
+    else:
+        block_rows = max(1, min(_MAX_BLOCK_ROWS, _BLOCK_BYTES // (width * input_bytes), rows))
+        while block_rows > 1 and smem(block_rows, True, accumulates) > budget:
+            block_rows -= 1
+    # Preferred first: the block read from GMEM once, dscale/doffset summed in the CTA.
+    for resident, accumulate in ((True, accumulates), (False, accumulates), (True, False),
+                                 (False, False)):
+        if smem(block_rows, resident, accumulate) <= budget:
+            break
+    else:
+        raise ValueError(f"config.block_groups={block_rows}: blocks of {block_rows} rows of "
+                         f"{n} are over the {budget} bytes of shared memory a CTA plans")
+    num_blocks = pl.cdiv(rows, block_rows)
+    programs = (min(num_blocks, _targets.current("gpu").min_programs) if accumulate
+                else num_blocks)
+    return Plan(rows, n, _aligned(p), block_rows, num_pieces, resident, programs, accumulate)
+
+
+def resolve_config(p: Problem, config: NormalizeConfig | None) -> NormalizeConfig:
+    """`config` with its Mosaic GPU fields filled: `block_groups` the forward's rows per CTA
+    (`plan_of`), `block_reduced` the whole row (a row is moved in pieces of `PIECE`)."""
+    return NormalizeConfig(block_groups=plan_of(p, config).block_rows, block_reduced=p.reduced)
 
 
 def check(p: Problem, config: NormalizeConfig | None) -> None:
-    """Declines what the kernel does not take yet (the columns layout, rows that are not a
-    multiple of 128 or longer than `_MAX_ROW`, float64); rejects a config it cannot run."""
+    """Declines float64 (and other dtypes Mosaic GPU's kernels do not take); rejects a config
+    it cannot run."""
     common.check_dtype(p, _DTYPES, device="Mosaic GPU")
-    if not p.rows:
-        raise NotImplementedError("the columns layout (normalized axes followed by others) has "
-                                  "no Mosaic GPU kernel yet")
-    if p.reduced % _THREADS or p.reduced > _MAX_ROW:
-        raise NotImplementedError(f"rows of {p.reduced} elements: the Mosaic GPU kernel takes "
-                                  f"multiples of {_THREADS} up to {_MAX_ROW} so far")
     config = config or NormalizeConfig()
-    if config.block_groups is not None and not is_positive_int(config.block_groups):
-        raise ValueError(f"config.block_groups must be a positive int, got "
-                         f"{config.block_groups!r}")
-    if (config.block_groups or 1) * p.reduced > _MAX_BLOCK_ELEMENTS:
-        raise ValueError(f"config.block_groups={config.block_groups} rows of {p.reduced} are "
-                         f"over the {_MAX_BLOCK_ELEMENTS} elements a CTA holds in registers")
+    if config.block_groups is not None and not (is_positive_int(config.block_groups)
+                                                and config.block_groups <= 256):
+        raise ValueError(f"config.block_groups must be an int in [1, 256] (a TMA copy moves "
+                         f"at most 256 rows), got {config.block_groups!r}")
     if config.block_reduced not in (None, p.reduced):
-        raise ValueError(f"config.block_reduced: the Mosaic GPU kernel holds whole rows "
-                         f"({p.reduced}), got {config.block_reduced!r}")
+        raise ValueError(f"config.block_reduced: the Mosaic GPU kernels take whole rows "
+                         f"({p.reduced}, moved in pieces of {PIECE}), got "
+                         f"{config.block_reduced!r}")
+    plan_of(p, config)
+    plan_of(p, config, backward=True, has_gsum=p.has_residual)

@@ -1,63 +1,151 @@
-"""normalize's forward as a Pallas kernel lowered through Mosaic GPU (sm_90a, sm_100a): the
-rows layout, each row whole in registers.
+"""normalize's forward as a Pallas kernel lowered through Mosaic GPU (sm_90a, sm_100a).
 
 Block schedule
 --------------
-The view `(outer, groups, reduced)` is taken as `rows = outer * groups` rows of `reduced`
-elements. Grid `(ceil(rows / block_rows),)`, one CTA (one warpgroup, 128 threads) per block of
-`block_rows` rows (`config.block_groups`, `config.resolve_config`). A CTA loads its block of x
-(and of residual) from GMEM straight into registers (`_pallas.mosaic_gpu.row_layout`: the 4
-warps along the row, each warp's 32 lanes in vectors of 16 bytes of the wider of x's and y's
-dtypes), so x is read once and y
-written once; no shared memory but the 2 KiB Pallas reserves for the cross-warp reductions of
-the statistics. The last CTA of a ragged grid runs the same body traced for its
-`rows % block_rows` rows (Mosaic GPU's loads take no mask).
+The kernel works on the rows view: `rows` rows of `reduced` elements (the columns layout is
+transposed to it first, `rows_view`). Grid `(num_blocks,)`, one CTA (one warpgroup) per block
+of `block_rows` rows (`config.plan_of`). The block moves by TMA in pieces of `PIECE` columns
+(`_pallas.mosaic_gpu.StagedRows`): a piece is a (block_rows, PIECE) tile in shared memory and,
+in registers, 2 values a thread per row (the 4 warps along the piece). One CTA makes passes
+over its pieces k:
 
-One CTA computes, in float32: the sum x + residual (written rounded to x's dtype), the mean
-(RMS: none), the mean squared deviation, 1/std = rsqrt(var + epsilon), and
-y = (x - mean) * 1/std * scale + offset, written in y's dtype; mean and 1/std are written per
-row (float32). Traffic: x (and residual) read once, y (and the sum) written once, scale and
-offset read once per CTA, 8 bytes of statistics per row.
+    pass 1:  acc += x[k] (+ residual[k]; the sum written, rounded)     # RMS: acc += x[k]²
+             m = sum(acc) / n                                          # RMS: rstd from acc
+    pass 2:  d = where(column < n, x[k] - m, 0);  acc_d += d;  acc += d²
+             mean = m + sum(acc_d) / n;  rstd = rsqrt(sum(acc) / n - (mean - m)² + epsilon)
+    pass 3:  y[k] = (x[k] - mean) * rstd * scale[k] + offset[k]       # TMA store, per piece
+
+(RMS norm makes passes 1 and 3.) Each pass carries (block_rows, PIECE) float32 accumulators in
+registers and reduces them across the warps once. Pass 2 corrects pass 1's mean, whose sums of
+large values round (a mean of 1e4 with a unit spread), by the mean deviation from it, whose
+terms are small (the shifted two-pass algorithm): y is then closer to float64 than XLA's. Resident blocks (`Plan.resident`, those
+within half an SM's shared memory) are read from GMEM once, the first pass computing on the
+first pieces while the others land; longer rows stream their pieces again in each pass (x read
+2-3 times, mostly from L2). y (and the sum) are written once through a 2-slot ring of pieces;
+mean and 1/std per row (float32). TMA zero-fills the columns past the row and the rows past the
+array, and drops their stores, so no shape needs a padding copy unless a row is not a multiple
+of 16 bytes (`Plan.aligned`: then x is padded in the wrapper, one more copy).
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels._pallas import pl
-from kernels._pallas.mosaic_gpu import (load, mosaic_gpu_call, per_column, per_row, row_layout,
-                                        store)
+from kernels._pallas.mosaic_gpu import (PIECE, RowWriter, StagedRows, load, mosaic_gpu_call,
+                                        per_column, per_row, piece_columns, row_layout, store)
 from kernels.normalize.common import NormalizeConfig, Problem
-from kernels.normalize.mosaic_gpu.config import resolve_config
+from kernels.normalize.mosaic_gpu.config import Plan, plan_of
 
-__all__ = ["forward"]
+__all__ = ["forward", "rows_view", "from_rows_view", "padded_rows", "layout_of", "fold"]
 
 
-def _normalize_block(refs: dict, first, count: int, p: Problem) -> None:
-    """Rows [first, first + count) of the block: the body of one CTA."""
-    row = p.reduced
-    rows, shape = pl.ds(first, count), (count, row)
-    # One layout for every block of the CTA, so no value changes registers: its vectors are
-    # 16 bytes of the widest of x and y (bfloat16 x, float32 y: 4 elements).
-    layout = row_layout(count, row, max(jnp.dtype(p.dtype).itemsize, p.y_dtype.itemsize))
-    x = load(refs["x"].at[rows], layout).astype(jnp.float32)
-    if "residual" in refs:
-        x = x + load(refs["residual"].at[rows], layout).astype(jnp.float32)
-        refs["sum"][rows] = x.astype(refs["sum"].dtype)
+def layout_of(plan: Plan) -> object:
+    """The register layout of a block's piece: the 4 warps along it, 2 adjacent values a
+    thread per row (a 256-column piece over 128 threads), whatever the dtype."""
+    return row_layout(plan.block_rows, PIECE, jnp.dtype(jnp.float32).itemsize)
 
+
+def fold(plan: Plan, step, carry):
+    """carry = step(piece, carry) for each piece of the row, in order."""
+    return jax.lax.fori_loop(0, plan.num_pieces, step, carry)
+
+
+def rows_view(a: jax.Array | None, p: Problem, plan: Plan) -> jax.Array | None:
+    """The view-shaped `a` as the kernel's (rows, aligned) matrix: the columns layout
+    transposed to rows (a copy), a row not a multiple of 16 bytes padded (a copy)."""
+    if a is None:
+        return None
+    if not p.rows:
+        a = jnp.swapaxes(a, 1, 2)
+    a = a.reshape(plan.rows, plan.reduced)
+    return a if plan.aligned == plan.reduced else jnp.pad(
+        a, ((0, 0), (0, plan.aligned - plan.reduced)))
+
+
+def from_rows_view(a: jax.Array, p: Problem, plan: Plan) -> jax.Array:
+    a = a[:, :plan.reduced] if plan.aligned != plan.reduced else a
+    if p.rows:
+        return a.reshape(p.view_shape)
+    return jnp.swapaxes(a.reshape(p.outer, p.groups, p.reduced), 1, 2)
+
+
+def padded_rows(a: jax.Array, plan: Plan) -> jax.Array:
+    """Per-row values for every row of every block (the last block's rows past the array read
+    and write these, not past an array's edge)."""
+    a = a.reshape(plan.rows)
+    return jnp.pad(a, (0, plan.num_blocks * plan.block_rows - plan.rows))
+
+
+def _params(scale, offset, plan: Plan) -> dict:
+    """scale and offset as float32 rows of the pieces' width (zero past the row)."""
+    return {name: jnp.pad(v.reshape(plan.reduced).astype(jnp.float32),
+                          (0, plan.width - plan.reduced))
+            for name, v in (("scale", scale), ("offset", offset)) if v is not None}
+
+
+def _normalize_block(refs: dict, io: StagedRows, sums: RowWriter | None, ys: RowWriter,
+                     first, p: Problem, plan: Plan) -> None:
+    """Rows [first, first + block_rows): the body of one CTA."""
+    shape = (plan.block_rows, PIECE)
+    layout = layout_of(plan)
+    passes = 2 + p.subtract_mean
+    zeros = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), layout)
+    io.start(first)
+
+    def read(pass_index, piece):
+        values = io.read(first, piece, pass_index * plan.num_pieces + piece,
+                         passes * plan.num_pieces, layout)
+        return values["x"] + values["residual"] if "residual" in values else values["x"]
+
+    def total(acc):
+        return jnp.sum(acc, axis=1)
+
+    def first_pass(piece, acc):
+        x = read(0, piece)
+        if sums is not None:
+            sums.write(first, piece, {"sum": x})
+        return acc + (x if p.subtract_mean else x * x)
+
+    first_mean = total(fold(plan, first_pass, zeros)) / plan.reduced  # RMS: the mean square
+    variance = first_mean
     if p.subtract_mean:
-        mean = jnp.mean(x, axis=1)
-        store(refs["mean"].at[rows], mean)
-        x = x - per_row(mean, shape)
-    rstd = jax.lax.rsqrt(jnp.mean(x * x, axis=1) + p.epsilon)
-    store(refs["rstd"].at[rows], rstd)
-    y = x * per_row(rstd, shape)
-    if "scale" in refs:
-        y = y * per_column(load(refs["scale"]), shape)
-    if "offset" in refs:
-        y = y + per_column(load(refs["offset"]), shape)
-    refs["y"][rows] = y.astype(refs["y"].dtype)
+        guess = per_row(first_mean, shape)
+
+        def deviations(piece, accumulators):
+            deviation = read(1, piece) - guess
+            if plan.width != plan.reduced:  # the zeros past the row are -mean off it
+                column = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=layout)
+                deviation = jnp.where(column + piece * PIECE < plan.reduced, deviation, 0.0)
+            return accumulators[0] + deviation, accumulators[1] + deviation * deviation
+
+        # The first pass's mean, rounded in sums of large values, is corrected by the mean
+        # deviation from it, summed from small ones (the shifted two-pass algorithm).
+        acc_deviation, acc = fold(plan, deviations, (zeros, zeros))
+        correction = total(acc_deviation) / plan.reduced
+        row_mean = first_mean + correction
+        store(refs["mean"].at[pl.ds(first, plan.block_rows)], row_mean)
+        mean = per_row(row_mean, shape)
+        variance = total(acc) / plan.reduced - correction * correction
+    rstd = jax.lax.rsqrt(variance + p.epsilon)
+    store(refs["rstd"].at[pl.ds(first, plan.block_rows)], rstd)
+    rstd = per_row(rstd, shape)
+
+    def normalize(piece, carry):
+        x = read(passes - 1, piece)
+        y = (x - mean if p.subtract_mean else x) * rstd
+        for name, op in (("scale", jnp.multiply), ("offset", jnp.add)):
+            if name in refs:
+                y = op(y, per_column(load(refs[name].at[piece_columns(piece)]), shape))
+        ys.write(first, piece, {"y": y})
+        return carry
+
+    fold(plan, normalize, 0)
+    RowWriter.finish()
 
 
 def forward(x: jax.Array, residual: jax.Array | None, scale: jax.Array | None,
@@ -65,45 +153,50 @@ def forward(x: jax.Array, residual: jax.Array | None, scale: jax.Array | None,
             interpret: bool | str):
     """(y, x + residual or None, mean, rstd) for the view-shaped `x` (and `residual`) of a
     problem that `check` accepted."""
-    block_rows = resolve_config(p, config).block_groups
-    num_rows, row = p.outer * p.groups, p.reduced
-    block_rows = min(block_rows, num_rows)
-    inputs = {"x": x.reshape(num_rows, row)}
+    plan = plan_of(p, config)
+    inputs = {"x": rows_view(x, p, plan)}
     if residual is not None:
-        inputs["residual"] = residual.reshape(num_rows, row)
-    for name, param in (("scale", scale), ("offset", offset)):
-        if param is not None:
-            inputs[name] = param.reshape(row).astype(jnp.float32)
-    outputs = {"y": jax.ShapeDtypeStruct((num_rows, row), p.y_dtype)}
+        inputs["residual"] = rows_view(residual, p, plan)
+    params = _params(scale, offset, plan)
+    matrix = (plan.rows, plan.aligned)
+    outputs = {"y": jax.ShapeDtypeStruct(matrix, p.y_dtype)}
     if residual is not None:
-        outputs["sum"] = jax.ShapeDtypeStruct((num_rows, row), p.dtype)
+        outputs["sum"] = jax.ShapeDtypeStruct(matrix, p.dtype)
+    per_block_row = jax.ShapeDtypeStruct((plan.num_blocks * plan.block_rows,), jnp.float32)
     if p.subtract_mean:
-        outputs["mean"] = jax.ShapeDtypeStruct((num_rows,), jnp.float32)
-    outputs["rstd"] = jax.ShapeDtypeStruct((num_rows,), jnp.float32)
-    num_blocks, tail = pl.cdiv(num_rows, block_rows), num_rows % block_rows
+        outputs["mean"] = per_block_row
+    outputs["rstd"] = per_block_row
+    staged = {name: plgpu.SMEM((plan.slots, plan.block_rows, PIECE), a.dtype)
+              for name, a in inputs.items()}
+    rings = {name: plgpu.SMEM((2, plan.block_rows, PIECE), outputs[name].dtype)
+             for name in ("y", "sum") if name in outputs}
+    scratch = [*staged.values(), *rings.values(),
+               plgpu.Barrier(num_arrivals=len(inputs), num_barriers=plan.slots)]
 
     def body(*refs):
-        named = dict(zip([*inputs, *outputs], refs))
-        block = jax.lax.axis_index("rows")
-        if not tail:
-            _normalize_block(named, block * block_rows, block_rows, p)
-            return
-
-        @pl.when(block < num_blocks - 1)
-        def _():
-            _normalize_block(named, block * block_rows, block_rows, p)
-
-        @pl.when(block == num_blocks - 1)
-        def _():
-            _normalize_block(named, (num_blocks - 1) * block_rows, tail, p)
+        names = [*inputs, *params, *outputs]
+        named = dict(zip(names, refs))
+        smem = dict(zip([*staged, *rings], refs[len(names):]))
+        io = StagedRows({n: named[n] for n in inputs}, {n: smem[n] for n in staged},
+                        refs[-1], plan.num_pieces, plan.resident)
+        sums = (RowWriter({"sum": named["sum"]}, {"sum": smem["sum"]})
+                if "sum" in outputs else None)
+        ys = RowWriter({"y": named["y"]}, {"y": smem["y"]})
+        first = jax.lax.axis_index("blocks") * plan.block_rows
+        _normalize_block(named, io, sums, ys, first, p, plan)
 
     results = dict(zip(outputs, mosaic_gpu_call(
-        body, out_shape=list(outputs.values()), grid=(num_blocks,), grid_names=("rows",),
-        interpret=interpret, name="normalize_forward_mosaic_gpu")(*inputs.values())))
+        body, out_shape=list(outputs.values()), grid=(plan.num_blocks,), grid_names=("blocks",),
+        interpret=interpret, name="normalize_forward_mosaic_gpu", scratch=scratch)(
+            *inputs.values(), *params.values())))
+    stats = functools.partial(_stats, p=p, plan=plan)
     mean = results.get("mean")
-    if mean is None:  # RMS: no mean subtracted
-        mean = jnp.zeros((num_rows,), jnp.float32)
     summed = results.get("sum")
-    return (results["y"].reshape(p.view_shape),
-            None if summed is None else summed.reshape(p.view_shape),
-            mean.reshape(p.stats_shape), results["rstd"].reshape(p.stats_shape))
+    return (from_rows_view(results["y"], p, plan),
+            None if summed is None else from_rows_view(summed, p, plan),
+            stats(mean) if mean is not None else jnp.zeros(p.stats_shape, jnp.float32),
+            stats(results["rstd"]))
+
+
+def _stats(a: jax.Array, p: Problem, plan: Plan) -> jax.Array:
+    return a[:plan.rows].reshape(p.stats_shape)
