@@ -75,9 +75,6 @@ class Implementation:
     # Whether `interpret=True` is the fast interpreter (Pallas' HLO interpreter on blocks sized
     # for it, at model-test sizes); else it runs the "strict" interpreter's schedule, slowly.
     fast_interpreter: bool = True
-    # Whether every op it has kernels for runs the op's shared test base with it (a new
-    # implementation whose kernels do not yet take every case runs its own tests until then).
-    shared_tests: bool = True
 
     @property
     def is_kernel(self) -> bool:
@@ -112,7 +109,7 @@ _ENTRIES = (
         call_marker=MOSAIC_CALL_MARKER, compile_backend="libtpu",
         auto_axes=False, supports_float64=False),
     # Pallas' Mosaic GPU backend, the GPU backend JAX keeps (Triton's is deprecated): sm_90a
-    # and sm_100a only, cuda only. Work in progress: normalize's forward (rows) so far. Its
+    # and sm_100a only, cuda only. Work in progress: normalize's kernels so far. Its
     # interpreter is no fast interpreter: a 256x1024 layer norm took 250-280 ms there against
     # XLA's 0.1-0.3 ms (900-2000x; `python -m bench --interpret strict`, this project's 2-core
     # CPU, jax 0.12.0.1).
@@ -124,7 +121,7 @@ _ENTRIES = (
                              "detector"},
         interpreter_callbacks=(True, "strict"), call_marker=MOSAIC_GPU_CALL_MARKER,
         compile_backend="mosaic_gpu",
-        supports_float64=False, fast_interpreter=False, shared_tests=False),
+        supports_float64=False, fast_interpreter=False),
 )
 # A lowering platform (or jax.default_backend(), a device's platform) -> the kind of
 # `_targets.Target` its devices are: also the defaults table's platform.

@@ -11,15 +11,28 @@ import pytest  # noqa: E402
 
 from kernels import _pallas  # noqa: E402
 from kernels.compile import use_compile_only_devices  # noqa: E402
-from tests.support import IMPLEMENTATIONS  # noqa: E402
+from tests.support import implementations_of  # noqa: E402
 
 # The suite compiles for GPUs and TPUs it does not have (before any test starts jax).
 use_compile_only_devices()
 
 
-@pytest.fixture(params=IMPLEMENTATIONS)
-def implementation(request) -> str:
-    return request.param
+def _op_of(module) -> str | None:
+    """The op a test module is about (tests/test_<op>[_<subject>].py), if any."""
+    from kernels.ops import OPS
+
+    name = module.__name__.rpartition(".")[2]
+    return next((op for op in sorted(OPS, key=len, reverse=True)
+                 if name == f"test_{op}" or name.startswith(f"test_{op}_")), None)
+
+
+def pytest_generate_tests(metafunc):
+    """The `implementation` argument, where a test does not parametrize it itself: each
+    implementation of the module's op (`implementations_of`), or of every op."""
+    if "implementation" in metafunc.fixturenames and not any(
+            "implementation" in mark.args[0] for mark in metafunc.definition.iter_markers(
+                "parametrize")):
+        metafunc.parametrize("implementation", implementations_of(_op_of(metafunc.module)))
 
 
 @pytest.fixture(params=["jit", "no_jit"])

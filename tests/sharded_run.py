@@ -40,10 +40,15 @@ def collectives(program) -> dict[str, int]:
     return programs.collectives(program.as_text())
 
 
+def ops_of(impl: str) -> list:
+    """The ops `impl` runs: all for the reference, else those whose folder holds its kernels."""
+    return [op for op in OPS.values() if not registry.get(impl).is_kernel or op.has(impl)]
+
+
 def cases(impl: str):
-    """name -> (function of the arrays, [(shape or 'ids', spec)]): every op's
-    (`kernels/<op>/cases.py`, `sharded`)."""
-    return {name: case for op in OPS.values() for name, case in op.cases.sharded(impl).items()}
+    """name -> (function of the arrays, [(shape or 'ids', spec)]): the sharded cases of each op
+    of `impl` (`kernels/<op>/cases.py`, `sharded`)."""
+    return {name: case for op in ops_of(impl) for name, case in op.cases.sharded(impl).items()}
 
 
 def arrays(specs, mesh):
@@ -201,15 +206,16 @@ if tuple(int(v) for v in jax.__version__.split(".")[:2]) < (0, 11):
 
 
 def main(impl: str, mesh_kinds: list[str]) -> None:
-    xla_cases = cases(registry.REFERENCE)
+    xla_cases = cases(registry.REFERENCE)  # the reference of each of impl's cases
     for axis_type in (getattr(AxisType, kind) for kind in mesh_kinds):
         for name, (fn, specs) in cases(impl).items():
             record = run_case(impl, name, fn, specs, axis_type, xla_cases[name][0])
             print(json.dumps(record), flush=True)
-    for name in OUT_SHARDING_CASES:  # xla's process runs the default too (xla on a CPU)
+    for name in (name for op in ops_of(impl) for name in op.cases.OUT_SHARDING):
+        # xla's process runs the default too (xla on a CPU)
         for implementation in (impl, None) if impl == registry.REFERENCE else (impl,):
             print(json.dumps(run_out_sharding(implementation, name)), flush=True)
-    if registry.get(impl).is_kernel:
+    if registry.get(impl).is_kernel and len(ops_of(impl)) == len(OPS):  # several ops at once
         print(json.dumps(run_shard_map(impl)), flush=True)
         print(json.dumps(run_reduce_scatter(impl)), flush=True)
 

@@ -16,16 +16,34 @@ import numpy as np
 from kernels import registry
 from kernels._pallas import lowered_text
 
-# Every test of an op runs for each registered implementation (kernels.registry) that the
-# installed jax runs and that takes the shared test base (`shared_tests`).
-IMPLEMENTATIONS = tuple(name for name in registry.names()
-                        if registry.get(name).shared_tests and not registry.unavailable(name))
+# The registered implementations (kernels.registry) the installed jax runs.
+IMPLEMENTATIONS = tuple(name for name in registry.names() if not registry.unavailable(name))
 KERNELS = tuple(name for name in IMPLEMENTATIONS if registry.get(name).is_kernel)
 # A kernel's own lowering platform, and the custom call it leaves in lowered text.
 PLATFORM = {name: registry.get(name).platforms[0] for name in registry.kernel_names()}
 MARKER = {name: registry.get(name).call_marker for name in registry.kernel_names()}
 # Capability flags: what an implementation declines (and must decline with a reason).
 SUPPORTS_FLOAT64 = {name: registry.get(name).supports_float64 for name in IMPLEMENTATIONS}
+
+
+def implementations_of(op: str | None) -> tuple[str, ...]:
+    """The implementations an op's shared tests run: the reference and each kernel the op's
+    folder holds (`Op.has`). `None`: those every op has (tests of several ops at once)."""
+    from kernels.ops import OPS
+
+    ops = list(OPS.values()) if op is None else [OPS[op]]
+    return tuple(name for name in IMPLEMENTATIONS
+                 if not registry.get(name).is_kernel or all(o.has(name) for o in ops))
+
+
+def kernels_of(op: str | None) -> tuple[str, ...]:
+    return tuple(name for name in implementations_of(op) if registry.get(name).is_kernel)
+
+
+def fast_kernels_of(op: str | None) -> tuple[str, ...]:
+    """Kernels whose `interpret=True` is the fast interpreter: those the model-size tests run."""
+    return tuple(name for name in kernels_of(op) if registry.get(name).fast_interpreter)
+
 
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 # Where a float32 dot at default precision rounds its operands natively: TF32 (10 mantissa

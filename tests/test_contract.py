@@ -26,7 +26,8 @@ from bench.__main__ import BENCHES
 from kernels import _dispatch, defaults, registry
 from kernels.compile import CASES, listing
 from kernels.ops import OPS
-from tests.support import IMPLEMENTATIONS, KERNELS, Contract, assert_close, weighted_sum, x64
+from tests.support import (Contract, assert_close, implementations_of, kernels_of,
+                           weighted_sum, x64)
 
 # Each op's contract, beside its helpers in tests/test_<op>.py.
 CONTRACTS: dict[str, Contract] = {
@@ -46,7 +47,7 @@ def test_every_public_op_is_registered():
 def test_every_op_has_every_piece(name):
     op = OPS[name]
     assert callable(op.reference) and inspect.getdoc(op.reference), "a documented reference"
-    for backend in KERNELS:
+    for backend in kernels_of(name):
         module = op.module(backend)
         for piece in ("check", "resolve_config"):
             assert callable(getattr(module, piece, None)), f"{name}/{backend} lacks {piece}"
@@ -144,27 +145,28 @@ def check_strict_settings_with_x64(name: str, implementation: str) -> None:
                      reduction_length=max(a.size for a in inputs))
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-@pytest.mark.parametrize("name", sorted(OPS))
+# Each op with each of its implementations (`implementations_of`).
+SHARED = [(name, implementation) for name in sorted(OPS)
+          for implementation in implementations_of(name)]
+
+
+@pytest.mark.parametrize("name,implementation", SHARED)
 @pytest.mark.parametrize("jitted", [True, False], ids=["jit", "no_jit"])
 def test_jit_and_no_jit(name, implementation, jitted):
     check_jit_and_no_jit(name, implementation, jitted)
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-@pytest.mark.parametrize("name", sorted(OPS))
+@pytest.mark.parametrize("name,implementation", SHARED)
 def test_no_retrace_on_repeated_calls(name, implementation):
     check_no_retrace_on_repeated_calls(name, implementation)
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-@pytest.mark.parametrize("name", sorted(OPS))
+@pytest.mark.parametrize("name,implementation", SHARED)
 def test_vmap_over_every_operand(name, implementation):
     check_vmap_over_every_operand(name, implementation)
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-@pytest.mark.parametrize("name", sorted(OPS))
+@pytest.mark.parametrize("name,implementation", SHARED)
 def test_strict_settings_with_x64(name, implementation):
     check_strict_settings_with_x64(name, implementation)
 

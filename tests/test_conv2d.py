@@ -18,8 +18,10 @@ import pytest
 import reference
 from kernels.conv2d import Conv2dConfig, conv2d
 from kernels.conv2d.mosaic import config as mosaic_config
-from tests.support import (KERNELS, SUPPORTS_FLOAT64, Contract, as_f64, assert_close, assert_lowers,
-                           random, standard_promotion, weighted_sum, x64)
+from tests.support import (SUPPORTS_FLOAT64, Contract, as_f64, assert_close, assert_lowers,
+                           kernels_of, random, standard_promotion, weighted_sum, x64)
+
+KERNELS = kernels_of("conv2d")  # this op's kernels (`tests.support.implementations_of`)
 
 # Kernels interpreted by default run strict here (TPU interpret mode for Mosaic), on small grids.
 pytestmark = pytest.mark.usefixtures("strict_interpret")

@@ -13,7 +13,9 @@ from jax.test_util import check_grads
 
 import reference
 from kernels.conv2d import conv2d
-from tests.support import KERNELS, SUPPORTS_FLOAT64, as_f64, assert_close, x64
+from tests.support import SUPPORTS_FLOAT64, as_f64, assert_close, kernels_of, x64
+
+KERNELS = kernels_of("conv2d")  # this op's kernels (`tests.support.implementations_of`)
 from tests.test_conv2d import CASES, _check, _inputs, _loss
 
 # Kernels interpreted by default run strict here (TPU interpret mode for Mosaic), on small grids.

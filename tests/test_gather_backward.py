@@ -15,7 +15,9 @@ from jax.test_util import check_grads
 
 from kernels.gather import gather
 from reference.gather import gather as reference_gather
-from tests.support import KERNELS, assert_close, assert_lowers, random, x64
+from tests.support import assert_close, assert_lowers, kernels_of, random, x64
+
+KERNELS = kernels_of("gather")  # this op's kernels (`tests.support.implementations_of`)
 from tests.test_gather import (MODES, SPECIAL_INDICES, _ids, assert_exact, expected_gather,
                                expected_gradient)
 

@@ -11,9 +11,11 @@ from jax.test_util import check_grads
 
 import reference
 from kernels.matmul import MatmulConfig, matmul
-from tests.support import (FLOAT_DTYPES, KERNELS, SUPPORTS_FLOAT64, Contract, as_f64,
-                           assert_close, assert_lowers, random, tolerance, walked_pipeline_bytes,
-                           standard_promotion, weighted_sum, x64)
+from tests.support import (FLOAT_DTYPES, SUPPORTS_FLOAT64, Contract, as_f64, assert_close,
+                           assert_lowers, kernels_of, random, standard_promotion, tolerance,
+                           walked_pipeline_bytes, weighted_sum, x64)
+
+KERNELS = kernels_of("matmul")  # this op's kernels (`tests.support.implementations_of`)
 
 # Kernels interpreted by default run strict here (TPU interpret mode for Mosaic), on small grids.
 pytestmark = pytest.mark.usefixtures("strict_interpret")

@@ -16,8 +16,10 @@ import pytest
 from kernels.normalize import NormalizeConfig, layer_norm, normalize, rms_norm
 from reference.normalize import (layer_norm as reference_layer_norm,
                                  normalize as reference_normalize, rms_norm as reference_rms_norm)
-from tests.support import (FLOAT_DTYPES, KERNELS, SUPPORTS_FLOAT64, Contract, as_f64, assert_close,
-                           random, tolerance, weighted_sum, x64)
+from tests.support import (FLOAT_DTYPES, SUPPORTS_FLOAT64, Contract, as_f64, assert_close,
+                           kernels_of, random, tolerance, weighted_sum, x64)
+
+KERNELS = kernels_of("normalize")  # this op's kernels (`tests.support.implementations_of`)
 
 # Kernels interpreted by default run strict here (TPU interpret mode for Mosaic), on small grids.
 pytestmark = pytest.mark.usefixtures("strict_interpret")
@@ -110,6 +112,9 @@ def _case_id(value) -> str:
 def _chunked_config(implementation, config):
     if implementation == "triton":  # Triton blocks are powers of 2
         return NormalizeConfig(block_groups=1 << (config.block_groups - 1).bit_length(),
+                               block_reduced=config.block_reduced)
+    if implementation == "mosaic_gpu":  # rows a CTA streams, within its shared memory
+        return NormalizeConfig(block_groups=min(config.block_groups, 16),
                                block_reduced=config.block_reduced)
     return config
 

@@ -14,7 +14,9 @@ import pytest
 from kernels.normalize import NormalizeConfig, layer_norm, normalize, rms_norm
 from reference.normalize import (layer_norm as reference_layer_norm,
                                  normalize as reference_normalize, rms_norm as reference_rms_norm)
-from tests.support import KERNELS, as_f64, assert_close, random, tolerance, weighted_sum, x64
+from tests.support import as_f64, assert_close, kernels_of, random, tolerance, weighted_sum, x64
+
+KERNELS = kernels_of("normalize")  # this op's kernels (`tests.support.implementations_of`)
 from tests.test_normalize import (CHUNKED, TRITON_SCHEDULES, _case_id, _chunked_config,
                                   _ground_truth, _group_size, _inputs)
 

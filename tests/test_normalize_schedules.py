@@ -12,7 +12,9 @@ import pytest
 
 from kernels.normalize import NormalizeConfig, layer_norm, normalize
 from reference.normalize import normalize as reference_normalize
-from tests.support import KERNELS, as_f64, assert_close, assert_lowers, random, weighted_sum, x64
+from tests.support import as_f64, assert_close, assert_lowers, kernels_of, random, weighted_sum, x64
+
+KERNELS = kernels_of("normalize")  # this op's kernels (`tests.support.implementations_of`)
 from tests.test_normalize import (CHUNKED, TRITON_SCHEDULES, _case_id, _check, _chunked_config,
                                   _group_size, _inputs, _loss, _param_shape)
 

@@ -18,13 +18,14 @@ import pytest
 
 from kernels import registry
 from kernels.ops import OPS
-from tests.support import IMPLEMENTATIONS, KERNELS
+from tests.support import IMPLEMENTATIONS, implementations_of, kernels_of
 
 HERE = Path(__file__).parent
 # Every op's sharded cases (kernels/<op>/cases.py: `sharded`), and those whose rule sums
 # per-shard partials in the forward pass (`REDUCING`: a sharded contraction or normalized axis,
 # a vocab-parallel table).
-CASES = tuple(name for op in OPS.values() for name in op.cases.sharded(registry.REFERENCE))
+CASE_OP = {name: op.name for op in OPS.values() for name in op.cases.sharded(registry.REFERENCE)}
+CASES = tuple(CASE_OP)
 REDUCING = set().union(*(op.cases.REDUCING for op in OPS.values()))
 # The mesh kinds each implementation's cases run on. The partitioning (kernels/partition/
 # and each op's sharding rule) is one code path for every kernel, so each mesh kind is proven
@@ -33,9 +34,18 @@ REDUCING = set().union(*(op.cases.REDUCING for op in OPS.values()))
 # and is given the kernels' sharding; each kernel run also compares its output sharding with
 # xla's under its own mesh kind.
 # A kernel whose compiled calls partition on Auto axes (`auto_axes`) runs under Auto axes.
+# An interpreter that runs only through host callbacks (Mosaic GPU's) declines a mesh of
+# several devices (`partition.check_partitionable`, tested below): its kernels' sharding is
+# proven compiled, on GPU meshes (tests/test_normalize_mosaic_gpu.py).
+SHARDED = tuple(name for name in IMPLEMENTATIONS
+                if True not in registry.get(name).interpreter_callbacks)
 MESH_KINDS = {name: ("Auto",) if registry.get(name).is_kernel and registry.get(name).auto_axes
-              else ("Explicit",) for name in IMPLEMENTATIONS}
-RUNS = [(impl, kind) for impl in IMPLEMENTATIONS for kind in MESH_KINDS[impl]]
+              else ("Explicit",) for name in SHARDED}
+RUNS = [(impl, kind) for impl in SHARDED for kind in MESH_KINDS[impl]]
+# Each case runs for the implementations of its op (`implementations_of`); the shard_map and
+# reduce-scatter programs use several ops, so the kernels every op has.
+SHARDED_RUNS = [(impl, mesh, case) for impl, mesh in RUNS for case in CASES
+                if impl in implementations_of(CASE_OP[case])]
 _results: dict[str, dict] = {}
 
 
@@ -54,7 +64,7 @@ def results(tmp_path_factory):
 
     def run(impl: str) -> dict:
         if impl not in _results:
-            outputs = {name: shared / f"sharded-{name}.jsonl" for name in IMPLEMENTATIONS}
+            outputs = {name: shared / f"sharded-{name}.jsonl" for name in SHARDED}
             with open(shared / "sharded.lock", "w") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)
                 if not outputs[impl].exists():
@@ -79,8 +89,7 @@ def _run_all(outputs: dict[str, Path]) -> None:
         outputs[name].write_text(out)
 
 
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("impl,mesh", RUNS)
+@pytest.mark.parametrize("impl,mesh,case", SHARDED_RUNS)
 def test_sharded_call_equals_unsharded(results, impl, case, mesh, request):
     if impl == "xla" and case == "conv2d/spatial":
         # XLA's SPMD partitioner (jax 0.10.2 and 0.12, CPU) sums the weight gradient of a
@@ -94,8 +103,8 @@ def test_sharded_call_equals_unsharded(results, impl, case, mesh, request):
     assert r["grad_error"] <= 1e-3, r
 
 
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("impl,mesh", [run for run in RUNS if registry.get(run[0]).is_kernel])
+@pytest.mark.parametrize("impl,mesh,case", [run for run in SHARDED_RUNS
+                                            if registry.get(run[0]).is_kernel])
 def test_sharding_and_collectives(results, impl, case, mesh):
     r = results(impl)[(case, mesh)]
     if case == "conv2d/spatial":  # documented fallback: whole images, gathered once
@@ -113,13 +122,14 @@ def test_sharding_and_collectives(results, impl, case, mesh):
 
 # Every op's out_sharding cases on Explicit axes, given or not (`OUT_SHARDING`), and the ones
 # whose kernels must reduce-scatter into the sharding asked for (`REDUCE_SCATTERS`).
-OUT_SHARDING_CASES = tuple(name for op in OPS.values() for name in op.cases.OUT_SHARDING)
+OUT_SHARDING_OP = {name: op.name for op in OPS.values() for name in op.cases.OUT_SHARDING}
 REDUCE_SCATTERS = set().union(*(op.cases.REDUCE_SCATTERS for op in OPS.values()))
 
 
-@pytest.mark.parametrize("case", OUT_SHARDING_CASES)
-@pytest.mark.parametrize("impl,mesh", [(impl, "Explicit") for impl in IMPLEMENTATIONS]
-                         + [(registry.REFERENCE, "Explicit, default")])
+@pytest.mark.parametrize("impl,mesh,case", [
+    (impl, mesh, case) for case, op in OUT_SHARDING_OP.items()
+    for impl, mesh in [(impl, "Explicit") for impl in implementations_of(op) if impl in SHARDED]
+    + [(registry.REFERENCE, "Explicit, default")]])
 def test_out_sharding_on_explicit_axes(results, impl, mesh, case):
     """Every implementation and the default (xla on a CPU) run each case (none raises), with
     the values and gradients of the unsharded call, the output sharded as asked (or, not
@@ -129,19 +139,19 @@ def test_out_sharding_on_explicit_axes(results, impl, mesh, case):
     assert r["value_error"] <= 1e-5 * max(1.0, r["scale"]), r
     assert r["nan_match"] and r["grad_error"] <= 1e-3, r
     assert r["same_spec"] and r["grad_specs_match"], r
-    if impl in KERNELS and case in REDUCE_SCATTERS:
+    if registry.get(impl).is_kernel and case in REDUCE_SCATTERS:
         assert r["forward"]["reduce-scatter"] == 1 and r["forward"]["all-reduce"] == 0, r
         assert r["forward"]["all-gather"] == 0 and r["forward"]["collective-permute"] == 0, r
 
 
-@pytest.mark.parametrize("impl", KERNELS)
+@pytest.mark.parametrize("impl", [k for k in kernels_of(None) if k in SHARDED])
 def test_inside_shard_map(results, impl):
     r = results(impl)[("shard_map", "Manual")]
     assert r["value_error"] <= 1e-5 * max(1.0, r["scale"]), r
     assert r["grad_error"] <= 1e-3, r
 
 
-@pytest.mark.parametrize("impl", KERNELS)
+@pytest.mark.parametrize("impl", [k for k in kernels_of(None) if k in SHARDED])
 def test_row_parallel_matmul_reduce_scatters_into_a_sharded_output(results, impl):
     r = results(impl)[("matmul/K-reduce-scatter", "Auto")]
     assert r["value_error"] <= 1e-4, r

@@ -29,7 +29,7 @@ from jax.experimental.mosaic.gpu import TiledLayout
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 __all__ = ["WARPS", "LANES", "PIECE", "mosaic_gpu_call", "row_layout", "load", "store", "per_row",
-           "per_column", "piece_columns", "StagedRows", "RowWriter"]
+           "per_column", "smem", "piece_columns", "StagedRows", "RowWriter"]
 
 WARPS, LANES = 4, 32  # one warpgroup per CTA
 PIECE = 256  # columns one TMA copy moves: Mosaic GPU's limit of 256 elements per dimension
@@ -79,6 +79,14 @@ def per_column(value: jax.Array, shape: tuple[int, int]) -> jax.Array:
     return jax.lax.broadcast_in_dim(value, shape, (1,))
 
 
+def smem(shape: tuple[int, ...], dtype: Any) -> Any:
+    """A shared-memory scratch buffer of dense row-major tiles: untiled, so its TMA copies take
+    a GMEM row of any multiple of 16 bytes (Mosaic GPU's layout inference would otherwise
+    tile it in 128-byte columns where a block has several rows, and demand rows of such
+    multiples)."""
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((1,)),))
+
+
 def piece_columns(piece: jax.Array) -> Any:
     """Columns [piece·PIECE, (piece + 1)·PIECE), for a traced `piece` (jax checks a static
     slice against the array's edge; TMA zero-fills reads past it and drops writes)."""
@@ -95,10 +103,10 @@ class StagedRows:
     its piece again, the next one in flight while this one is read; x is then read from GMEM
     (mostly L2) once per pass. `barriers`: `slots` barriers of len(gmem) arrivals."""
 
-    def __init__(self, gmem: dict, smem: dict, barriers: Any, num_pieces: int, resident: bool):
+    def __init__(self, gmem: dict, smem: dict, barriers: Any, block_rows: int, num_pieces: int,
+                 resident: bool):
         self.gmem, self.smem, self.barriers = gmem, smem, barriers
-        self.num_pieces, self.resident = num_pieces, resident
-        self.block_rows = next(iter(smem.values())).shape[1]
+        self.block_rows, self.num_pieces, self.resident = block_rows, num_pieces, resident
 
     def _copy(self, first, piece, slot) -> None:
         rows = pl.ds(first, self.block_rows)
@@ -140,7 +148,7 @@ class StagedRows:
                 self._copy(first, (step + 1) % self.num_pieces, 1 - slot)
 
             plgpu.barrier_wait(self.barriers.at[slot])
-        return {name: plgpu.load(ref.at[slot], layout=layout).astype(jnp.float32)
+        return {name: plgpu.load(ref.at[slot], layout=layout, optimized=False).astype(jnp.float32)
                 for name, ref in self.smem.items()}
 
 
@@ -148,9 +156,8 @@ class RowWriter:
     """Writes pieces of a block of rows to the GMEM arrays `gmem` through a ring of 2 SMEM
     slots per array (`smem`: name -> (2, block_rows, PIECE)), one TMA store per piece."""
 
-    def __init__(self, gmem: dict, smem: dict):
-        self.gmem, self.smem = gmem, smem
-        self.block_rows = next(iter(smem.values())).shape[1]
+    def __init__(self, gmem: dict, smem: dict, block_rows: int):
+        self.gmem, self.smem, self.block_rows = gmem, smem, block_rows
 
     def write(self, first: jax.Array, piece: jax.Array, values: dict) -> None:
         """Piece `piece` of the rows from `first`; a block's pieces are written in order, from
@@ -160,7 +167,7 @@ class RowWriter:
         # whole warpgroup).
         plgpu.wait_smem_to_gmem(len(values), wait_read_only=True)
         for name, value in values.items():
-            self.smem[name].at[slot][...] = value.astype(self.smem[name].dtype)
+            store(self.smem[name].at[slot], value.astype(self.smem[name].dtype))
         plgpu.commit_smem()
         for name in values:
             plgpu.copy_smem_to_gmem(self.smem[name].at[slot], self.gmem[name].at[
@@ -180,17 +187,22 @@ class RowWriter:
 
 def mosaic_gpu_call(body: Callable[..., None], *, out_shape: Sequence[jax.ShapeDtypeStruct],
                     grid: tuple[int, ...], grid_names: tuple[str, ...], interpret: bool | str,
-                    name: str, scratch: Sequence[Any] = ()) -> Callable[..., Any]:
+                    name: str, scratch: Sequence[Any] = (),
+                    flops_and_bytes: tuple[int, int] = (0, 0),
+                    transcendentals: int = 0) -> Callable[..., Any]:
     """`plgpu.kernel(body, ...)`, one warpgroup per CTA, launched as `name`. `interpret` (the
     dispatch's mode): False compiles; True and "strict" run Mosaic GPU's interpreter on the
     device's schedule, "strict" with its race detector (Pallas' HLO interpreter cannot run
-    `plgpu.kernel`)."""
+    `plgpu.kernel`). Its cost estimate states `flops_and_bytes` (the bytes its TMA copies
+    and loads move, re-reads included, as `triton_call`'s) and `transcendentals`."""
     params = (plgpu.InterpretGPUParams(detect_races=interpret == "strict") if interpret
               else None)
     body.__name__ = name  # the launch's name in jaxprs, HLO and the compile reports
     return plgpu.kernel(
         body, out_type=tuple(out_shape), grid=grid, grid_names=grid_names,
         scratch_types=tuple(scratch),
+        cost_estimate=pl.CostEstimate(flops=flops_and_bytes[0], bytes_accessed=flops_and_bytes[1],
+                                      transcendentals=transcendentals),
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=params)

@@ -2,7 +2,8 @@
 kernel alone is compiled by XLA's own GPU compiler for a compile-only device of the target
 (`kernels.compile.programs.devices`), which runs Mosaic GPU's pipeline (its layout inference
 rejects what the interpreter accepts) and ptxas; Mosaic GPU's dump of ptxas's report
-(`MOSAIC_GPU_DUMP_TO`, `MOSAIC_GPU_DUMP_PTXAS`) gives the registers, spills and shared memory.
+(`MOSAIC_GPU_DUMP_TO`, `MOSAIC_GPU_DUMP_PTXAS`) gives the registers and spills, and its
+resources dump the dynamic shared memory.
 Needs `jax[cuda12-local]` (the test extra), as whole programs do."""
 
 from __future__ import annotations
@@ -48,13 +49,21 @@ def _dumped_to(folder: str):
 
 
 def _ptxas(folder: str) -> dict[str, int | None]:
-    text = "".join(open(path).read() for path in glob.glob(os.path.join(folder, "*.ptxas")))
+    """Registers and spills from ptxas's report; shared memory: ptxas's static bytes plus the
+    dynamic shared memory Mosaic GPU allocates (its resources dump's `smem_scratch_bytes`: the
+    kernel's scratch buffers and barriers), which ptxas does not see."""
+    def read(pattern):
+        return "".join(open(path).read() for path in glob.glob(os.path.join(folder, pattern)))
+
+    text, resources = read("*.ptxas"), read("*.resources.txt")
     registers = re.search(r"Used (\d+) registers", text)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
-    shared = re.search(r"(\d+) bytes smem", text)
+    static = re.search(r"(\d+) bytes smem", text)
+    dynamic = re.search(r"smem_scratch_bytes=(\d+)", resources)
     return {"registers": int(registers[1]) if registers else None,
             "spill_bytes": int(spills[1]) + int(spills[2]) if spills else None,
-            "shared_bytes": int(shared[1]) if shared else None}
+            "shared_bytes": (int(static[1]) if static else 0) + int(dynamic[1])
+            if dynamic else None}
 
 
 def mosaic_gpu_report(eqn, target: Target, timeout_s: float | None) -> KernelReport:
@@ -84,8 +93,9 @@ def mosaic_gpu_report(eqn, target: Target, timeout_s: float | None) -> KernelRep
 
         try:
             resources = with_timeout(work, timeout_s)
-            if resources["registers"] is None:
-                raise RuntimeError("Mosaic GPU left no ptxas report (MOSAIC_GPU_DUMP_PTXAS)")
+            if resources["registers"] is None or resources["shared_bytes"] is None:
+                raise RuntimeError("Mosaic GPU left no ptxas report (MOSAIC_GPU_DUMP_PTXAS) "
+                                   "or no resources dump")
         except Exception as error:  # noqa: BLE001 - the verdict is the report
             return KernelReport(compiled=False, error=f"{name} for {target.name}: "
                                 f"{first_line(error)}", seconds=time.perf_counter() - start,

@@ -43,9 +43,11 @@ class NormalizeConfig:
         program (Triton) or grid step (Mosaic) normalizes together.
     block_reduced: elements of each group read per chunk; a group longer than this is looped
         over in chunks (its statistics merged across chunks, Chan et al.'s parallel variance).
-    num_partials: Triton backward only: programs per outer slab and chunk, each accumulating
-        one partial sum of dscale/doffset over the group blocks it walks (reduced afterwards,
-        no atomics); by default enough for two waves of the GPU.
+        Mosaic GPU: the columns of a row a CTA keeps in shared memory across its passes; a
+        longer row is streamed, its pieces read again in each pass.
+    num_partials: GPU backward only: programs (Triton: per outer slab and chunk; Mosaic GPU:
+        CTAs) each accumulating one partial sum of dscale/doffset over the group blocks it
+        walks (reduced afterwards, no atomics); by default enough for two waves of the GPU.
     num_warps, num_stages: Triton only; compiler params.
     """
 

@@ -77,11 +77,25 @@ def strategy(operands: Sequence[Any]) -> tuple[str, Any]:
 
 def check_partitionable(implementation: str, interpret: bool | str,
                         operands: Sequence[Any]) -> None:
-    """Raises `NotImplementedError` where a compiled Mosaic kernel would meet Auto mesh axes:
-    XLA's TPU compiler has no emitter for custom_partitioning (jax-ml/jax#38196), and Mosaic
-    refuses to be lowered unpartitioned into a sharded program. The dispatch then falls back
-    to the next implementation (`xla` by default), or names the way that works."""
-    if registry.get(implementation).auto_axes or interpret or strategy(operands)[0] != "auto":
+    """Raises `NotImplementedError` where a kernel cannot run on its operands' mesh: a
+    compiled Mosaic kernel on Auto axes (XLA's TPU compiler has no emitter for
+    custom_partitioning, jax-ml/jax#38196, and Mosaic refuses to be lowered unpartitioned into
+    a sharded program), and an interpreter that runs only through host callbacks (Mosaic
+    GPU's) on several devices: XLA's partitioner cannot place its ordered callbacks (TPU
+    interpret mode gives way to the HLO interpreter there, `_without_simulator`), and under
+    shard_map its simulated GPU state, one per process, fails when the devices' kernels
+    interleave (8 CPU devices, jax 0.12.0.1: "Barrier remains allocated"). The dispatch then
+    falls back to the next implementation (`xla` by default), or names the way that works."""
+    how, mesh = strategy(operands)
+    entry = registry.get(implementation)
+    if interpret and True in entry.interpreter_callbacks and how != "whole":
+        devices = (mesh or jax.sharding.get_abstract_mesh()).size
+        if devices > 1:
+            raise NotImplementedError(
+                f"{implementation}'s interpreter cannot run on a mesh of {devices} devices "
+                "(it runs through host callbacks, on one simulated GPU per process): run the op "
+                "on one device, or compile it for its GPUs, where it partitions")
+    if how != "auto" or entry.auto_axes or interpret:
         return
     raise NotImplementedError(
         "Mosaic kernels cannot run on a TPU mesh with Auto axes (XLA's TPU compiler cannot "

@@ -12,9 +12,9 @@ one block each. Per block, with x̂ = (x - mean) * rstd and gs = dy * scale:
              dscale_terms[k] += dy[k] * x̂[k];  doffset_terms[k] += dy[k]
 
 dx is written once through a 2-slot ring of pieces. The dscale/doffset terms are summed over
-the CTA's blocks in shared memory (float32, (block_rows, width) each) and written at the end as
-the CTA's `block_rows` partial rows; where they do not fit (very long rows) each CTA writes its
-block's terms as partial rows. `programs` is then at most `Target.min_programs` (two waves of
+the CTA's blocks in shared memory (float32, (block_rows, width) each), then over the block's
+rows (in registers: a piece's rows lie in one thread), and written at the end as the CTA's
+partial row; where they do not fit (very long rows) each CTA writes its block's partial row. `programs` is then at most `Target.min_programs` (two waves of
 the target's SMs), so the partial rows (`programs · block_rows` of the row's width, float32)
 stay a small fraction of the traffic; XLA sums them (no float atomics: the same result on every
 run). Resident blocks read x and dy from GMEM once: with dx written once, the backward's three
@@ -30,7 +30,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels._pallas import pl
 from kernels._pallas.mosaic_gpu import (PIECE, RowWriter, StagedRows, load, mosaic_gpu_call,
-                                        per_column, per_row, piece_columns)
+                                        per_column, per_row, piece_columns, smem, store)
 from kernels.normalize import common
 from kernels.normalize.common import NormalizeConfig, Problem
 from kernels.normalize.mosaic_gpu.config import Plan, plan_of
@@ -75,30 +75,49 @@ def _block_gradient(refs: dict, io: StagedRows, writer: RowWriter, terms: dict, 
                                    stat.get("grstd"), p)
         if "gsum" in values:
             dx = dx + values["gsum"]
-        out = {"dx": dx}
         for name, value in (("dscale", g * xhat), ("doffset", g)):
             if name in terms:
                 accumulator = terms[name].at[piece]
                 accumulator[...] = plgpu.load(accumulator, layout=layout) + value
-            elif name in refs:
-                out[name] = value
-        writer.write(first, piece, out)
+            elif name in refs:  # this block's partial row
+                _store_row(refs[name], first // plan.block_rows, piece, value)
+        writer.write(first, piece, {"dx": dx})
         return carry
 
     fold(plan, gradient, 0)
 
 
-def _store_terms(refs: dict, terms: dict, program, plan: Plan) -> None:
-    """The CTA's summed terms, as its `block_rows` partial rows."""
-    plgpu.commit_smem()
+def _store_row(partial, row, piece, value) -> None:
+    """Piece `piece` of partial row `row`: the block's terms summed over its rows (in each
+    thread's registers: the rows of a piece lie in one thread)."""
+    if value.shape[0] == 1:  # stored as it lies (Mosaic GPU's layouts take no such reshape)
+        store(partial.at[pl.ds(row, 1), piece_columns(piece)], value)
+    else:
+        store(partial.at[row, piece_columns(piece)], jnp.sum(value, axis=0))
 
-    def store(piece, carry):
+
+def _store_terms(refs: dict, terms: dict, program, plan: Plan) -> None:
+    """The CTA's summed terms, as its partial row."""
+    layout = layout_of(plan)
+
+    def row_piece(piece, carry):
         for name, accumulator in terms.items():
-            plgpu.copy_smem_to_gmem(accumulator.at[piece], refs[name].at[
-                pl.ds(program * plan.block_rows, plan.block_rows), piece_columns(piece)])
+            _store_row(refs[name], program, piece,
+                       plgpu.load(accumulator.at[piece], layout=layout))
         return carry
 
-    fold(plan, store, 0)
+    fold(plan, row_piece, 0)
+
+
+def _cost(p: Problem, plan: Plan, partial_rows: int, stat_cotangents: bool,
+          sum_cotangent: bool) -> tuple[int, int]:
+    """`common.backward_flops_and_bytes` for the partial rows written (of the pieces' width),
+    with a streamed block's inputs read again in the second pass."""
+    flops, nbytes = common.backward_flops_and_bytes(p, partial_rows * plan.width // plan.reduced,
+                                                    stat_cotangents, sum_cotangent)
+    if not plan.resident:
+        nbytes += p.size * jnp.dtype(p.dtype).itemsize * (2 + sum_cotangent)
+    return flops, nbytes
 
 
 def backward(x, scale, mean, rstd, gy, gmean, grstd, gsum, p: Problem, *,
@@ -117,17 +136,17 @@ def backward(x, scale, mean, rstd, gy, gmean, grstd, gsum, p: Problem, *,
                       "gmean": gmean if p.subtract_mean else None, "grstd": grstd}
     inputs.update((name, padded_rows(v, plan)) for name, v in per_row_inputs.items()
                   if v is not None)
-    partial_rows = (plan.programs if plan.accumulate else plan.num_blocks) * plan.block_rows
+    partial_rows = plan.programs if plan.accumulate else plan.num_blocks
     outputs = {"dx": jax.ShapeDtypeStruct((plan.rows, plan.aligned), p.dtype)}
     for name, present in zip(_PARTIALS, (p.has_scale, p.has_offset)):
         if present:
             outputs[name] = jax.ShapeDtypeStruct((partial_rows, plan.width), jnp.float32)
-    staged = {name: plgpu.SMEM((plan.slots, plan.block_rows, PIECE), a.dtype)
+    staged = {name: smem((plan.slots, plan.block_rows, PIECE), a.dtype)
               for name, a in staged_inputs.items()}
-    written = ["dx"] + ([] if plan.accumulate else [n for n in _PARTIALS if n in outputs])
-    rings = {name: plgpu.SMEM((2, plan.block_rows, PIECE), outputs[name].dtype)
+    written = ["dx"]
+    rings = {name: smem((2, plan.block_rows, PIECE), outputs[name].dtype)
              for name in written}
-    terms = {name: plgpu.SMEM((plan.num_pieces, plan.block_rows, PIECE), jnp.float32)
+    terms = {name: smem((plan.num_pieces, plan.block_rows, PIECE), jnp.float32)
              for name in _PARTIALS if name in outputs and plan.accumulate}
     scratch = [*staged.values(), *rings.values(), *terms.values(),
                plgpu.Barrier(num_arrivals=len(staged), num_barriers=plan.slots)]
@@ -135,11 +154,12 @@ def backward(x, scale, mean, rstd, gy, gmean, grstd, gsum, p: Problem, *,
     def body(*refs):
         names = [*inputs, *outputs]
         named = dict(zip(names, refs))
-        smem = dict(zip([*staged, *rings, *terms], refs[len(names):]))
-        io = StagedRows({n: named[n] for n in staged}, {n: smem[n] for n in staged}, refs[-1],
-                        plan.num_pieces, plan.resident)
-        writer = RowWriter({n: named[n] for n in written}, {n: smem[n] for n in rings})
-        accumulators = {n: smem[n] for n in terms}
+        buffers = dict(zip([*staged, *rings, *terms], refs[len(names):]))
+        io = StagedRows({n: named[n] for n in staged}, {n: buffers[n] for n in staged}, refs[-1],
+                        plan.block_rows, plan.num_pieces, plan.resident)
+        writer = RowWriter({n: named[n] for n in written}, {n: buffers[n] for n in rings},
+                           plan.block_rows)
+        accumulators = {n: buffers[n] for n in terms}
         program = jax.lax.axis_index("programs")
         if not plan.accumulate:
             _block_gradient(named, io, writer, {}, program * plan.block_rows, p, plan)
@@ -167,7 +187,8 @@ def backward(x, scale, mean, rstd, gy, gmean, grstd, gsum, p: Problem, *,
 
     results = dict(zip(outputs, mosaic_gpu_call(
         body, out_shape=list(outputs.values()), grid=(plan.programs,), grid_names=("programs",),
-        interpret=interpret, name="normalize_backward_mosaic_gpu", scratch=scratch)(
+        interpret=interpret, name="normalize_backward_mosaic_gpu", scratch=scratch,
+        flops_and_bytes=_cost(p, plan, partial_rows, gmean is not None, gsum is not None))(
             *inputs.values())))
     return (from_rows_view(results["dx"], p, plan),
             *(jnp.sum(results[name][:, :plan.reduced], axis=0).reshape(p.param_shape)

@@ -22,7 +22,8 @@ terms are small (the shifted two-pass algorithm): y is then closer to float64 th
 within half an SM's shared memory) are read from GMEM once, the first pass computing on the
 first pieces while the others land; longer rows stream their pieces again in each pass (x read
 2-3 times, mostly from L2). y (and the sum) are written once through a 2-slot ring of pieces;
-mean and 1/std per row (float32). TMA zero-fills the columns past the row and the rows past the
+mean and 1/std per row (float32); the launch's cost estimate states those bytes (`_cost`).
+TMA zero-fills the columns past the row and the rows past the
 array, and drops their stores, so no shape needs a padding copy unless a row is not a multiple
 of 16 bytes (`Plan.aligned`: then x is padded in the wrapper, one more copy).
 """
@@ -37,7 +38,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels._pallas import pl
 from kernels._pallas.mosaic_gpu import (PIECE, RowWriter, StagedRows, load, mosaic_gpu_call,
-                                        per_column, per_row, piece_columns, row_layout, store)
+                                        per_column, per_row, piece_columns, row_layout, smem,
+                                        store)
+from kernels.normalize import common
 from kernels.normalize.common import NormalizeConfig, Problem
 from kernels.normalize.mosaic_gpu.config import Plan, plan_of
 
@@ -166,9 +169,9 @@ def forward(x: jax.Array, residual: jax.Array | None, scale: jax.Array | None,
     if p.subtract_mean:
         outputs["mean"] = per_block_row
     outputs["rstd"] = per_block_row
-    staged = {name: plgpu.SMEM((plan.slots, plan.block_rows, PIECE), a.dtype)
+    staged = {name: smem((plan.slots, plan.block_rows, PIECE), a.dtype)
               for name, a in inputs.items()}
-    rings = {name: plgpu.SMEM((2, plan.block_rows, PIECE), outputs[name].dtype)
+    rings = {name: smem((2, plan.block_rows, PIECE), outputs[name].dtype)
              for name in ("y", "sum") if name in outputs}
     scratch = [*staged.values(), *rings.values(),
                plgpu.Barrier(num_arrivals=len(inputs), num_barriers=plan.slots)]
@@ -176,18 +179,19 @@ def forward(x: jax.Array, residual: jax.Array | None, scale: jax.Array | None,
     def body(*refs):
         names = [*inputs, *params, *outputs]
         named = dict(zip(names, refs))
-        smem = dict(zip([*staged, *rings], refs[len(names):]))
-        io = StagedRows({n: named[n] for n in inputs}, {n: smem[n] for n in staged},
-                        refs[-1], plan.num_pieces, plan.resident)
-        sums = (RowWriter({"sum": named["sum"]}, {"sum": smem["sum"]})
+        buffers = dict(zip([*staged, *rings], refs[len(names):]))
+        io = StagedRows({n: named[n] for n in inputs}, {n: buffers[n] for n in staged},
+                        refs[-1], plan.block_rows, plan.num_pieces, plan.resident)
+        sums = (RowWriter({"sum": named["sum"]}, {"sum": buffers["sum"]}, plan.block_rows)
                 if "sum" in outputs else None)
-        ys = RowWriter({"y": named["y"]}, {"y": smem["y"]})
+        ys = RowWriter({"y": named["y"]}, {"y": buffers["y"]}, plan.block_rows)
         first = jax.lax.axis_index("blocks") * plan.block_rows
         _normalize_block(named, io, sums, ys, first, p, plan)
 
     results = dict(zip(outputs, mosaic_gpu_call(
         body, out_shape=list(outputs.values()), grid=(plan.num_blocks,), grid_names=("blocks",),
-        interpret=interpret, name="normalize_forward_mosaic_gpu", scratch=scratch)(
+        interpret=interpret, name="normalize_forward_mosaic_gpu", scratch=scratch,
+        flops_and_bytes=_cost(p, plan), transcendentals=plan.rows)(
             *inputs.values(), *params.values())))
     stats = functools.partial(_stats, p=p, plan=plan)
     mean = results.get("mean")
@@ -196,6 +200,16 @@ def forward(x: jax.Array, residual: jax.Array | None, scale: jax.Array | None,
             None if summed is None else from_rows_view(summed, p, plan),
             stats(mean) if mean is not None else jnp.zeros(p.stats_shape, jnp.float32),
             stats(results["rstd"]))
+
+
+def _cost(p: Problem, plan: Plan) -> tuple[int, int]:
+    """`common.forward_flops_and_bytes`, with a streamed block's inputs read again in each pass
+    after the first."""
+    flops, nbytes = common.forward_flops_and_bytes(p)
+    if not plan.resident:
+        passes = 2 + p.subtract_mean
+        nbytes += (passes - 1) * p.size * jnp.dtype(p.dtype).itemsize * (1 + p.has_residual)
+    return flops, nbytes
 
 
 def _stats(a: jax.Array, p: Problem, plan: Plan) -> jax.Array:
