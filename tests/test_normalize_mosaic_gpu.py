@@ -136,8 +136,7 @@ def test_its_interpreter_declines_a_mesh_of_several_devices():
 @pytest.mark.parametrize("config,message", [
     (NormalizeConfig(block_reduced=0), "config.block_reduced must be a positive int"),
     (NormalizeConfig(block_groups=0), "config.block_groups must be an int in"),
-    (NormalizeConfig(block_groups=300), "config.block_groups must be an int in"),
-    (NormalizeConfig(block_groups=200), "bytes of shared memory a CTA plans"),
+    (NormalizeConfig(block_groups=17), r"config.block_groups must be an int in \[1, 16\]"),
 ])
 def test_a_config_it_cannot_run_is_rejected(config, message):
     with pytest.raises(ValueError, match=message):

@@ -115,8 +115,9 @@ def _cost(p: Problem, plan: Plan, partial_rows: int, stat_cotangents: bool,
     with a streamed block's inputs read again in the second pass."""
     flops, nbytes = common.backward_flops_and_bytes(p, partial_rows * plan.width // plan.reduced,
                                                     stat_cotangents, sum_cotangent)
-    if not plan.resident:
-        nbytes += p.size * jnp.dtype(p.dtype).itemsize * (2 + sum_cotangent)
+    if not plan.resident:  # x and dsum in x's dtype, dy in y's
+        nbytes += p.size * (jnp.dtype(p.dtype).itemsize * (1 + sum_cotangent)
+                            + p.y_dtype.itemsize)
     return flops, nbytes
 
 

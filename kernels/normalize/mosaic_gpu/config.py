@@ -26,9 +26,13 @@ _DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
 # whose cost is per operation: 33 CTAs of 4 rows of 4096 float32 took about half the time of
 # 66 CTAs of 2 (this CPU, jax 0.12.0.1).
 _BLOCK_BYTES = 64 * 1024
-# Rows per CTA at most: a pass carries one float32 accumulator of (rows, PIECE) per sum,
-# 2 values a thread per row.
+# Rows per CTA at most, a config's too: a pass carries float32 accumulators of (rows, PIECE),
+# 2 values a thread per row each. 16 rows took up to 127 registers, no spills (the forward of
+# 129x1000 bfloat16, sm_90a, jax 0.12.0.1); twice that would spill.
 _MAX_BLOCK_ROWS = 16
+# Shared memory a CTA holds beyond the plan's buffers: Pallas' 2 KiB cross-warp reduction
+# scratch, up to 32 barriers of 8 bytes, and the 1 KiB the hardware reserves per CTA.
+_RESERVED_SMEM = 2048 + 32 * 8 + 1024
 _TMA_ALIGNMENT = 16  # bytes: TMA needs every GMEM stride but the last a multiple of 16 bytes
 # A resident block has one barrier per piece, and Mosaic GPU takes at most 32 barriers in one
 # allocation ("Only up to 32 barriers per group supported", compiling a 16384-column float32
@@ -78,7 +82,7 @@ def _smem_budget(config: NormalizeConfig) -> int:
     """Shared memory one CTA may plan: by default half the target's, so two CTAs share an SM;
     a caller's `block_groups` may plan all of it (as a TPU config may plan all of VMEM)."""
     limit = _targets.current("gpu").shared_memory
-    return limit if config.block_groups else limit // 2
+    return (limit if config.block_groups else limit // 2) - _RESERVED_SMEM
 
 
 def plan_of(p: Problem, config: NormalizeConfig | None, backward: bool = False,
@@ -93,8 +97,8 @@ def plan_of(p: Problem, config: NormalizeConfig | None, backward: bool = False,
     rows, n = max(p.outer * p.groups, 1), max(p.reduced, 1)  # size zero: planned, never run
     num_pieces = pl.cdiv(n, PIECE)
     item = jnp.dtype(p.dtype).itemsize
-    if backward:
-        input_bytes = item * (2 + has_gsum)
+    if backward:  # x and the sum's cotangent in x's dtype, dy in y's
+        input_bytes = item * (1 + has_gsum) + p.y_dtype.itemsize
         accumulator_bytes = 4 * (p.has_scale + p.has_offset)
     else:
         input_bytes = item * (1 + p.has_residual)
@@ -134,7 +138,9 @@ def plan_of(p: Problem, config: NormalizeConfig | None, backward: bool = False,
 def resolve_config(p: Problem, config: NormalizeConfig | None) -> NormalizeConfig:
     """`config` with its Mosaic GPU fields filled from the forward's plan (`plan_of`):
     `block_groups` its rows per CTA, `block_reduced` the columns of a row it holds in shared
-    memory (the row, or one piece where it streams)."""
+    memory (the row, or one piece where it streams). What the defaults chose, not a config to
+    pass back: a caller's `block_groups` plans all of a CTA's shared memory, and the backward
+    plans its own rows."""
     plan = plan_of(p, config)
     return NormalizeConfig(block_groups=plan.block_rows,
                            block_reduced=p.reduced if plan.resident else PIECE)
@@ -146,9 +152,10 @@ def check(p: Problem, config: NormalizeConfig | None) -> None:
     common.check_dtype(p, _DTYPES, device="Mosaic GPU")
     config = config or NormalizeConfig()
     if config.block_groups is not None and not (is_positive_int(config.block_groups)
-                                                and config.block_groups <= 256):
-        raise ValueError(f"config.block_groups must be an int in [1, 256] (a TMA copy moves "
-                         f"at most 256 rows), got {config.block_groups!r}")
+                                                and config.block_groups <= _MAX_BLOCK_ROWS):
+        raise ValueError(f"config.block_groups must be an int in [1, {_MAX_BLOCK_ROWS}] (the "
+                         f"rows a CTA's registers hold without spills), got "
+                         f"{config.block_groups!r}")
     for field in ("block_reduced", "num_partials"):
         value = getattr(config, field)
         if value is not None and not is_positive_int(value):

@@ -19,7 +19,7 @@ over its pieces k:
 registers and reduces them across the warps once. Pass 2 corrects pass 1's mean, whose sums of
 large values round (a mean of 1e4 with a unit spread), by the mean deviation from it, whose
 terms are small (the shifted two-pass algorithm): y is then closer to float64 than XLA's. Resident blocks (`Plan.resident`, those
-within half an SM's shared memory) are read from GMEM once, the first pass computing on the
+within the plan's shared memory budget) are read from GMEM once, the first pass computing on the
 first pieces while the others land; longer rows stream their pieces again in each pass (x read
 2-3 times, mostly from L2). y (and the sum) are written once through a 2-slot ring of pieces;
 mean and 1/std per row (float32); the launch's cost estimate states those bytes (`_cost`).
@@ -133,7 +133,8 @@ def _normalize_block(refs: dict, io: StagedRows, sums: RowWriter | None, ys: Row
         row_mean = first_mean + correction
         store(refs["mean"].at[pl.ds(first, plan.block_rows)], row_mean)
         mean = per_row(row_mean, shape)
-        variance = total(acc) / plan.reduced - correction * correction
+        # Rounding can take a constant row's variance below 0 (NaN with epsilon = 0).
+        variance = jnp.maximum(total(acc) / plan.reduced - correction * correction, 0.0)
     rstd = jax.lax.rsqrt(variance + p.epsilon)
     store(refs["rstd"].at[pl.ds(first, plan.block_rows)], rstd)
     rstd = per_row(rstd, shape)
