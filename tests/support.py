@@ -18,7 +18,6 @@ from kernels._pallas import lowered_text
 
 # The registered implementations (kernels.registry) the installed jax runs.
 IMPLEMENTATIONS = tuple(name for name in registry.names() if not registry.unavailable(name))
-KERNELS = tuple(name for name in IMPLEMENTATIONS if registry.get(name).is_kernel)
 # A kernel's own lowering platform, and the custom call it leaves in lowered text.
 PLATFORM = {name: registry.get(name).platforms[0] for name in registry.kernel_names()}
 MARKER = {name: registry.get(name).call_marker for name in registry.kernel_names()}
