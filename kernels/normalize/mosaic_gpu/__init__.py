@@ -3,7 +3,7 @@ sm_90a and sm_100a): every layout, row length and dtype but float64, forward and
 
 The kernels work on rows: the columns layout (normalized axes followed by others) is
 transposed to rows first, and a row that is not a multiple of 16 bytes is padded (each a copy
-by XLA, `forward.rows_view`). A block of rows moves by TMA in pieces of 256 columns
+by XLA, `rows.rows_view`). A block of rows moves by TMA in pieces of 256 columns
 (`_pallas.mosaic_gpu.StagedRows`), which zero-fills past the array's edges, so ragged rows and
 blocks need no masks on loads and stores. The loop nests, per CTA (one warpgroup), over the pieces
 k of its block of rows (`config.plan_of` sizes the blocks):

@@ -34,8 +34,8 @@ from kernels._pallas.mosaic_gpu import (PIECE, RowWriter, StagedRows, load, mosa
 from kernels.normalize import common
 from kernels.normalize.common import NormalizeConfig, Problem
 from kernels.normalize.mosaic_gpu.config import Plan, plan_of
-from kernels.normalize.mosaic_gpu.forward import (fold, from_rows_view, layout_of, padded_rows,
-                                                  rows_view)
+from kernels.normalize.mosaic_gpu.rows import (fold, from_rows_view, layout_of, padded_rows,
+                                               params_view, rows_view)
 
 __all__ = ["backward"]
 
@@ -130,9 +130,7 @@ def backward(x, scale, mean, rstd, gy, gmean, grstd, gsum, p: Problem, *,
     staged_inputs = {name: rows_view(a, p, plan) for name, a in
                      (("x", x), ("gy", gy), ("gsum", gsum)) if a is not None}
     inputs = dict(staged_inputs)
-    if scale is not None:
-        inputs["scale"] = jnp.pad(scale.reshape(plan.reduced).astype(jnp.float32),
-                                  (0, plan.width - plan.reduced))
+    inputs.update(params_view(scale, None, plan))
     per_row_inputs = {"mean": mean if p.subtract_mean else None, "rstd": rstd,
                       "gmean": gmean if p.subtract_mean else None, "grstd": grstd}
     inputs.update((name, padded_rows(v, plan)) for name, v in per_row_inputs.items()

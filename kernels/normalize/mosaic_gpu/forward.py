@@ -38,57 +38,14 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels._pallas import pl
 from kernels._pallas.mosaic_gpu import (PIECE, RowWriter, StagedRows, load, mosaic_gpu_call,
-                                        per_column, per_row, piece_columns, row_layout, smem,
-                                        store)
+                                        per_column, per_row, piece_columns, smem, store)
 from kernels.normalize import common
 from kernels.normalize.common import NormalizeConfig, Problem
 from kernels.normalize.mosaic_gpu.config import Plan, plan_of
+from kernels.normalize.mosaic_gpu.rows import (fold, from_rows_view, layout_of, params_view,
+                                               rows_view)
 
-__all__ = ["forward", "rows_view", "from_rows_view", "padded_rows", "layout_of", "fold"]
-
-
-def layout_of(plan: Plan) -> object:
-    """The register layout of a block's piece: the 4 warps along it, 2 adjacent values a
-    thread per row (a 256-column piece over 128 threads), whatever the dtype."""
-    return row_layout(plan.block_rows, PIECE, jnp.dtype(jnp.float32).itemsize)
-
-
-def fold(plan: Plan, step, carry):
-    """carry = step(piece, carry) for each piece of the row, in order."""
-    return jax.lax.fori_loop(0, plan.num_pieces, step, carry)
-
-
-def rows_view(a: jax.Array | None, p: Problem, plan: Plan) -> jax.Array | None:
-    """The view-shaped `a` as the kernel's (rows, aligned) matrix: the columns layout
-    transposed to rows (a copy), a row not a multiple of 16 bytes padded (a copy)."""
-    if a is None:
-        return None
-    if not p.rows:
-        a = jnp.swapaxes(a, 1, 2)
-    a = a.reshape(plan.rows, plan.reduced)
-    return a if plan.aligned == plan.reduced else jnp.pad(
-        a, ((0, 0), (0, plan.aligned - plan.reduced)))
-
-
-def from_rows_view(a: jax.Array, p: Problem, plan: Plan) -> jax.Array:
-    a = a[:, :plan.reduced] if plan.aligned != plan.reduced else a
-    if p.rows:
-        return a.reshape(p.view_shape)
-    return jnp.swapaxes(a.reshape(p.outer, p.groups, p.reduced), 1, 2)
-
-
-def padded_rows(a: jax.Array, plan: Plan) -> jax.Array:
-    """Per-row values for every row of every block (the last block's rows past the array read
-    and write these, not past an array's edge)."""
-    a = a.reshape(plan.rows)
-    return jnp.pad(a, (0, plan.num_blocks * plan.block_rows - plan.rows))
-
-
-def _params(scale, offset, plan: Plan) -> dict:
-    """scale and offset as float32 rows of the pieces' width (zero past the row)."""
-    return {name: jnp.pad(v.reshape(plan.reduced).astype(jnp.float32),
-                          (0, plan.width - plan.reduced))
-            for name, v in (("scale", scale), ("offset", offset)) if v is not None}
+__all__ = ["forward"]
 
 
 def _normalize_block(refs: dict, io: StagedRows, sums: RowWriter | None, ys: RowWriter,
@@ -161,7 +118,7 @@ def forward(x: jax.Array, residual: jax.Array | None, scale: jax.Array | None,
     inputs = {"x": rows_view(x, p, plan)}
     if residual is not None:
         inputs["residual"] = rows_view(residual, p, plan)
-    params = _params(scale, offset, plan)
+    params = params_view(scale, offset, plan)
     matrix = (plan.rows, plan.aligned)
     outputs = {"y": jax.ShapeDtypeStruct(matrix, p.y_dtype)}
     if residual is not None:
