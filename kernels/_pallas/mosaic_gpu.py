@@ -28,11 +28,31 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import TiledLayout
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-__all__ = ["WARPS", "LANES", "PIECE", "mosaic_gpu_call", "row_layout", "load", "store", "per_row",
+from kernels import _targets
+
+__all__ = ["WARPS", "LANES", "PIECE", "TMA_ALIGNMENT", "RESERVED_SMEM", "smem_budget",
+           "aligned_columns", "mosaic_gpu_call", "row_layout", "load", "store", "per_row",
            "per_column", "smem", "piece_columns", "StagedRows", "RowWriter"]
 
 WARPS, LANES = 4, 32  # one warpgroup per CTA
 PIECE = 256  # columns one TMA copy moves: Mosaic GPU's limit of 256 elements per dimension
+TMA_ALIGNMENT = 16  # bytes: TMA needs every GMEM stride but the last a multiple of 16 bytes
+# Shared memory a CTA holds beyond a kernel's planned buffers: Pallas' 2 KiB cross-warp
+# reduction scratch, up to 32 barriers of 8 bytes, and the 1 KiB the hardware reserves per CTA.
+RESERVED_SMEM = 2048 + 32 * 8 + 1024
+
+
+def smem_budget(whole: bool = False) -> int:
+    """Shared memory one CTA may plan on the program's GPU: by default half of it, so two CTAs
+    share an SM; `whole`: all of it (a caller's blocks, as a TPU config may plan all of VMEM)."""
+    limit = _targets.current("gpu").shared_memory
+    return (limit if whole else limit // 2) - RESERVED_SMEM
+
+
+def aligned_columns(columns: int, itemsize: int) -> int:
+    """`columns` rounded up to a GMEM row TMA can address (`TMA_ALIGNMENT` bytes)."""
+    step = TMA_ALIGNMENT // itemsize
+    return -(-columns // step) * step
 
 
 def row_layout(block_rows: int, row: int, itemsize: int, warps_along_row: int = WARPS) -> Any:

@@ -18,7 +18,7 @@ import time
 import jax
 
 from kernels._targets import Target
-from kernels.compile.launches import bind, grid_of, operands
+from kernels.compile.launches import bind, grid_of, launch_key, operands
 from kernels.compile.report import KernelReport, first_line, with_timeout
 
 __all__ = ["mosaic_gpu_report", "OWN_PROCESS"]
@@ -30,6 +30,10 @@ __all__ = ["mosaic_gpu_report", "OWN_PROCESS"]
 # `python -m kernels.compile` leaves these targets to a run of their own (`--targets sm_100`).
 OWN_PROCESS = ("sm_100",)
 _compiled_for: list[str] = []  # the GPU target this process's Mosaic GPU compiles are for
+# Reports by (target, `launch_key`): Mosaic GPU caches a compiled kernel by its module in the
+# process and dumps nothing when it compiles the same kernel again (two gather cases whose
+# backward is the same launch), so a kernel's report is the one from its first compile.
+_reports: dict[tuple, KernelReport] = {}
 
 
 @contextlib.contextmanager
@@ -48,14 +52,20 @@ def _dumped_to(folder: str):
                 os.environ[key] = value
 
 
-def _ptxas(folder: str) -> dict[str, int | None]:
+# TMA's copies in PTX (tensor copies, or plain bulk copies of contiguous bytes), by direction.
+_TMA_COPIES = {"load": r"cp\.async\.bulk(?:\.tensor\.\w+)?\.shared::\w+\.global",
+               "store": r"cp\.async\.bulk(?:\.tensor\.\w+)?\.global\.shared"}
+
+
+def _ptxas(folder: str) -> dict:
     """Registers and spills from ptxas's report; shared memory: ptxas's static bytes plus the
     dynamic shared memory Mosaic GPU allocates (its resources dump's `smem_scratch_bytes`: the
-    kernel's scratch buffers and barriers), which ptxas does not see."""
+    kernel's scratch buffers and barriers), which ptxas does not see; and the TMA copy
+    instructions in the PTX (`_TMA_COPIES`)."""
     def read(pattern):
         return "".join(open(path).read() for path in glob.glob(os.path.join(folder, pattern)))
 
-    text, resources = read("*.ptxas"), read("*.resources.txt")
+    text, resources, ptx = read("*.ptxas"), read("*.resources.txt"), read("*.ptx")
     registers = re.search(r"Used (\d+) registers", text)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
     static = re.search(r"(\d+) bytes smem", text)
@@ -63,17 +73,16 @@ def _ptxas(folder: str) -> dict[str, int | None]:
     return {"registers": int(registers[1]) if registers else None,
             "spill_bytes": int(spills[1]) + int(spills[2]) if spills else None,
             "shared_bytes": (int(static[1]) if static else 0) + int(dynamic[1])
-            if dynamic else None}
+            if dynamic else None,
+            "tma": {direction: len(re.findall(pattern, ptx))
+                    for direction, pattern in _TMA_COPIES.items()}}
 
 
 def mosaic_gpu_report(eqn, target: Target, timeout_s: float | None) -> KernelReport:
     """Compiles one Mosaic GPU kernel launch (an `mpmd_map` equation, `launches.grid_of`) for
     `target` (a GPU of the sm_90 or sm_100 family); a compile that leaves no ptxas report is
     a failure, not a kernel of no resources."""
-    from kernels.compile.programs import devices  # the compile-only GPUs (the CUDA plugin)
-
     name = eqn.params["name"]
-    start = time.perf_counter()
     report = dict(name=name, target=target.name, grid=grid_of(eqn),
                   operands=operands(eqn), shared_limit=target.shared_memory)
     if _compiled_for and _compiled_for[0] != target.name:
@@ -81,6 +90,17 @@ def mosaic_gpu_report(eqn, target: Target, timeout_s: float | None) -> KernelRep
             f"{name} for {target.name}: this process compiled Mosaic GPU kernels for "
             f"{_compiled_for[0]}; compile for {target.name} in a process of its own"), **report)
     _compiled_for[:1] = [target.name]
+    key = (target.name, launch_key(eqn))
+    if key not in _reports:
+        _reports[key] = _compile(eqn, target, timeout_s, report)
+    return _reports[key]
+
+
+def _compile(eqn, target: Target, timeout_s: float | None, report: dict) -> KernelReport:
+    from kernels.compile.programs import devices  # the compile-only GPUs (the CUDA plugin)
+
+    name = eqn.params["name"]
+    start = time.perf_counter()
     device = devices(target.name, 1)[0]
     sharding = jax.sharding.SingleDeviceSharding(device)
     args = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=sharding)

@@ -34,6 +34,8 @@ class KernelReport:
     num_stages: int | None = None
     load_bytes: dict[int, int] | None = None  # global loads in the PTX: bytes each -> count
     mma: tuple[str, ...] | None = None  # the tensor-core instructions in the PTX
+    # Mosaic GPU: the TMA copy instructions in the PTX, {"load": n, "store": n}
+    tma: dict[str, int] | None = None
     # Mosaic
     vmem_planned: int | None = None  # double-buffered blocks + scratch, tile-padded
     vmem_limit: int | None = None  # the kernel's vmem_limit_bytes, or the target's default
@@ -84,14 +86,14 @@ def with_timeout(work: Callable[[], Any], timeout_s: float | None) -> Any:
 
 
 def resources(r: KernelReport) -> str:
-    """A report's resources in one line: Triton's shared memory, registers and spills, or
-    Mosaic's planned VMEM against its limit."""
+    """A report's resources in one line: Triton's shared memory, registers and spills (Mosaic
+    GPU's, and its TMA copies), or Mosaic's planned VMEM against its limit."""
     if r.shared_limit is not None:  # a GPU kernel
         if not r.compiled:
             return ""
         text = f"smem {r.shared_bytes}/{r.shared_limit} regs {r.registers} spill {r.spill_bytes}"
-        if r.load_bytes is None:  # Mosaic GPU: ptxas's report only
-            return text
+        if r.tma is not None:  # Mosaic GPU: ptxas's report and the PTX's TMA copies
+            return f"{text} tma {r.tma['load']}/{r.tma['store']} (loads/stores)"
         return (f"{text} warps {r.num_warps} stages {r.num_stages} "
                 f"loads {'/'.join(f'{b}B' for b in sorted(r.load_bytes, reverse=True))}")
     return f"vmem {r.vmem_planned / 2**20:.1f}/{r.vmem_limit / 2**20:.0f} MiB (planned/limit)"

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from kernels import _targets
 from kernels._blocks import is_positive_int
 from kernels._pallas import pl
-from kernels._pallas.mosaic_gpu import PIECE
+from kernels._pallas.mosaic_gpu import PIECE, aligned_columns, smem_budget
 from kernels.normalize import common
 from kernels.normalize.common import NormalizeConfig, Problem
 
@@ -30,10 +30,6 @@ _BLOCK_BYTES = 64 * 1024
 # 2 values a thread per row each. 16 rows took up to 127 registers, no spills (the forward of
 # 129x1000 bfloat16, sm_90a, jax 0.12.0.1); twice that would spill.
 _MAX_BLOCK_ROWS = 16
-# Shared memory a CTA holds beyond the plan's buffers: Pallas' 2 KiB cross-warp reduction
-# scratch, up to 32 barriers of 8 bytes, and the 1 KiB the hardware reserves per CTA.
-_RESERVED_SMEM = 2048 + 32 * 8 + 1024
-_TMA_ALIGNMENT = 16  # bytes: TMA needs every GMEM stride but the last a multiple of 16 bytes
 # A resident block has one barrier per piece, and Mosaic GPU takes at most 32 barriers in one
 # allocation ("Only up to 32 barriers per group supported", compiling a 16384-column float32
 # row for sm_90a, jax 0.12.0.1): rows of more pieces are streamed.
@@ -73,16 +69,7 @@ class Plan(NamedTuple):
 
 
 def _aligned(p: Problem) -> int:
-    itemsize = min(jnp.dtype(p.dtype).itemsize, p.y_dtype.itemsize)
-    step = _TMA_ALIGNMENT // itemsize
-    return pl.cdiv(p.reduced, step) * step
-
-
-def _smem_budget(config: NormalizeConfig) -> int:
-    """Shared memory one CTA may plan: by default half the target's, so two CTAs share an SM;
-    a caller's `block_groups` may plan all of it (as a TPU config may plan all of VMEM)."""
-    limit = _targets.current("gpu").shared_memory
-    return (limit if config.block_groups else limit // 2) - _RESERVED_SMEM
+    return aligned_columns(p.reduced, min(jnp.dtype(p.dtype).itemsize, p.y_dtype.itemsize))
 
 
 def plan_of(p: Problem, config: NormalizeConfig | None, backward: bool = False,
@@ -103,7 +90,7 @@ def plan_of(p: Problem, config: NormalizeConfig | None, backward: bool = False,
     else:
         input_bytes = item * (1 + p.has_residual)
         accumulator_bytes = 0
-    width, budget = num_pieces * PIECE, _smem_budget(config)
+    width, budget = num_pieces * PIECE, smem_budget(whole=bool(config.block_groups))
     may_stay = n <= (config.block_reduced or n) and num_pieces <= _MAX_RESIDENT_PIECES
 
     def smem(block_rows, resident, accumulate):
