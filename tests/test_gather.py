@@ -20,7 +20,8 @@ import pytest
 
 from kernels.gather import GatherConfig, gather
 from reference.gather import default_fill_value, gather as reference_gather
-from tests.support import SUPPORTS_FLOAT64, Contract, as_f64, assert_close, random, x64
+from tests.support import (SUPPORTS_FLOAT64, Contract, as_f64, assert_close, implementations_of,
+                           random, x64)
 
 # Kernels interpreted by default run strict here (TPU interpret mode for Mosaic), on small grids.
 pytestmark = pytest.mark.usefixtures("strict_interpret")
@@ -216,7 +217,8 @@ def test_table_shapes(implementation, shape, num_indices):
 
 
 # Mosaic is left out: TPU interpret mode simulates each of the 2048 row DMAs (minutes).
-@pytest.mark.parametrize("implementation", ["xla", "triton"])
+@pytest.mark.parametrize("implementation", [name for name in implementations_of("gather")
+                                            if name != "mosaic"])
 def test_embedding_table_with_2048_ids(implementation):
     x = random((32000, 512), jnp.bfloat16, seed=10)
     indices = jnp.asarray(np.random.default_rng(11).integers(-32000, 32000, 2048), jnp.int32)
@@ -392,7 +394,7 @@ def test_triton_declines_tables_past_int32_offsets():
     assert out.shape == (4, 2**15)
 
 
-@pytest.mark.parametrize("implementation", ["xla", "triton", "mosaic"])
+@pytest.mark.parametrize("implementation", implementations_of("gather"))
 @pytest.mark.parametrize("mode", ["wrap", "clip", "fill"])
 def test_a_one_device_explicit_mesh(mode, implementation):
     """On a mesh of Explicit axes of one device, the table sharded by columns and the ids by

@@ -41,14 +41,15 @@ TRANSPOSED_MODE = {"drop": "fill", "clip": "clip", "wrap": "wrap"}
 class GatherConfig:
     """Block sizes of the gather and scatter-add kernels; `None` fields are picked from shapes.
 
-    block_indices: Triton only; indices one program gathers in the forward (Mosaic stages
-      indices 128 at a time, one SMEM tile, and takes no other value).
+    block_indices: indices one program gathers in the forward (Triton); rows of one tile
+      (Mosaic GPU: at most 256, one TMA store). Mosaic stages indices 128 at a time, one SMEM
+      tile, and takes no other value.
     block_columns: table columns one program handles (Triton, forward and backward: a power of
       2) or one backward grid step accumulates (Mosaic: a multiple of 128 dividing the row
-      length, or the whole row).
+      length, or the whole row). Mosaic GPU moves 256-column pieces, one TMA box.
     block_batch: Mosaic forward only; leading slices (the dims before `axis`) one DMA copies.
-    block_rows: Mosaic backward only; table rows one grid step owns (a multiple of the dtype's
-      sublane tile, or all of them).
+    block_rows: backward; table rows one grid step owns (Mosaic: a multiple of the dtype's
+      sublane tile, or all of them) or one CTA sums (Mosaic GPU: at most 256).
     num_warps, num_stages: Triton only; compiler params.
     """
 

@@ -1,0 +1,92 @@
+"""What gather's Mosaic GPU implementation (`implementation="mosaic_gpu"`, jax >= 0.12) adds to
+the op's shared test base (which runs it too): its plans in Mosaic GPU's interpreter with its
+race detector (a forward ring over more pieces than slots, ragged tiles, the fill row; a
+backward whose segments outrun the ring of cotangent rows, over several row blocks), and what
+it rejects and declines. On an older jax it declines with the reason. Its compiled kernels,
+whole programs and export: tests/test_mosaic_gpu.py."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels import registry
+from kernels.gather import GatherConfig, gather
+from kernels.gather.common import Problem
+from tests.support import assert_close, random
+from tests.test_gather import assert_exact, expected_gather, expected_gradient
+
+MISSING = registry.unavailable("mosaic_gpu")
+needs_mosaic_gpu = pytest.mark.skipif(MISSING is not None, reason=f"mosaic_gpu: {MISSING}")
+pytestmark = pytest.mark.usefixtures("strict_interpret")
+
+
+@pytest.mark.skipif(MISSING is None, reason="this jax has Mosaic GPU")
+def test_an_older_jax_declines_with_the_reason():
+    with pytest.raises(NotImplementedError, match=r"gather: mosaic_gpu: needs jax >= 0.12"):
+        gather(jnp.ones((4, 128)), jnp.asarray([1]), implementation="mosaic_gpu")
+
+
+@needs_mosaic_gpu
+@pytest.mark.parametrize("mode", [None, "fill", "wrap"])
+def test_a_ring_over_more_pieces_than_slots(mode):
+    """Rows of 1100 float32 (5 pieces of 256 columns, the last ragged) through a ring of 4
+    slots, in tiles of 3 ids (the last tile ragged: its positions past the ids repeat the last
+    one, their rows dropped by the store), with out-of-range ids."""
+    from kernels.gather.mosaic_gpu.config import plan_of
+
+    config = GatherConfig(block_indices=3)
+    x = random((2, 37, 1100), jnp.float32, seed=1)
+    ids = jnp.asarray([5, -1, 36, 40, -38, 0, 7, 7, 12, 99], jnp.int32)
+    plan = plan_of(Problem(2, 37, 1100, 10, jnp.dtype(jnp.float32), "clip", None), config)
+    assert (plan.num_pieces, plan.slots, plan.tile_rows, plan.programs) == (5, 4, 3, 8)
+    out = gather(x, ids, axis=1, mode=mode, fill_value=-3.0, implementation="mosaic_gpu",
+                 config=config)
+    assert_exact(out, expected_gather(x, ids, 1, mode, -3.0))
+
+
+@needs_mosaic_gpu
+def test_segments_longer_than_the_ring_over_row_blocks():
+    """One id hit 40 times (more than the 16 cotangent rows in flight), its neighbours once or
+    not at all, over blocks of 4 table rows (the last ragged) and 2 pieces; against float64."""
+    from kernels.gather.mosaic_gpu.config import plan_of
+
+    config = GatherConfig(block_rows=4)
+    ids = np.concatenate([np.full(40, 6), [0, 5, 7, 13, -1, 14, 2, 6]]).astype(np.int32)
+    np.random.default_rng(2).shuffle(ids)
+    x = random((14, 300), jnp.bfloat16, seed=3)
+    ct = random((ids.size, 300), jnp.bfloat16, seed=4)
+    plan = plan_of(Problem(1, 14, 300, ids.size, jnp.dtype(jnp.bfloat16), "clip", None), config,
+                   backward=True)
+    assert (plan.tile_rows, plan.blocks, plan.num_pieces) == (4, 4, 2) and plan.slots < 40
+    dx = jax.vjp(lambda x: gather(x, jnp.asarray(ids), implementation="mosaic_gpu",
+                                  config=config), x)[1](ct)[0]
+    # bfloat16 terms summed in float32, rounded once to bfloat16.
+    assert_close(dx, expected_gradient(x.shape, ct, ids), jnp.bfloat16, reduction_length=1)
+
+
+@needs_mosaic_gpu
+@pytest.mark.parametrize("config,message", [
+    (GatherConfig(block_indices=0), r"config.block_indices must be an int in \[1, 256\]"),
+    (GatherConfig(block_indices=257), r"config.block_indices must be an int in \[1, 256\]"),
+    (GatherConfig(block_rows=300), r"config.block_rows must be an int in \[1, 256\]"),
+    (GatherConfig(block_indices=256), r"config.block_indices=256: a tile of 256 rows of 256 "
+                                      r"float32 is over the \d+ bytes of shared memory"),
+])
+def test_a_config_it_cannot_run_is_rejected(config, message):
+    with pytest.raises(ValueError, match=message):
+        gather(jnp.ones((40, 256)), jnp.asarray([1, 2]), implementation="mosaic_gpu",
+               config=config)
+
+
+@needs_mosaic_gpu
+def test_64_bit_tables_decline_and_a_sequence_falls_through():
+    with jax.enable_x64(True):
+        x, ids = jnp.arange(12, dtype=jnp.int64).reshape(6, 2), jnp.asarray([1, -1])
+        with pytest.raises(NotImplementedError,
+                           match="int64 tables are not supported on Mosaic GPU"):
+            gather(x, ids, implementation="mosaic_gpu")
+        assert_exact(gather(x, ids, implementation=("mosaic_gpu", "xla")),
+                     expected_gather(x, ids))

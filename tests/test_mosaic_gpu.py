@@ -1,0 +1,154 @@
+"""What every op's Mosaic GPU kernels (`implementation="mosaic_gpu"`, jax >= 0.12) must do
+beyond their numerics, which each op's shared test base checks in Mosaic GPU's interpreter: the
+real compilers, run without a GPU (each kernel alone for sm_90a and sm_100a: Mosaic GPU's
+layout inference, ptxas's registers and spills, the dynamic shared memory; whole programs on 1
+and 4 H100s, Auto and Explicit axes; a cuda export), and the interpreter's decline on a mesh
+of several CPU devices."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kernels import registry
+from kernels.compile import CASES
+from tests.support import kernels_of
+
+HERE = Path(__file__).parent
+MISSING = registry.unavailable("mosaic_gpu")
+pytestmark = pytest.mark.skipif(MISSING is not None, reason=f"mosaic_gpu: {MISSING}")
+# The ops with Mosaic GPU kernels.
+OPS = [op for op in CASES if "mosaic_gpu" in kernels_of(op)]
+# Compiled for sm_100a besides the design cases: an odd small case per op.
+SM_100_CASES = {"normalize": "layer_norm 7x129", "gather": "table 129x257"}
+# Per op: its programs compiled on 1 and 4 GPUs, and a call exported for cuda (forward and
+# gradient).
+PROGRAMS = {"normalize": ["layer_norm", "rms_norm"], "gather": ["gather", "gather_vocab"]}
+EXPORTS = {
+    "normalize": ("jax.ShapeDtypeStruct((64, 256), jnp.bfloat16)",
+                  "lambda x: kernels.layer_norm(x, implementation='mosaic_gpu')"),
+    "gather": ("jax.ShapeDtypeStruct((64, 256), jnp.bfloat16), "
+               "jax.ShapeDtypeStruct((16,), jnp.int32)",
+               "lambda x, i: kernels.gather(x, i, implementation='mosaic_gpu')"),
+}
+def test_its_interpreter_declines_a_mesh_of_several_devices():
+    """Mosaic GPU's interpreter runs through host callbacks, one simulated GPU per process: on
+    a mesh of several CPU devices (Auto or Explicit axes, or inside shard_map) it declines with
+    the reason, and a sequence falls through to xla; one device runs it."""
+    script = (
+        "import os\n"
+        "os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=4'\n"
+        "import jax, jax.numpy as jnp\n"
+        "from jax.sharding import AxisType, NamedSharding, PartitionSpec as P\n"
+        "import kernels\n"
+        "x = jnp.arange(8 * 256.0).reshape(8, 256)\n"
+        "for kind in (AxisType.Auto, AxisType.Explicit):\n"
+        "    mesh = jax.make_mesh((4,), ('data',), axis_types=(kind,))\n"
+        "    with jax.set_mesh(mesh):\n"
+        "        xs = jax.device_put(x, NamedSharding(mesh, P('data')))\n"
+        "        try:\n"
+        "            jax.jit(lambda x: kernels.layer_norm(x, implementation='mosaic_gpu'))(xs)\n"
+        "        except NotImplementedError as e:\n"
+        "            print('declined:', e)\n"
+        "        y = jax.jit(lambda x: kernels.layer_norm(\n"
+        "            x, implementation=('mosaic_gpu', 'xla')))(xs)\n"
+        "        print('fell through:', bool(jnp.allclose(y, kernels.layer_norm(x))))\n"
+        "print('one device:', bool(jnp.allclose(kernels.layer_norm(x, implementation='mosaic_gpu'),\n"
+        "                                       kernels.layer_norm(x), atol=1e-5)))\n")
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=HERE.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert sum("mosaic_gpu's interpreter cannot run on a mesh of 4 devices" in line
+               for line in lines if line.startswith("declined:")) == 2, proc.stdout
+    assert lines.count("fell through: True") == 2 and "one device: True" in lines, proc.stdout
+
+
+def _compiled(script: str) -> list[dict]:
+    """Runs `script` in a process of its own (compile-only GPUs are per process, and Mosaic
+    GPU compiles for one GPU generation per process: `kernels.compile.mosaic_gpu.OWN_PROCESS`)
+    and returns the JSON lines it prints."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=600, env=env, cwd=HERE.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def _cases(op: str, target: str) -> list:
+    """Every case for sm_90a; for sm_100a, the same kernels at the design shapes and an odd
+    small one."""
+    return [c for c in CASES[op] if target == "sm_90" or c.design
+            or c.description.startswith(SM_100_CASES[op])]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("target", ["sm_90", "sm_100"])
+@pytest.mark.parametrize("op", OPS)
+def test_every_kernel_compiles_without_spills(op, target):
+    """`python -m kernels.compile` for the op's cases: Mosaic GPU's layout inference accepts
+    the kernels (the interpreter does not check layouts), ptxas fits them in registers with no
+    spills, their PTX moves rows with TMA copies, and their shared memory (Mosaic GPU's dynamic allocation) is within a default
+    plan's budget (half an SM's: `_pallas.mosaic_gpu.smem_budget`)."""
+    rows = _compiled(
+        "import json, dataclasses\n"
+        "from kernels.compile import use_compile_only_devices; use_compile_only_devices()\n"
+        "from kernels.compile import CASES, compile_kernels\n"
+        "from tests.test_mosaic_gpu import _cases\n"
+        f"for case in _cases({op!r}, {target!r}):\n"
+        "    reports = compile_kernels(case.function('mosaic_gpu'), *case.args, "
+        f"target='{target}', implementation='mosaic_gpu')\n"
+        "    for r in reports:\n"
+        "        print(json.dumps(dataclasses.asdict(r)))\n")
+    cases = _cases(op, target)
+    # A forward and a backward kernel per case (the axis=(0, 2) normalize's transpose is XLA's).
+    assert len(rows) == 2 * len(cases) and len(cases) >= 2
+    assert len({r["name"] for r in rows}) == 2
+    for r in rows:
+        assert r["name"].endswith("_mosaic_gpu") and r["compiled"], r
+        assert r["spill_bytes"] == 0 and r["registers"] <= 255, r
+        # Rows move by TMA both ways (its copies in the PTX), not by plain loads and stores.
+        assert r["tma"]["load"] > 0 and r["tma"]["store"] > 0, r
+        # Pallas takes 2 KiB beside the plan for cross-warp reductions; over 4 KiB: the
+        # dynamic shared memory was read (ptxas alone reports 1 byte).
+        assert 4096 < r["shared_bytes"] <= r["shared_limit"] // 2 + 4096, r
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("op", OPS)
+def test_whole_programs_and_an_export_carry_the_kernels(op):
+    """The op's programs (forward and gradient) compiled for H100s on one device and on
+    4-device meshes with Auto and Explicit axes: the forward's and the backward's custom calls
+    in each, no operand all-gathered; and a cuda export of the forward and its gradient needs
+    no disabled safety check (Mosaic GPU's custom call is on JAX's stable list)."""
+    shapes, call = EXPORTS[op]
+    reports = _compiled(
+        "import dataclasses, json\n"
+        "from kernels.compile import use_compile_only_devices; use_compile_only_devices()\n"
+        "from kernels.compile import programs\n"
+        "for r in programs.compile_ops('sm_90', 4, implementations=('mosaic_gpu',), "
+        f"programs={PROGRAMS[op]!r}):\n"
+        "    print(json.dumps(dataclasses.asdict(r)))\n"
+        "import jax, jax.numpy as jnp, kernels\n"
+        "from kernels._pallas import on_target\n"
+        "from kernels._targets import TARGETS\n"
+        f"args = ({shapes},)\n"
+        f"call = {call}\n"
+        "loss = lambda x, *rest: jnp.sum(call(x, *rest).astype(jnp.float32))\n"
+        "fn = jax.jit(lambda *args: (call(*args), jax.grad(loss)(*args)))\n"
+        "with on_target(TARGETS['sm_90']):\n"
+        "    text = jax.export.export(fn, platforms=('cuda',))(*args).mlir_module()\n"
+        "print(json.dumps({'export_calls': text.count('mosaic_gpu_v2')}))\n")
+    programs, (export,) = reports[:-1], reports[-1:]
+    assert len(programs) == 3 * len(PROGRAMS[op])
+    for r in programs:
+        assert r["compiled"] and r["kernel_calls"] >= 2, r
+        assert dict(r["collectives"])["all-gather"] == 0, r
+    assert export["export_calls"] >= 2  # the forward (normalize: again in the gradient), the backward
