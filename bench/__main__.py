@@ -22,6 +22,7 @@ import jax
 
 from bench import design, harness
 from kernels import defaults, registry
+from kernels.compile import use_compile_only_devices
 from kernels.ops import OPS
 
 # Each op's bench module, bench/<op>.py (its shapes are data in kernels/<op>/cases.py).
@@ -136,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="on a GPU or TPU, write the rows to bench/records/<device kind>.json "
                              "(the evidence kernels/defaults.py cites)")
     args = parser.parse_args(argv)
+    if not (args.no_design or args.design == "none"):
+        # The design figures compile for GPUs and TPUs that are not here (Mosaic GPU's kernels
+        # and XLA's own programs on compile-only H100s): set before jax starts its backends.
+        use_compile_only_devices()
     ops = [op.strip() for op in args.ops.split(",")]
     unknown = [op for op in ops if op not in BENCHES]
     if unknown:

@@ -22,7 +22,6 @@ its moments and again to normalize).
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from collections.abc import Iterator
 
@@ -31,8 +30,10 @@ import jax.numpy as jnp
 
 from bench.harness import aligned
 from kernels import _targets, registry
-from kernels.compile import (CASES, distinct, implementation_for, launch_key, launches,
-                             report, resources)
+from kernels.compile import CASES, distinct, launch_key, launches, report, resources
+from kernels.compile.api import missing_package
+from kernels.compile.launches import grid_of
+from kernels.ops import OPS
 
 DEVICE_NAMES = {"sm_90": "H100", "v5e": "TPU v5e"}  # the design targets, as the summary names them
 TARGETS = tuple(DEVICE_NAMES)
@@ -58,22 +59,33 @@ def _op_flops(case) -> int | None:
 
 
 def rows(ops: list[str], compile_kernels: bool = True) -> Iterator[dict]:
-    """One row per distinct kernel launch of each design case, per target, labelled with the
-    parts of the op it computes (`launch`: "forward, dX" where the input gradient runs the
-    forward's very kernel)."""
+    """One row per distinct kernel launch of each design case, per target and implementation
+    whose kernels run there, labelled with the parts of the op it computes (`launch`:
+    "forward, dX" where the input gradient runs the forward's very kernel); then, on a GPU
+    and with the compilers, one row for XLA's own program of the same layer (`_xla_row`)."""
     for op in ops:
         for case in (c for c in CASES[op] if c.design):
             for name in TARGETS:
                 target = _targets.TARGETS[name]
-                implementation = implementation_for(name)
-                every = launches(case.function(implementation), *case.args, target=target)
-                roles: dict[tuple, list[str]] = {}
-                for eqn, role in zip(every, _roles(case, implementation, target, every),
-                                     strict=True):
-                    roles.setdefault(launch_key(eqn), []).append(role)
-                for eqn in distinct(every):
-                    yield {**_row(case, eqn, target, compile_kernels),
-                           "launch": ", ".join(roles[launch_key(eqn)])}
+                for implementation in _implementations(op, target):
+                    every = launches(case.function(implementation), *case.args, target=target)
+                    roles: dict[tuple, list[str]] = {}
+                    for eqn, role in zip(every, _roles(case, implementation, target, every),
+                                         strict=True):
+                        roles.setdefault(launch_key(eqn), []).append(role)
+                    for eqn in distinct(every):
+                        yield {**_row(case, eqn, target, implementation, compile_kernels),
+                               "launch": ", ".join(roles[launch_key(eqn)]),
+                               "count": len(roles[launch_key(eqn)])}
+                if target.platform == "gpu" and compile_kernels:
+                    yield _xla_row(case, target)
+
+
+def _implementations(op: str, target) -> list[str]:
+    """The kernels of `op` that run compiled on `target` and that the installed jax has."""
+    return [name for name in registry.kernel_names()
+            if registry.runs_natively(name, target.lowering_platform, target)
+            and OPS[op].has(name) and not registry.unavailable(name)]
 
 
 # Normalize and gather kernels are named for what they compute.
@@ -88,7 +100,8 @@ def _roles(case, implementation: str, target, every: list) -> list[str]:
     launches (traced alone), then dA and dB, or dX (one launch per sub-pixel phase of a
     strided convolution) and dW, the last launch."""
     if case.op not in ("matmul", "conv2d"):
-        return [_NAMED_ROLES[eqn.params["name"].rsplit("_", 1)[0]] for eqn in every]
+        return [_NAMED_ROLES[eqn.params["name"].removesuffix(f"_{implementation}")]
+                for eqn in every]
     forward = len(launches(lambda *arrays: case.call(implementation, *arrays), *case.args,
                            target=target))
     backward = len(every) - forward
@@ -101,25 +114,48 @@ def _numbered(role: str, count: int, part: str = "part") -> list[str]:
     return [role] if count == 1 else [f"{role} {part} {k}" for k in range(1, count + 1)]
 
 
-def _row(case, eqn, target, compile_kernels: bool) -> dict:
-    grid = tuple(eqn.params["grid_mapping"].grid)
+def _row(case, eqn, target, implementation: str, compile_kernels: bool) -> dict:
+    grid = grid_of(eqn)
     programs = math.prod(grid)
     cost = eqn.params.get("cost_estimate")
     min_bytes = _bytes(v.aval for v in eqn.invars) + _bytes(v.aval for v in eqn.outvars)
     row = {"op": case.op, "case": case.description, "target": target.name,
-           "kernel": eqn.params["name"], "grid": "x".join(map(str, grid)),
-           "programs": programs,
+           "implementation": implementation, "kernel": eqn.params["name"],
+           "grid": "x".join(map(str, grid)), "programs": programs,
            "waves": programs / target.num_sms if target.num_sms else None,
            "flops": cost.flops if cost else None, "op_flops": _op_flops(case),
            "bytes": cost.bytes_accessed if cost else None, "min_bytes": min_bytes,
            "resources": "not compiled"}
-    compiler = registry.get(implementation_for(target.name)).compile_backend  # its package
-    if compile_kernels and importlib.util.find_spec(compiler) is None:
-        row["resources"] = f"not compiled: {compiler} is not installed (the test extra)"
+    missing = missing_package(implementation)
+    if compile_kernels and missing:
+        row["resources"] = f"not compiled: {missing} is not installed (the test extra)"
     elif compile_kernels:
-        r = report(eqn, target)
+        r = report(eqn, target, implementation=implementation)
         row["resources"] = resources(r) if r.compiled else f"FAIL {r.error}"
     return row
+
+
+def _xla_row(case, target) -> dict:
+    """XLA's own program of the case's layer (forward output and gradient from a cotangent),
+    compiled for `target`: its launches and the bytes XLA's cost analysis states
+    (`kernels.compile.programs.reference_layer`), beside its operands and results once."""
+    row = {"op": case.op, "case": case.description, "target": target.name,
+           "implementation": registry.REFERENCE, "kernel": "XLA's program",
+           "launch": "forward and backward", "count": 1, "grid": "-", "programs": None,
+           "waves": None,
+           "flops": None, "op_flops": _op_flops(case), "bytes": None, "min_bytes": None,
+           "resources": "not compiled"}
+    missing = missing_package("mosaic_gpu")  # XLA's GPU compiler: the CUDA plugin
+    if missing:
+        row["resources"] = f"not compiled: {missing} is not installed (the test extra)"
+        return row
+    from kernels.compile.programs import reference_layer
+
+    out = jax.eval_shape(lambda *arrays: case.call(registry.REFERENCE, *arrays), *case.args)
+    floats = [a for a in case.args if jnp.issubdtype(a.dtype, jnp.floating)]
+    kernels, nbytes = reference_layer(case, target.name)
+    return {**row, "grid": f"{kernels} kernels", "bytes": nbytes,
+            "min_bytes": _bytes([*case.args, out, out, *floats]), "resources": "XLA"}
 
 
 def _ratio(value, floor) -> str:
@@ -138,14 +174,27 @@ def table(design_rows: list[dict]) -> str:
 
 
 def _figures(r: dict) -> list[str]:
-    return [r["kernel"], r["grid"], str(r["programs"]), _occupancy(r),
+    return [r["kernel"], r["grid"], str(r["programs"] or "-"), _occupancy(r),
             _ratio(r["flops"], r["op_flops"]), _megabytes(r["bytes"]),
             _megabytes(r["min_bytes"]), r["resources"]]
 
 
 def _occupancy(r: dict) -> str:
+    if r["implementation"] == registry.REFERENCE:
+        return "-"
     return f"{r['waves']:.1f} waves" if r["waves"] is not None else f"{r['programs']} steps"
 
+
+def _totals(case_rows: list[dict]) -> str:
+    """The forward and backward's bytes per implementation on one target, every launch
+    counted as often as it runs, beside XLA's own program: "triton 500.1 MB, ..."."""
+    totals = []
+    for (name,), rows in _groups(case_rows, ("implementation",)).items():
+        if all(r["bytes"] is not None for r in rows):
+            nbytes = sum(r["bytes"] * r["count"] for r in rows)
+            launches = f" ({rows[0]['grid']})" if name == registry.REFERENCE else ""
+            totals.append(f"{name} {nbytes / 1e6:.1f} MB{launches}")
+    return ", ".join(totals)
 
 
 def grouped(design_rows: list[dict]) -> str:
@@ -158,8 +207,10 @@ def grouped(design_rows: list[dict]) -> str:
                  for target_rows in _groups(case_rows, ("target",)).values()
                  for i, r in enumerate(target_rows)]
         table_text = aligned(["target", "launch", *_FIGURE_COLUMNS], cells)
-        blocks.append(f"{op}: {case}\n" + "\n".join("  " + line
-                                                       for line in table_text.splitlines()))
+        totals = [f"  {DEVICE_NAMES[target]}, forward and backward: {_totals(rows)}"
+                  for (target,), rows in _groups(case_rows, ("target",)).items()]
+        blocks.append(f"{op}: {case}\n" + "\n".join(
+            ["  " + line for line in table_text.splitlines()] + totals))
     return "\n\n".join(blocks)
 
 
@@ -171,11 +222,23 @@ def _groups(design_rows: list[dict], keys: tuple[str, ...]) -> dict[tuple, list[
 
 
 def target_line(design_rows: list[dict], target: str) -> str:
-    """What an op's design figures say for one target, in a line: its launches, the least
-    occupied one, the most bytes against the operands, and what the compiler reported."""
-    launches = [r for r in design_rows if r["target"] == target]
-    if not launches:
+    """What an op's design figures say for one target, in a line: per implementation its
+    launches, the least occupied one, the most bytes against the operands and what the
+    compiler reported; then, per case where XLA's own program was compiled, every
+    implementation's bytes beside XLA's."""
+    rows = [r for r in design_rows if r["target"] == target]
+    kernels = [r for r in rows if r["implementation"] != registry.REFERENCE]
+    if not kernels:
         return "no design case"
+    parts = [f"{name} {_launches_line(launches, target)}"
+             for (name,), launches in _groups(kernels, ("implementation",)).items()]
+    for (case,), case_rows in _groups(rows, ("case",)).items():
+        if any(r["implementation"] == registry.REFERENCE and r["bytes"] for r in case_rows):
+            parts.append(f"forward and backward of {case}, HBM est.: {_totals(case_rows)}")
+    return "; ".join(parts)
+
+
+def _launches_line(launches: list[dict], target: str) -> str:
     where = "{launch} of {case}"
     if target == "sm_90":
         low = min(launches, key=lambda r: r["waves"])
@@ -202,10 +265,12 @@ def compiler_note(design_rows: list[dict]) -> str:
                       if r["resources"].startswith("not compiled: ")})
     if not missing:
         return ("compiled: the real compiler's report for that target (Triton: shared memory, "
-                "registers, spills, load widths; libtpu: planned VMEM against the limit).")
+                "registers, spills, load widths; Mosaic GPU: ptxas's registers and spills, "
+                "its shared memory; libtpu: planned VMEM against the limit); XLA: its own "
+                "program of the layer, compiled for an H100.")
     return (f"compiled: not shown, {' and '.join(missing)} not installed here; "
-            "pip install -e '.[test]' brings Triton's compiler and libtpu, which compile for "
-            "these targets on a CPU.")
+            "pip install -e '.[test]' brings Triton's compiler, libtpu and XLA's GPU compiler "
+            "(the CUDA plugin), which compile for these targets on a CPU.")
 
 
 LEGEND = ("Design figures (no device needed): every launch of the forward and backward at "
@@ -216,4 +281,7 @@ LEGEND = ("Design figures (no device needed): every launch of the forward and ba
           "est.: the bytes the kernel's cost estimate states, re-reads included (Mosaic: its "
           "pipeline's block copies; Triton matmul/conv: the loads its programs issue, much of "
           "them served by L2/L1); operands MB: its inputs and outputs, each once (a gather "
-          "reads only the rows it gathers).")
+          "reads only the rows it gathers). XLA's program: the same layer (forward output and "
+          "gradient from a cotangent) as XLA itself compiles it for an H100, its kernels and "
+          "the bytes XLA's cost analysis states; each case's last lines sum every "
+          "implementation's launches, as often as each runs.")

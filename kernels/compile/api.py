@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from typing import Any
 
@@ -13,11 +14,21 @@ from kernels.compile.mosaic_gpu import mosaic_gpu_report
 from kernels.compile.report import DEFAULT_TIMEOUT_S, KernelReport
 from kernels.compile.triton import triton_report
 
-__all__ = ["compile_kernels", "report", "implementation_for", "implemented_targets", "listing"]
+__all__ = ["compile_kernels", "report", "implementation_for", "implemented_targets", "listing",
+           "missing_package"]
 
-# An implementation's `compile_backend` -> what compiles one of its kernels for a target.
+# An implementation's `compile_backend` -> what compiles one of its kernels for a target, and
+# the Python package it needs (the test extra installs each): Mosaic GPU's kernels are compiled
+# by XLA's own GPU compiler, in the CUDA plugin of `jax[cuda12-local]`.
 _BACK_ENDS = {"triton": triton_report, "libtpu": mosaic_report,
               "mosaic_gpu": mosaic_gpu_report}
+_PACKAGES = {"triton": "triton", "libtpu": "libtpu", "mosaic_gpu": "jax_cuda12_plugin"}
+
+
+def missing_package(implementation: str) -> str | None:
+    """The package `implementation`'s compile back end needs that is not installed, or None."""
+    package = _PACKAGES[registry.get(implementation).compile_backend]
+    return package if importlib.util.find_spec(package) is None else None
 
 
 def compile_kernels(fn: Callable[..., Any], *args: Any, target: str,

@@ -33,17 +33,18 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from kernels import _dispatch, _targets, registry
-from kernels._cases import Program
+from kernels._cases import Case, Program
 from kernels.compile.api import implementation_for
 from kernels.compile.report import first_line
 from kernels.ops import OPS
 
 __all__ = ["ProgramReport", "Program", "PROGRAMS", "MESHES", "devices", "compile_program",
-           "expects_kernels", "collectives"]
+           "expects_kernels", "collectives", "reference_layer"]
 
 MESHES = ("one", "auto", "explicit")
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
@@ -162,6 +163,48 @@ def compile_program(name: str, fn: Callable[..., Any], args: Sequence[Any], mesh
                 if entry.is_kernel and lowering in entry.platforms)
     counts = tuple(collectives(text).items())
     return report(True, "", calls, counts, time.perf_counter() - start)
+
+
+# Entry-computation instructions of a compiled program that launch nothing.
+_NOT_LAUNCHES = ("parameter", "constant", "tuple", "get-tuple-element", "bitcast")
+
+
+def reference_layer(case: Case, target_name: str) -> tuple[int, int]:
+    """XLA's own program for `case`'s op as a layer of a model: the forward's output and the
+    gradient of every float operand from a given cotangent (`implementation="xla"`), compiled
+    for one compile-only GPU of `target_name`. Returns (launches, bytes): the instructions of
+    its entry computation that launch a kernel, and the bytes XLA's cost analysis states for
+    the compiled (fused) module, which it counts per fusion from what each reads and writes."""
+    from jax._src import xla_bridge
+    from jax._src.lib import xla_client
+
+    device = devices(target_name, 1)[0]
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in case.args]
+    out = jax.eval_shape(functools.partial(case.call, registry.REFERENCE), *case.args)
+    cotangent = jax.ShapeDtypeStruct(out.shape, out.dtype, sharding=sharding)
+    floating = [i for i, a in enumerate(case.args) if jnp.issubdtype(a.dtype, jnp.floating)]
+
+    def layer(cotangent, *arrays):
+        def forward(*floats):
+            full = list(arrays)
+            for i, value in zip(floating, floats):
+                full[i] = value
+            return case.call(registry.REFERENCE, *full)
+
+        out, pullback = jax.vjp(forward, *(arrays[i] for i in floating))
+        return out, pullback(cotangent)
+
+    with jax.default_device(device):
+        compiled = jax.jit(layer).trace(cotangent, *args).lower().compile()
+    text = compiled.as_text()
+    entry = text[text.index("\nENTRY"):]
+    opcodes = re.findall(r"^\s*(?:ROOT )?\S+ = .*? ([a-z][\w-]*)\(", entry, re.MULTILINE)
+    module = compiled.runtime_executable().hlo_modules()[0]
+    # Compile-only executables have no cost analysis; XLA's HloCostAnalysis of the optimized
+    # module, run by the CPU client, counts the same fusions' bytes.
+    cost = xla_client._xla.hlo_module_cost_analysis(xla_bridge.get_backend("cpu"), module)
+    return sum(op not in _NOT_LAUNCHES for op in opcodes), int(cost["bytes accessed"])
 
 
 # Every op's whole programs, from its folder (`kernels/<op>/cases.py`), by name.
