@@ -100,7 +100,7 @@ def test_bench_report_and_csv_and_plots(capsys, tmp_path):
     design_at = lines.index("gather: table 32000x4096 bfloat16, 8192 ids, axis=0, mode=None")
     assert design_at > table[-1]
     expected = [("H100", "forward"), ("", "backward: pieces"), ("", "backward: scatter-add"),
-                *([("", "forward"), ("", "backward: scatter-add")]
+                *([("", "forward"), ("", "backward: pieces"), ("", "backward: scatter-add")]
                   if not registry.unavailable("mosaic_gpu") else []),
                 ("", "forward and backward"),  # XLA's own program of the layer
                 ("TPU v5e", "forward"), ("", "backward: scatter-add")]
@@ -163,12 +163,14 @@ def test_design_figures_set_mosaic_gpu_beside_xla():
     rows = [r for r in design.rows(["gather"]) if r["target"] == "sm_90"]
     mosaic = [r for r in rows if r["implementation"] == "mosaic_gpu"]
     (xla,) = [r for r in rows if r["implementation"] == "xla"]
-    assert len(mosaic) == 2 and all(r["resources"].startswith("smem ") for r in mosaic)
+    assert len(mosaic) == 3 and all(r["resources"].startswith("smem ") for r in mosaic)
     p = Problem(1, 32000, 4096, 8192, jnp.dtype(jnp.bfloat16), "clip", None)
     assert sum(r["bytes"] for r in mosaic) <= 1.2 * (gather_bytes(p) + scatter_bytes(p))
+    assert {r["launch"] for r in mosaic} == {"forward", "backward: pieces",
+                                             "backward: scatter-add"}
     assert xla["resources"] == "XLA" and xla["grid"].endswith(" kernels"), xla
     assert xla["bytes"] >= xla["min_bytes"] / 2 > 0, xla  # it reads and writes its operands
-    total = sum(r["bytes"] for r in mosaic)
+    total = sum(r["bytes"] * r["count"] for r in mosaic)
     assert f"mosaic_gpu {total / 1e6:.1f} MB, xla {xla['bytes'] / 1e6:.1f} MB" in (
         design.target_line(rows, "sm_90"))
 

@@ -162,15 +162,15 @@ def test_triton_scatter_add_pieces_cover_each_row_once(layout):
     """The backward's piece table: past its first `length` positions, every sorted position
     of a row lies in exactly one piece of that row, and no piece is longer than `length`; the
     gradient through many pieces is JAX's."""
-    from kernels.gather.common import Problem, scatter_plan
-    from kernels.gather.triton import backward, config
+    from kernels.gather.common import Problem, piece_table, scatter_plan
+    from kernels.gather.triton import config
 
     ids, run_gradient = PIECE_LAYOUTS[layout]
     n = 20
     p = Problem(1, n, 512, len(ids), jnp.dtype(jnp.float32), "fill", None)
     layout = config.pieces(p, 512)
     plan = scatter_plan(jnp.asarray(ids, jnp.int32), n, "drop")
-    table = backward.piece_table(plan, p, layout)
+    table = piece_table(plan, p, layout)
     row_starts, row_pieces = np.asarray(plan.row_starts), np.asarray(table.row_pieces)
     bounds = np.asarray(table.bounds)
     assert layout.count > 0 and np.all(bounds[:, 1] - bounds[:, 0] <= layout.length)
@@ -194,8 +194,8 @@ def test_scatter_plan_matches_numpy_without_a_loop(scatter_mode):
     table are NumPy's stable argsort and searchsorted, computed with no XLA while loop (issue
     25: `jnp.searchsorted`'s default method is a loop of about log2(m) steps, each a launch on
     a GPU, twice per backward)."""
-    from kernels.gather.common import Problem, scatter_plan
-    from kernels.gather.triton import backward, config
+    from kernels.gather.common import Problem, piece_table, scatter_plan
+    from kernels.gather.triton import config
 
     n, ids = 20, np.r_[[5] * 600, -3, 25, -30, np.arange(-20, 40), [19] * 300].astype(np.int32)
     plan = scatter_plan(jnp.asarray(ids), n, scatter_mode)
@@ -209,8 +209,8 @@ def test_scatter_plan_matches_numpy_without_a_loop(scatter_mode):
                                   np.searchsorted(targets[order], np.arange(n + 1), "left"))
     p = Problem(1, n, 512, len(ids), jnp.dtype(jnp.float32), "fill", None)
     layout = config.pieces(p, 512)
-    program = jax.jit(lambda i: backward.piece_table(scatter_plan(i, n, scatter_mode), p,
-                                                     layout)).lower(jnp.asarray(ids))
+    program = jax.jit(lambda i: piece_table(scatter_plan(i, n, scatter_mode), p,
+                                            layout)).lower(jnp.asarray(ids))
     assert layout.count > 0 and "while" not in program.as_text()
 
 

@@ -36,6 +36,8 @@ EXPORTS = {
                "jax.ShapeDtypeStruct((16,), jnp.int32)",
                "lambda x, i: kernels.gather(x, i, implementation='mosaic_gpu')"),
 }
+
+
 def test_its_interpreter_declines_a_mesh_of_several_devices():
     """Mosaic GPU's interpreter runs through host callbacks, one simulated GPU per process: on
     a mesh of several CPU devices (Auto or Explicit axes, or inside shard_map) it declines with
@@ -58,8 +60,8 @@ def test_its_interpreter_declines_a_mesh_of_several_devices():
         "        y = jax.jit(lambda x: kernels.layer_norm(\n"
         "            x, implementation=('mosaic_gpu', 'xla')))(xs)\n"
         "        print('fell through:', bool(jnp.allclose(y, kernels.layer_norm(x))))\n"
-        "print('one device:', bool(jnp.allclose(kernels.layer_norm(x, implementation='mosaic_gpu'),\n"
-        "                                       kernels.layer_norm(x), atol=1e-5)))\n")
+        "y = kernels.layer_norm(x, implementation='mosaic_gpu')\n"
+        "print('one device:', bool(jnp.allclose(y, kernels.layer_norm(x), atol=1e-5)))\n")
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=300, env=env, cwd=HERE.parent)
@@ -95,30 +97,41 @@ def _cases(op: str, target: str) -> list:
 def test_every_kernel_compiles_without_spills(op, target):
     """`python -m kernels.compile` for the op's cases: Mosaic GPU's layout inference accepts
     the kernels (the interpreter does not check layouts), ptxas fits them in registers with no
-    spills, their PTX moves rows with TMA copies, and their shared memory (Mosaic GPU's dynamic allocation) is within a default
-    plan's budget (half an SM's: `_pallas.mosaic_gpu.smem_budget`)."""
-    rows = _compiled(
+    spills, their PTX moves rows with TMA copies, and their shared memory (Mosaic GPU's
+    dynamic allocation) is within a default plan's budget (half an SM's:
+    `_pallas.mosaic_gpu.smem_budget`). A case the op declines by design is named and left."""
+    cases = _compiled(
         "import json, dataclasses\n"
         "from kernels.compile import use_compile_only_devices; use_compile_only_devices()\n"
         "from kernels.compile import CASES, compile_kernels\n"
         "from tests.test_mosaic_gpu import _cases\n"
         f"for case in _cases({op!r}, {target!r}):\n"
-        "    reports = compile_kernels(case.function('mosaic_gpu'), *case.args, "
+        "    try:\n"
+        "        reports = compile_kernels(case.function('mosaic_gpu'), *case.args, "
         f"target='{target}', implementation='mosaic_gpu')\n"
-        "    for r in reports:\n"
-        "        print(json.dumps(dataclasses.asdict(r)))\n")
-    cases = _cases(op, target)
-    # A forward and a backward kernel per case (the axis=(0, 2) normalize's transpose is XLA's).
-    assert len(rows) == 2 * len(cases) and len(cases) >= 2
-    assert len({r["name"] for r in rows}) == 2
+        "    except NotImplementedError as e:\n"
+        "        print(json.dumps({'case': case.description, 'declined': str(e)}))\n"
+        "        continue\n"
+        "    print(json.dumps({'case': case.description, 'declined': None,\n"
+        "                      'reports': [dataclasses.asdict(r) for r in reports]}))\n")
+    assert len(cases) == len(_cases(op, target)) >= 2
+    # Declined by design: rows whose padding copy would move too much (gather's
+    # `_MAX_PADDING`), as 257 float32 columns of a 1000-row table for 64 ids.
+    declined = [c for c in cases if c["declined"]]
+    assert all("not a multiple of 16 bytes" in c["declined"] for c in declined), declined
+    assert len(declined) <= 1
+    rows = [r for c in cases if not c["declined"] for r in c["reports"]]
+    # A forward and a backward kernel per case (gather's backward: and its pieces' kernel).
+    assert len(rows) >= 2 * (len(cases) - len(declined))
+    assert len({r["name"] for r in rows}) >= 2
     for r in rows:
         assert r["name"].endswith("_mosaic_gpu") and r["compiled"], r
         assert r["spill_bytes"] == 0 and r["registers"] <= 255, r
         # Rows move by TMA both ways (its copies in the PTX), not by plain loads and stores.
         assert r["tma"]["load"] > 0 and r["tma"]["store"] > 0, r
-        # Pallas takes 2 KiB beside the plan for cross-warp reductions; over 4 KiB: the
-        # dynamic shared memory was read (ptxas alone reports 1 byte).
-        assert 4096 < r["shared_bytes"] <= r["shared_limit"] // 2 + 4096, r
+        # Over 1 KiB: the dynamic shared memory was read (ptxas alone reports 1 byte); at most
+        # half an SM's, with the 2 KiB Pallas takes beside the plan for cross-warp reductions.
+        assert 1024 < r["shared_bytes"] <= r["shared_limit"] // 2 + 4096, r
 
 
 @pytest.mark.timeout(600)
@@ -151,4 +164,5 @@ def test_whole_programs_and_an_export_carry_the_kernels(op):
     for r in programs:
         assert r["compiled"] and r["kernel_calls"] >= 2, r
         assert dict(r["collectives"])["all-gather"] == 0, r
-    assert export["export_calls"] >= 2  # the forward (normalize: again in the gradient), the backward
+    # The forward (normalize's: again in the gradient) and the backward.
+    assert export["export_calls"] >= 2

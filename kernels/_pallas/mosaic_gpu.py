@@ -31,8 +31,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from kernels import _targets
 
 __all__ = ["WARPS", "LANES", "PIECE", "TMA_ALIGNMENT", "RESERVED_SMEM", "smem_budget",
-           "aligned_columns", "mosaic_gpu_call", "row_layout", "load", "store", "per_row",
-           "per_column", "smem", "piece_columns", "StagedRows", "RowWriter"]
+           "aligned_columns", "pad_columns", "mosaic_gpu_call", "row_layout", "load", "store",
+           "per_row", "per_column", "smem", "piece_columns", "StagedRows", "RowWriter"]
 
 WARPS, LANES = 4, 32  # one warpgroup per CTA
 PIECE = 256  # columns one TMA copy moves: Mosaic GPU's limit of 256 elements per dimension
@@ -53,6 +53,13 @@ def aligned_columns(columns: int, itemsize: int) -> int:
     """`columns` rounded up to a GMEM row TMA can address (`TMA_ALIGNMENT` bytes)."""
     step = TMA_ALIGNMENT // itemsize
     return -(-columns // step) * step
+
+
+def pad_columns(a: jax.Array, aligned: int) -> jax.Array:
+    """`a` with its last dim padded with zeros to `aligned` (`aligned_columns`): a copy by XLA,
+    where it is not that long already."""
+    extra = aligned - a.shape[-1]
+    return a if not extra else jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, extra)])
 
 
 def row_layout(block_rows: int, row: int, itemsize: int, warps_along_row: int = WARPS) -> Any:
@@ -107,10 +114,10 @@ def smem(shape: tuple[int, ...], dtype: Any) -> Any:
     return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((1,)),))
 
 
-def piece_columns(piece: jax.Array) -> Any:
-    """Columns [piece·PIECE, (piece + 1)·PIECE), for a traced `piece` (jax checks a static
+def piece_columns(piece: jax.Array, width: int = PIECE) -> Any:
+    """Columns [piece·width, (piece + 1)·width), for a traced `piece` (jax checks a static
     slice against the array's edge; TMA zero-fills reads past it and drops writes)."""
-    return pl.ds(piece * PIECE, PIECE)
+    return pl.ds(piece * width, width)
 
 
 class StagedRows:

@@ -30,9 +30,9 @@ __all__ = ["mosaic_gpu_report", "OWN_PROCESS"]
 # `python -m kernels.compile` leaves these targets to a run of their own (`--targets sm_100`).
 OWN_PROCESS = ("sm_100",)
 _compiled_for: list[str] = []  # the GPU target this process's Mosaic GPU compiles are for
-# Reports by (target, `launch_key`): Mosaic GPU caches a compiled kernel by its module in the
-# process and dumps nothing when it compiles the same kernel again (two gather cases whose
-# backward is the same launch), so a kernel's report is the one from its first compile.
+# Compiled reports by (target, `launch_key`): Mosaic GPU caches a compiled kernel by its module
+# in the process and dumps nothing when it compiles the same kernel again (two gather cases
+# whose backward is the same launch), so a kernel's report is the one from its first compile.
 _reports: dict[tuple, KernelReport] = {}
 
 
@@ -92,7 +92,10 @@ def mosaic_gpu_report(eqn, target: Target, timeout_s: float | None) -> KernelRep
     _compiled_for[:1] = [target.name]
     key = (target.name, launch_key(eqn))
     if key not in _reports:
-        _reports[key] = _compile(eqn, target, timeout_s, report)
+        compiled = _compile(eqn, target, timeout_s, report)
+        if not compiled.compiled:
+            return compiled  # a failure or a timeout may be tried again
+        _reports[key] = compiled
     return _reports[key]
 
 

@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 
 FORWARD_MODE = {None: "clip", "promise_in_bounds": "clip", "clip": "clip", "drop": "fill",
@@ -41,16 +42,20 @@ TRANSPOSED_MODE = {"drop": "fill", "clip": "clip", "wrap": "wrap"}
 class GatherConfig:
     """Block sizes of the gather and scatter-add kernels; `None` fields are picked from shapes.
 
-    block_indices: indices one program gathers in the forward (Triton); rows of one tile
-      (Mosaic GPU: at most 256, one TMA store). Mosaic stages indices 128 at a time, one SMEM
-      tile, and takes no other value.
-    block_columns: table columns one program handles (Triton, forward and backward: a power of
-      2) or one backward grid step accumulates (Mosaic: a multiple of 128 dividing the row
-      length, or the whole row). Mosaic GPU moves 256-column pieces, one TMA box.
-    block_batch: Mosaic forward only; leading slices (the dims before `axis`) one DMA copies.
-    block_rows: backward; table rows one grid step owns (Mosaic: a multiple of the dtype's
-      sublane tile, or all of them) or one CTA sums (Mosaic GPU: at most 256).
-    num_warps, num_stages: Triton only; compiler params.
+    Each implementation reads the fields it names and ignores the others.
+
+    block_indices: triton: indices one program gathers in the forward. mosaic_gpu: ids of one
+      forward tile (at most 256: one TMA store). (mosaic stages indices 128 at a time, one
+      SMEM tile, and takes no other value.)
+    block_columns: triton: table columns one program handles, forward and backward (a power
+      of 2). mosaic: columns one backward grid step accumulates (a multiple of 128 dividing
+      the row length, or the whole row). mosaic_gpu: columns one forward CTA walks (rounded
+      up to whole pieces of 256).
+    block_batch: mosaic forward: leading slices (the dims before `axis`) one DMA copies.
+    block_rows: mosaic backward: table rows one grid step owns (a multiple of the dtype's
+      sublane tile, or all of them). mosaic_gpu backward: table rows one CTA owns (at most
+      256).
+    num_warps, num_stages: triton: compiler params.
     """
 
     block_indices: int | None = None
@@ -123,8 +128,8 @@ def scatter_bytes(p: Problem) -> int:
 
 def row_of_index(index: jax.Array, n: int, mode: str) -> tuple[jax.Array, jax.Array]:
     """(row, in_range) for int32 `index` into n rows under a kernel rule; row is always in
-    [0, n). Works on scalars (Mosaic, SMEM) and vectors (Triton) alike; nothing overflows
-    because `bounded_indices` keeps |index| <= n + 1 <= 2**31 - 1 outside "wrap"."""
+    [0, n). Works on scalars (Mosaic, Mosaic GPU) and vectors (Triton) alike; nothing
+    overflows: only a negative index has n added, which stays within int32."""
     if mode == "wrap":
         row = jax.lax.rem(index, jnp.int32(n))
         row = jnp.where(row < 0, row + n, row)
@@ -162,6 +167,43 @@ def scatter_plan(indices: jax.Array, n: int, scatter_mode: str) -> ScatterPlan:
     hits = jnp.zeros((n,), jnp.int32).at[targets].add(1, mode="drop")  # dropped ones: n
     row_starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(hits, dtype=jnp.int32)])
     return ScatterPlan(order, targets[order], row_starts)
+
+
+class Pieces(NamedTuple):
+    """How a backward bounds each table row's work: a row's first `length` sorted positions are
+    summed by its owner; the rest are cut into pieces of `length` positions, `count` at most
+    (a static bound: (m - 1) // length), each summed by its own program into a float32
+    partial row that the owner adds."""
+
+    length: int
+    count: int
+
+
+class PieceTable(NamedTuple):
+    """Per table row r, its pieces are rows row_pieces[r]:row_pieces[r + 1] of the partials;
+    piece q covers sorted positions bounds[q, 0]:bounds[q, 1] (empty past the last piece)."""
+
+    row_pieces: jax.Array  # (n + 1,) int32
+    bounds: jax.Array      # (count, 2) int32
+
+
+def piece_table(plan: ScatterPlan, p: Problem, pieces: Pieces) -> PieceTable:
+    """The pieces of the rows hit more than `pieces.length` times, with XLA (O(m + n))."""
+    hits = plan.row_starts[1:] - plan.row_starts[:-1]
+    extra = jnp.maximum(hits - 1, 0) // pieces.length
+    row_pieces = jnp.concatenate([jnp.zeros((1,), jnp.int32),
+                                  jnp.cumsum(extra).astype(jnp.int32)])
+    # Each piece's row: mark each row's first piece with the row, then a running max (no
+    # search loop). Unused pieces past row_pieces[n] get the last row and are masked below.
+    piece = jnp.arange(pieces.count, dtype=jnp.int32)
+    first_piece = jnp.where(extra > 0, row_pieces[:-1], pieces.count)
+    row = lax.cummax(jnp.zeros((pieces.count,), jnp.int32).at[first_piece].max(
+        jnp.arange(p.n, dtype=jnp.int32), mode="drop"))
+    start = plan.row_starts[row] + pieces.length * (piece - row_pieces[row] + 1)
+    stop = jnp.minimum(start + pieces.length, plan.row_starts[row + 1])
+    used = piece < row_pieces[p.n]
+    bounds = jnp.stack([jnp.where(used, start, 0), jnp.where(used, stop, 0)], axis=1)
+    return PieceTable(row_pieces, bounds.astype(jnp.int32))
 
 
 def accumulator_dtype(dtype: Any) -> Any:

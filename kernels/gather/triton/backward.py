@@ -39,47 +39,19 @@ float32 partial rows (at most m / length of them) written once and read once.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from kernels._pallas import pl, triton_call, triton_load, triton_store
-from kernels.gather.common import (GatherConfig, Problem, ScatterPlan, accumulator_dtype,
-                                   scatter_bytes)
-from kernels.gather.triton.config import (Pieces, RowsSchedule, pieces, pieces_bytes,
+from kernels.gather.common import (GatherConfig, Pieces, Problem, ScatterPlan, accumulator_dtype,
+                                   piece_table, scatter_bytes)
+from kernels.gather.triton.config import (RowsSchedule, pieces, pieces_bytes,
                                           resolve_config, rows_schedule, segment_rows)
 from kernels.gather.triton.forward import load_rows
 
-__all__ = ["scatter_add", "piece_table", "PieceTable"]
-
-
-class PieceTable(NamedTuple):
-    """Per table row r, its pieces are rows row_pieces[r]:row_pieces[r + 1] of the partials;
-    piece q covers sorted positions bounds[q, 0]:bounds[q, 1] (empty past the last piece)."""
-
-    row_pieces: jax.Array  # (n + 1,) int32
-    bounds: jax.Array      # (count, 2) int32
-
-
-def piece_table(plan: ScatterPlan, p: Problem, layout: Pieces) -> PieceTable:
-    """The pieces of the rows hit more than `layout.length` times, with XLA (O(m + n))."""
-    hits = plan.row_starts[1:] - plan.row_starts[:-1]
-    extra = jnp.maximum(hits - 1, 0) // layout.length
-    row_pieces = jnp.concatenate([jnp.zeros((1,), jnp.int32),
-                                  jnp.cumsum(extra).astype(jnp.int32)])
-    # Each piece's row: mark each row's first piece with the row, then a running max (no
-    # search loop). Unused pieces past row_pieces[n] get the last row and are masked below.
-    piece = jnp.arange(layout.count, dtype=jnp.int32)
-    first_piece = jnp.where(extra > 0, row_pieces[:-1], layout.count)
-    row = lax.cummax(jnp.zeros((layout.count,), jnp.int32).at[first_piece].max(
-        jnp.arange(p.n, dtype=jnp.int32), mode="drop"))
-    start = plan.row_starts[row] + layout.length * (piece - row_pieces[row] + 1)
-    stop = jnp.minimum(start + layout.length, plan.row_starts[row + 1])
-    used = piece < row_pieces[p.n]
-    bounds = jnp.stack([jnp.where(used, start, 0), jnp.where(used, stop, 0)], axis=1)
-    return PieceTable(row_pieces, bounds.astype(jnp.int32))
+__all__ = ["scatter_add"]
 
 
 def _sum_segments(load, starts, stops, rows_per_step: int, acc):

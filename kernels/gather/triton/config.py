@@ -15,9 +15,9 @@ from kernels import _targets
 from kernels._blocks import (check_triton_config, next_power_of_2, require_int32_offsets,
                              tile_limit)
 from kernels._pallas import pl
-from kernels.gather.common import GatherConfig, Problem, check_int
+from kernels.gather.common import GatherConfig, Pieces, Problem, check_int
 
-__all__ = ["resolve_config", "check", "segment_rows", "RowsSchedule", "rows_schedule", "Pieces",
+__all__ = ["resolve_config", "check", "segment_rows", "RowsSchedule", "rows_schedule",
            "pieces", "longest_loop", "pieces_bytes"]
 
 _MAX_BLOCK_INDICES = 64
@@ -84,15 +84,6 @@ def rows_schedule(block_columns: int) -> RowsSchedule:
     return _targets.device_or_interpreter(
         "gpu", RowsSchedule(_BLOCK_ROWS, 1, segment_rows(block_columns), False),
         RowsSchedule(_INTERPRETED_BLOCK_ROWS, _INTERPRETED_BLOCK_ROWS, 1, True))
-
-
-class Pieces(NamedTuple):
-    """How the backward bounds each row's work: a row's first `length` positions are summed by
-    its owner; the rest are cut into pieces of `length` positions, `count` at most (a static
-    bound: m // length), each summed by its own program into a float32 partial row."""
-
-    length: int
-    count: int
 
 
 def pieces(p: Problem, block_columns: int) -> Pieces:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kernels._pallas.mosaic_gpu import PIECE, row_layout
+from kernels._pallas.mosaic_gpu import PIECE, pad_columns, row_layout
 from kernels.normalize.common import Problem
 from kernels.normalize.mosaic_gpu.config import Plan
 
@@ -34,9 +34,7 @@ def rows_view(a: jax.Array | None, p: Problem, plan: Plan) -> jax.Array | None:
         return None
     if not p.rows:
         a = jnp.swapaxes(a, 1, 2)
-    a = a.reshape(plan.rows, plan.reduced)
-    return a if plan.aligned == plan.reduced else jnp.pad(
-        a, ((0, 0), (0, plan.aligned - plan.reduced)))
+    return pad_columns(a.reshape(plan.rows, plan.reduced), plan.aligned)
 
 
 def from_rows_view(a: jax.Array, p: Problem, plan: Plan) -> jax.Array:
