@@ -175,6 +175,22 @@ def test_design_figures_set_mosaic_gpu_beside_xla():
         design.target_line(rows, "sm_90"))
 
 
+def test_xla_library_calls_count_their_operands_and_result():
+    """XLA's cost analysis states -1 byte for a library call (cuBLAS, cuDNN): the design
+    figures count its operands and its result instead (not its scratch), from the HLO."""
+    from kernels.compile.programs import _custom_call_bytes
+
+    entry = "\n".join([
+        "ENTRY %main {",
+        "  %p0 = bf16[32,8]{1,0} parameter(0)",
+        "  %p1 = bf16[8,16]{1,0} parameter(1)",
+        "  %fusion = f32[8,16]{1,0} fusion(%p1), kind=kLoop, calls=%fused",
+        "  ROOT %gemm = (bf16[32,16]{1,0}, s8[4194304]{0}) custom-call(%p0, %fusion), "
+        'custom_call_target="__cublas$gemm"',
+        "}"])
+    assert _custom_call_bytes(entry) == (1, 32 * 16 * 2 + 32 * 8 * 2 + 8 * 16 * 4)
+
+
 def test_design_figures_of_a_strided_convolution():
     """Conv launches state their flops against the forward's: the Triton input-gradient phases
     of the stride-2 ResNet layer together execute the forward's flops, not 4x as the one

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 import os
 import re
 import time
@@ -167,6 +168,35 @@ def compile_program(name: str, fn: Callable[..., Any], args: Sequence[Any], mesh
 
 # Entry-computation instructions of a compiled program that launch nothing.
 _NOT_LAUNCHES = ("parameter", "constant", "tuple", "get-tuple-element", "bitcast")
+# "%name = shape opcode(operands)" of an HLO instruction (a tuple shape in parentheses).
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?(%\S+) = (\([^=]*?\)|\S+) ([a-z][\w-]*)\(([^)]*)\)",
+                          re.MULTILINE)
+_ARRAY = re.compile(r"([a-z]+\d*)\[([\d,]*)\]")
+
+
+def _array_bytes(shape: str) -> int:
+    """Bytes of the first array of an HLO shape ("bf16[8,4]{1,0}", or a tuple's first)."""
+    match = _ARRAY.search(shape)
+    if match is None:
+        return 0
+    width = re.search(r"\d+", match[1])  # f32: 32 bits, f8e4m3fn: 8; pred: a byte
+    bits = int(width[0]) if width else 8
+    return math.prod(int(d) for d in match[2].split(",") if d) * bits // 8
+
+
+def _custom_call_bytes(entry: str) -> tuple[int, int]:
+    """(custom calls, their bytes) in an entry computation: each library call (cuBLAS, cuDNN)
+    reads its operands and writes its result once (its scratch, a tuple's other arrays, aside).
+    XLA's cost analysis counts each as -1 byte."""
+    shapes, calls, nbytes = {}, 0, 0
+    for name, shape, opcode, operands in _INSTRUCTION.findall(entry):
+        shapes[name] = shape
+        if opcode == "custom-call":
+            calls += 1
+            nbytes += _array_bytes(shape) + sum(
+                _array_bytes(shapes.get(operand.strip(), ""))
+                for operand in operands.split(",") if operand.strip().startswith("%"))
+    return calls, nbytes
 
 
 def reference_layer(case: Case, target_name: str) -> tuple[int, int]:
@@ -174,7 +204,8 @@ def reference_layer(case: Case, target_name: str) -> tuple[int, int]:
     gradient of every float operand from a given cotangent (`implementation="xla"`), compiled
     for one compile-only GPU of `target_name`. Returns (launches, bytes): the instructions of
     its entry computation that launch a kernel, and the bytes XLA's cost analysis states for
-    the compiled (fused) module, which it counts per fusion from what each reads and writes."""
+    the compiled (fused) module, which it counts per fusion from what each reads and writes
+    (a library call's, from its operands and result: `_custom_call_bytes`)."""
     from jax._src import xla_bridge
     from jax._src.lib import xla_client
 
@@ -204,7 +235,9 @@ def reference_layer(case: Case, target_name: str) -> tuple[int, int]:
     # Compile-only executables have no cost analysis; XLA's HloCostAnalysis of the optimized
     # module, run by the CPU client, counts the same fusions' bytes.
     cost = xla_client._xla.hlo_module_cost_analysis(xla_bridge.get_backend("cpu"), module)
-    return sum(op not in _NOT_LAUNCHES for op in opcodes), int(cost["bytes accessed"])
+    calls, call_bytes = _custom_call_bytes(entry)
+    return (sum(op not in _NOT_LAUNCHES for op in opcodes),
+            int(cost["bytes accessed"]) + calls + call_bytes)
 
 
 # Every op's whole programs, from its folder (`kernels/<op>/cases.py`), by name.
