@@ -284,4 +284,5 @@ LEGEND = ("Design figures (no device needed): every launch of the forward and ba
           "reads only the rows it gathers). XLA's program: the same layer (forward output and "
           "gradient from a cotangent) as XLA itself compiles it for an H100, its kernels and "
           "the bytes XLA's cost analysis states; each case's last lines sum every "
-          "implementation's launches, as often as each runs.")
+          "implementation's launches, as often as each runs (not the small XLA work around "
+          "them: the backward's sort of the ids, a padding copy).")

@@ -138,13 +138,22 @@ def _rows_body(*refs, p: Problem, plan: BackwardPlan) -> None:
                          partial_barriers, row_pieces_ref[first_row], row_pieces_ref[last_row])
         partials.prefetch()
 
+    # Rows no id lands on (most of a vocabulary's) stay zero: the tile starts so.
+    zeros = jnp.zeros((plan.tile_rows, PIECE), jnp.float32)
+    store(tile, plgpu.layout_cast(zeros, row_layout(plan.tile_rows, PIECE,
+                                                     _LAYOUT_ITEMSIZE)).astype(tile.dtype))
+
     def sum_row(i, carry):
         row = jnp.minimum(first_row + i, p.n)  # rows past the table: empty ranges
         following = jnp.minimum(row + 1, p.n)
-        acc = owned.total(walk_starts_ref[row], walk_starts_ref[following], owned.zeros())
-        if plan.pieces.count:
-            acc = partials.total(row_pieces_ref[row], row_pieces_ref[following], acc)
-        store(tile.at[pl.ds(i, 1)], acc.astype(tile.dtype))
+        start, stop = walk_starts_ref[row], walk_starts_ref[following]
+
+        @pl.when(start < stop)  # a row with pieces has its first positions here too
+        def _():
+            acc = owned.total(start, stop, owned.zeros())
+            if plan.pieces.count:
+                acc = partials.total(row_pieces_ref[row], row_pieces_ref[following], acc)
+            store(tile.at[pl.ds(i, 1)], acc.astype(tile.dtype))
         return carry
 
     jax.lax.fori_loop(0, plan.tile_rows, sum_row, 0)
