@@ -38,6 +38,7 @@ gradient after them, by XLA.
 from __future__ import annotations
 
 import functools
+
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
