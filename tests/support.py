@@ -12,6 +12,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from kernels import registry
 from kernels._pallas import lowered_text
@@ -23,6 +24,13 @@ PLATFORM = {name: registry.get(name).platforms[0] for name in registry.kernel_na
 MARKER = {name: registry.get(name).call_marker for name in registry.kernel_names()}
 # Capability flags: what an implementation declines (and must decline with a reason).
 SUPPORTS_FLOAT64 = {name: registry.get(name).supports_float64 for name in IMPLEMENTATIONS}
+
+
+def needs(implementation: str) -> pytest.MarkDecorator:
+    """Skips a test where the installed jax lacks `implementation` (Mosaic GPU before jax
+    0.12: its tests run on the other Python), naming why."""
+    missing = registry.unavailable(implementation)
+    return pytest.mark.skipif(missing is not None, reason=f"{implementation}: {missing}")
 
 
 def implementations_of(op: str | None) -> tuple[str, ...]:

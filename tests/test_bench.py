@@ -12,7 +12,7 @@ from bench import harness
 from bench.__main__ import main, record_path
 from kernels import registry
 from kernels.matmul import matmul
-from tests.support import random
+from tests.support import needs, random
 
 
 def test_bench_harness_rows():
@@ -149,8 +149,7 @@ def test_design_figures_show_programs_against_the_device():
     assert "normalize_moments_triton" in text and "waves" in text and "steps" in text
 
 
-@pytest.mark.skipif(registry.unavailable("mosaic_gpu") is not None,
-                    reason=f"mosaic_gpu: {registry.unavailable('mosaic_gpu')}")
+@needs("mosaic_gpu")
 def test_design_figures_set_mosaic_gpu_beside_xla():
     """gather's design case on an H100: the Mosaic GPU launches compiled for sm_90a, stating
     within 1.2x the op's minimum traffic (the gathered rows read and written once; the

@@ -15,15 +15,15 @@ import pytest
 from kernels import registry
 from kernels.gather import GatherConfig, gather
 from kernels.gather.common import Problem
-from tests.support import assert_close, random
+from tests.support import assert_close, needs, random
 from tests.test_gather import assert_exact, expected_gather, expected_gradient
 
-MISSING = registry.unavailable("mosaic_gpu")
-needs_mosaic_gpu = pytest.mark.skipif(MISSING is not None, reason=f"mosaic_gpu: {MISSING}")
+needs_mosaic_gpu = needs("mosaic_gpu")
 pytestmark = pytest.mark.usefixtures("strict_interpret")
 
 
-@pytest.mark.skipif(MISSING is None, reason="this jax has Mosaic GPU")
+@pytest.mark.skipif(registry.unavailable("mosaic_gpu") is None,
+                    reason="this jax has Mosaic GPU")
 def test_an_older_jax_declines_with_the_reason():
     with pytest.raises(NotImplementedError, match=r"gather: mosaic_gpu: needs jax >= 0.12"):
         gather(jnp.ones((4, 128)), jnp.asarray([1]), implementation="mosaic_gpu")

@@ -15,13 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from kernels import registry
 from kernels.compile import CASES
-from tests.support import kernels_of
+from tests.support import kernels_of, needs
 
 HERE = Path(__file__).parent
-MISSING = registry.unavailable("mosaic_gpu")
-pytestmark = pytest.mark.skipif(MISSING is not None, reason=f"mosaic_gpu: {MISSING}")
+pytestmark = needs("mosaic_gpu")
 # The ops with Mosaic GPU kernels.
 OPS = [op for op in CASES if "mosaic_gpu" in kernels_of(op)]
 # Compiled for sm_100a besides the design cases: an odd small case per op.

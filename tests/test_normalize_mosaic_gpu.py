@@ -14,10 +14,9 @@ import pytest
 
 from kernels import registry
 from kernels.normalize import NormalizeConfig, layer_norm
-from tests.support import assert_close, random, weighted_sum
+from tests.support import assert_close, needs, random, weighted_sum
 
-MISSING = registry.unavailable("mosaic_gpu")
-needs_mosaic_gpu = pytest.mark.skipif(MISSING is not None, reason=f"mosaic_gpu: {MISSING}")
+needs_mosaic_gpu = needs("mosaic_gpu")
 pytestmark = pytest.mark.usefixtures("strict_interpret")
 
 
@@ -30,7 +29,8 @@ def _truth(x, scale, offset, subtract_mean=True, residual=None, epsilon=1e-5):
     return y if offset is None else y + np.asarray(offset, np.float64)
 
 
-@pytest.mark.skipif(MISSING is None, reason="this jax has Mosaic GPU")
+@pytest.mark.skipif(registry.unavailable("mosaic_gpu") is None,
+                    reason="this jax has Mosaic GPU")
 def test_an_older_jax_declines_with_the_reason():
     with pytest.raises(NotImplementedError, match=r"layer_norm: mosaic_gpu: needs jax >= 0.12"):
         layer_norm(jnp.ones((4, 128)), implementation="mosaic_gpu")
