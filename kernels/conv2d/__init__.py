@@ -14,7 +14,10 @@ implementation:
 - the weight gradient is a correlation of the input with the output gradient, reduced over
   pixels: the `weight_grad` kernels (`_weight_gradient`, itself a `custom_vjp`).
 Both are bilinear, and the backward of each is expressed through `_conv` and
-`_weight_gradient`, so `grad` of `grad` runs kernels too, to any order. A 1x1 convolution with
+`_weight_gradient`, so `grad` of `grad` runs kernels too, to any order. The fused epilogue
+(`activation(conv + bias)`, `kernels._epilogue`) runs in the forward kernel; with an activation
+the training forward also writes the pre-activation z, and the backward's dZ = g·activation'(z)
+and dbias are one XLA pass before the two gradient kernels. A 1x1 convolution with
 stride 1 and no padding (and its input and weight gradients) runs on the matmul kernels of the
 same implementation (`_is_pointwise`).
 """
@@ -30,6 +33,8 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from kernels import _dispatch, partition, registry
+from kernels._dtypes import promoted
+from kernels._epilogue import Epilogue, gradient
 from kernels.registry import Op
 from kernels.conv2d import sharding
 from kernels.conv2d.common import (Conv2dConfig, Phase, Problem, make_problem,
@@ -38,6 +43,7 @@ from kernels.matmul import OP as MATMUL
 from kernels.matmul.common import make_problem as matmul_problem
 from reference.conv2d import Geometry, conv2d as reference_conv2d, dilated_size
 from reference.conv2d import geometry as make_geometry
+from reference import epilogue as epilogue_reference
 
 __all__ = ["conv2d", "Conv2dConfig"]
 
@@ -57,6 +63,7 @@ class _Static(NamedTuple):
     # The mesh axes asked of the NHWC output's dims on Explicit axes (partition.Layout
     # .requested): sharded input channels then reduce-scatter into them. The forward's only.
     requested: tuple[partition.Dims | None] | None = None
+    epilogue: Epilogue = Epilogue()  # the forward's only
 
 
 def _is_pointwise(p: Problem, config: Conv2dConfig | None) -> bool:
@@ -78,21 +85,25 @@ def _check(kernel: str, p: Problem, config: Conv2dConfig | None) -> None:
 
 
 def _matmul(a: jax.Array, b: jax.Array, transpose_a: bool, static: _Static,
-            out_dtype: jnp.dtype) -> jax.Array:
+            out_dtype: jnp.dtype, bias: jax.Array | None = None
+            ) -> jax.Array | tuple[jax.Array, jax.Array]:
     kernel = MATMUL.module(static.implementation)
-    p = matmul_problem(a, b, transpose_a, False, out_dtype)
-    return kernel.matmul(a, b, p, config=None, precision=static.precision,
+    p = matmul_problem(a, b, transpose_a, False, out_dtype, static.epilogue)
+    return kernel.matmul(a, b, bias, None, p, config=None, precision=static.precision,
                          interpret=static.interpret)
 
 
-def _run_whole(x: jax.Array, w: jax.Array, static: _Static) -> jax.Array:
-    p = make_problem(x.shape, w.shape, x.dtype, w.dtype, static.geometry, static.out_dtype)
+def _run_whole(x: jax.Array, w: jax.Array, bias: jax.Array | None,
+               static: _Static) -> jax.Array | tuple[jax.Array, jax.Array]:
+    p = make_problem(x.shape, w.shape, x.dtype, w.dtype, static.geometry, static.out_dtype,
+                     static.epilogue)
     if p.is_empty:  # a strided input gradient's phase that no tap reaches (`subpixel_phases`)
         return jnp.zeros((p.n, p.oh, p.ow, p.o), p.out_dtype)
     if _is_pointwise(p, static.config):
-        out = _matmul(x.reshape(p.m, p.c), w.reshape(p.c, p.o), False, static, p.out_dtype)
-        return out.reshape(p.n, p.oh, p.ow, p.o)
-    return OP.module(static.implementation).conv(x, w, p, config=static.config,
+        out = _matmul(x.reshape(p.m, p.c), w.reshape(p.c, p.o), False, static, p.out_dtype,
+                      bias)
+        return jax.tree.map(lambda y: y.reshape(p.n, p.oh, p.ow, p.o), out)
+    return OP.module(static.implementation).conv(x, w, bias, p, config=static.config,
                                                  precision=static.precision,
                                                  interpret=static.interpret)
 
@@ -101,24 +112,40 @@ def _run_whole(x: jax.Array, w: jax.Array, static: _Static) -> jax.Array:
 _run = partition.partitioned(_run_whole, sharding.rule, sharding.factors)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _conv(x: jax.Array, w: jax.Array, static: _Static) -> jax.Array:
-    """Grouped NHWC/HWIO convolution of geometry `static.geometry`, in `static.out_dtype`."""
-    return _run(x, w, static)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _conv(x: jax.Array, w: jax.Array, bias: jax.Array | None,
+          static: _Static) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """Grouped NHWC/HWIO convolution of geometry `static.geometry` with `static.epilogue`, in
+    `static.out_dtype`; (y, z) where the epilogue saves z."""
+    return _run(x, w, bias, static)
 
 
-def _conv_fwd(x, w, static):
+def _conv_fwd(x, w, bias, static):
     # The primal goes through `_conv` itself, not `_run`: a higher-order derivative of this
     # rule then differentiates it with these rules rather than tracing into the kernel.
-    return _conv(x, w, static), (x, w)
+    epilogue = static.epilogue
+    if epilogue.activation is None or epilogue.saved is not None:
+        out = _conv(x, w, bias, static)
+        return out, (x, w, bias, out[1] if epilogue.saved is not None else None)
+    y, z = _conv(x, w, bias, static._replace(epilogue=epilogue._replace(saved=static.out_dtype)))
+    return y, (x, w, bias, z)
 
 
-def _conv_bwd(static: _Static, residuals, dy):
-    x, w = residuals
-    static = static._replace(requested=None)
+def _conv_bwd(static: _Static, residuals, g):
+    x, w, bias, z = residuals
+    epilogue = static.epilogue
+    dy, g_z = g if epilogue.saved is not None else (g, None)
+    dbias = None
+    if not epilogue.is_identity:
+        dz = gradient(z, dy, epilogue.activation)
+        dz = dz if g_z is None else dz + g_z.astype(dz.dtype)
+        if bias is not None:
+            dbias = jnp.sum(dz, axis=(0, 1, 2)).astype(bias.dtype)
+        dy = dz.astype(promoted(x.dtype, w.dtype))
+    static = static._replace(requested=None, epilogue=Epilogue())
     dx = _input_gradient(dy, w, static, x.shape[1:3], x.dtype)
     dw = _weight_gradient(x, dy, static._replace(out_dtype=jnp.dtype(w.dtype)), w.shape[:2])
-    return partition.like(dx, x), partition.like(dw, w)
+    return partition.like(dx, x), partition.like(dw, w), dbias
 
 
 _conv.defvjp(_conv_fwd, _conv_bwd)
@@ -162,7 +189,7 @@ def _input_gradient(dy, w, static: _Static, in_hw, dtype) -> jax.Array:
     w = _flip_and_swap(w, static.geometry.groups)
     phases = subpixel_phases(geometry, dy.shape[1:3], w.shape[:2], tuple(in_hw))
     if phases is None:
-        return _conv(dy, w, transposed)
+        return _conv(dy, w, None, transposed)
     outputs = [_phase_output(dy, w, transposed, phase) for phase in phases]
     return _interleave(outputs, geometry.lhs_dilation, tuple(in_hw))
 
@@ -173,7 +200,7 @@ def _phase_output(dy, w, static: _Static, phase: Phase) -> jax.Array:
     shape = (dy.shape[0], *phase.out_hw, w.shape[3])
     if 0 in w.shape[:2] or 0 in phase.out_hw:  # no tap reaches these pixels
         return jnp.zeros(shape, static.out_dtype)
-    return _conv(dy, w, static._replace(geometry=phase.geometry))
+    return _conv(dy, w, None, static._replace(geometry=phase.geometry))
 
 
 def _interleave(outputs: list[jax.Array], lhs_dilation, out_hw) -> jax.Array:
@@ -230,7 +257,8 @@ def _weight_gradient_bwd(static: _Static, kernel_hw, residuals, ddw):
     # gradient of a convolution with kernel ddw; against dy, the convolution of x with ddw.
     x, dy = residuals
     dx = _input_gradient(dy, ddw, static, x.shape[1:3], x.dtype)
-    ddy = _conv(x, ddw.astype(static.out_dtype), static._replace(config=None, out_dtype=dy.dtype))
+    ddy = _conv(x, ddw.astype(static.out_dtype), None,
+                static._replace(config=None, out_dtype=dy.dtype))
     return dx, ddy
 
 
@@ -241,6 +269,8 @@ def conv2d(
     x: jax.Array,
     w: jax.Array,
     *,
+    bias: jax.Array | None = None,
+    activation: str | None = None,
     stride: int | tuple[int, int] = 1,
     padding: Any = "SAME",
     dilation: int | tuple[int, int] = 1,
@@ -253,13 +283,16 @@ def conv2d(
     interpret: bool | str | None = None,
     config: Conv2dConfig | None = None,
 ) -> jax.Array:
-    """`lax.conv_general_dilated` on 2-D images as a Pallas kernel.
+    """`activation(lax.conv_general_dilated(x, w, ...) + bias)` on 2-D images as a Pallas
+    kernel.
 
     x is NHWC with kernel w in HWIO, or NCHW with w in OIHW (`data_format`); `stride` and
     `dilation` (the kernel's) are ints or pairs; `padding` is "SAME", "VALID", an int, a pair
     of ints or ((top, bottom), (left, right)). `feature_group_count` groups the channels
     (depthwise: equal to the input channels). Mixed dtypes promote as `jnp.result_type`; the
     result has `preferred_element_type` if given. 16-bit inputs accumulate in float32.
+    `bias` (output features) and `activation` (None, "relu", "gelu", "gelu_tanh", "silu") are
+    applied to the float32 accumulator in the kernel and rounded once (docs/design.md).
     `out_sharding` as `lax.conv_general_dilated` takes it (on Explicit axes: sharded input
     channels reduce-scatter into it).
 
@@ -267,36 +300,42 @@ def conv2d(
     way). `implementation` and `interpret` choose the kernel as in docs/design.md; `config` sets the
     forward kernel's block sizes (`None` picks them from the shapes).
     """
-    OP.validate(config, booleans=True, x=x, w=w)
+    OP.validate(config, booleans=True, x=x, w=w,
+                **({} if bias is None else {"bias": bias}))
     x, w = jnp.asarray(x), jnp.asarray(w)
     geometry = make_geometry(
         x.shape, w.shape, stride=stride, padding=padding, dilation=dilation,
         feature_group_count=feature_group_count, data_format=data_format)
     if isinstance(precision, list):
         precision = tuple(precision)
-    out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(x, w))
     nhwc = (0, 2, 3, 1) if data_format == "NCHW" else (0, 1, 2, 3)
     hwio = (2, 3, 1, 0) if data_format == "NCHW" else (0, 1, 2, 3)
-    problem = make_problem(tuple(x.shape[d] for d in nhwc), tuple(w.shape[d] for d in hwio),
-                           x.dtype, w.dtype, geometry, out_dtype)
+    w_hwio = tuple(w.shape[d] for d in hwio)
+    epilogue_reference.check("conv2d", (), w_hwio[3], bias, activation, None)
+    bias = None if bias is None else jnp.asarray(bias)
+    out_dtype = epilogue_reference.result_dtype(
+        preferred_element_type or jnp.result_type(x, w), bias, None)
+    epilogue = Epilogue(activation, bias is not None)
+    problem = make_problem(tuple(x.shape[d] for d in nhwc), w_hwio, x.dtype, w.dtype, geometry,
+                           out_dtype, epilogue)
     checks = OP.checks(problem, config)
     out_sharding = partition.out_sharding(out_sharding, "conv2d", 4)
 
-    def call(name, interpret, out_sharding, x, w):
+    def call(name, interpret, out_sharding, x, w, bias):
         if not registry.get(name).is_kernel:
             return reference_conv2d(
-                x, w, stride=stride, padding=padding, dilation=dilation,
-                feature_group_count=feature_group_count, data_format=data_format,
-                precision=precision, preferred_element_type=preferred_element_type,
-                out_sharding=out_sharding)
+                x, w, bias=bias, activation=activation, stride=stride, padding=padding,
+                dilation=dilation, feature_group_count=feature_group_count,
+                data_format=data_format, precision=precision,
+                preferred_element_type=preferred_element_type, out_sharding=out_sharding)
         if data_format == "NCHW":
             x, w = x.transpose(0, 2, 3, 1), w.transpose(2, 3, 1, 0)
         wanted = partition.requested(out_sharding, 4)
         static = _Static(name, interpret, config, precision, geometry, out_dtype,
-                         None if wanted is None else (tuple(wanted[d] for d in nhwc),))
-        out = _jitted_conv(*partition.match_varying(x, w), static)
+                         None if wanted is None else (tuple(wanted[d] for d in nhwc),), epilogue)
+        out = _jitted_conv(*partition.match_varying(x, w, bias), static)
         out = out.transpose(0, 3, 1, 2) if data_format == "NCHW" else out
         return partition.constrain(out, out_sharding)
 
-    return _dispatch.run("conv2d", implementation, interpret, checks, call, x, w,
+    return _dispatch.run("conv2d", implementation, interpret, checks, call, x, w, bias,
                          config=config, out_sharding=out_sharding, empty=problem.is_empty)

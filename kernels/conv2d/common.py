@@ -19,6 +19,7 @@ from typing import NamedTuple
 import jax.numpy as jnp
 
 from kernels._dtypes import promoted
+from kernels._epilogue import Epilogue
 from reference.conv2d import Geometry, output_size
 
 
@@ -60,6 +61,7 @@ class Problem(NamedTuple):
     x_dtype: jnp.dtype
     w_dtype: jnp.dtype
     out_dtype: jnp.dtype
+    epilogue: Epilogue = Epilogue()
 
     @property
     def groups(self) -> int:
@@ -115,18 +117,19 @@ class Problem(NamedTuple):
         return self.m * self.o * self.k * self.n * self.h * self.w * self.c == 0
 
 
-def make_problem(x_shape, w_shape, x_dtype, w_dtype, geometry: Geometry, out_dtype) -> Problem:
+def make_problem(x_shape, w_shape, x_dtype, w_dtype, geometry: Geometry, out_dtype,
+                 epilogue: Epilogue = Epilogue()) -> Problem:
     if geometry.lhs_dilation != (1, 1):  # the input gradient runs as phases (`subpixel_phases`)
         raise AssertionError(f"conv2d kernels take no lhs dilation, got {geometry}")
     n, h, w, c = x_shape
     kh, kw, _, o = w_shape
     return Problem(n, h, w, c, kh, kw, o, geometry, jnp.dtype(x_dtype), jnp.dtype(w_dtype),
-                   jnp.dtype(out_dtype))
+                   jnp.dtype(out_dtype), epilogue)
 
 
 def flops_and_bytes(p: Problem) -> tuple[int, int]:
     """2·M·K·O flops (zeros of padding and dilation included: the kernels multiply them);
-    bytes if x and w are read once and the output written once.
+    bytes if x and w are read once and the output (and a saved pre-activation) written once.
 
     The weight gradient reads x and the output gradient and writes w: the same arrays, so the
     same count serves it.
@@ -134,7 +137,7 @@ def flops_and_bytes(p: Problem) -> tuple[int, int]:
     flops = 2 * p.m * p.k * p.o
     nbytes = (p.n * p.h * p.w * p.c * p.x_dtype.itemsize
               + p.kh * p.kw * p.cg * p.o * p.w_dtype.itemsize
-              + p.m * p.o * p.out_dtype.itemsize)
+              + p.m * p.o * p.epilogue.bytes_per_output(p.out_dtype))
     return flops, nbytes
 
 
@@ -193,3 +196,4 @@ def subpixel_phases(g: Geometry, in_hw: tuple[int, int], kernel_hw: tuple[int, i
         phases.append(Phase(offset, tuple(a[0] for a in axes), geometry,
                             tuple(a[3] for a in axes)))
     return phases
+

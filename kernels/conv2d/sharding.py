@@ -6,14 +6,18 @@ each device convolves its channel slice and the partial outputs are summed. With
 channel sharding that splits whole groups (the depthwise case: any split) runs locally with
 fewer groups per device. Spatially sharded images are gathered to whole images first (a window
 crosses shard borders; a halo exchange is not implemented). The weight gradient sums its
-per-device partials over the batch shards.
+per-device partials over the batch shards. The epilogue's bias is laid out like O; over
+sharded input channels the kernel writes float32 partials and the epilogue runs after their sum,
+in XLA on each device's block.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from kernels._epilogue import Epilogue, apply_after_sum
 from kernels.partition import Layout, Plan, reduction
+from reference.epilogue import accumulator_dtype
 
 
 def _local_static(static: Any, layout: Layout, channels: tuple[str, ...]) -> Any:
@@ -30,13 +34,15 @@ def _channels(layout: Layout, groups: int, *candidates: tuple[str, ...],
 
 
 def factors(static: Any, shapes: tuple) -> str:
+    bias = ", o" if shapes[2] is not None else ""
+    outputs = ", ".join(["n y x o"] * static.epilogue.num_outputs)
     if static.geometry.groups == 1:
-        return "n h w c, p q c o -> n y x o"
-    return "n h w c, p q i o -> n y x o"
+        return f"n h w c, p q c o{bias} -> {outputs}"
+    return f"n h w c, p q i o{bias} -> {outputs}"
 
 
 def rule(conv: Any, static: Any, layout: Layout) -> Plan:
-    (x_shape, w_shape), (x_dims, w_dims) = layout.shapes, layout.dims
+    (x_shape, w_shape, bias_shape), (x_dims, w_dims, _) = layout.shapes, layout.dims
     groups = static.geometry.groups
     used: set[str] = set()
     n = layout.fit(x_shape[0], x_dims[0], used)
@@ -47,11 +53,21 @@ def rule(conv: Any, static: Any, layout: Layout) -> Plan:
     out_shape = (x_shape[0], None, None, w_shape[3])
     sum_c = reduction(c, out_shape, out_dims, layout)
     local_static = _local_static(static, layout, grouped)
+    epilogue = static.epilogue
 
-    def local(x, w):
-        return sum_c(conv(x, w, local_static))
+    def local(x, w, bias):
+        if not c or epilogue.is_identity:
+            return sum_c(conv(x, w, bias, local_static))
+        partials = local_static._replace(epilogue=Epilogue(), out_dtype=accumulator_dtype(
+            x.dtype, w.dtype, static.out_dtype))
+        summed = sum_c(conv(x, w, None, partials))
+        return apply_after_sum(summed, bias, None, epilogue, static.out_dtype)
 
-    return Plan(((n, (), (), grouped or c), ((), (), c, o)), tuple(out_dims), local)
+    in_dims = ((n, (), (), grouped or c), ((), (), c, o),
+               None if bias_shape is None else (out_dims[3],))
+    if epilogue.saved is None:
+        return Plan(in_dims, tuple(out_dims), local)
+    return Plan(in_dims, (tuple(out_dims),) * 2, local, multiple=True)
 
 
 def weight_gradient_factors(statics: Any, shapes: tuple) -> str:

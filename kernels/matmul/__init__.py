@@ -1,9 +1,13 @@
-"""`kernels.matmul`: `jnp.matmul` as tiled Pallas kernels, with kernel-computed gradients.
+"""`kernels.matmul`: `jnp.matmul` as tiled Pallas kernels, with a fused epilogue
+(`activation(a @ b + bias) + residual`, `kernels._epilogue`) and kernel-computed gradients.
 
 The public function validates its inputs, normalizes ranks (rank-1 operands become matrices;
 batch dims of `a` fold into M when `b` is a plain matrix, the `x @ W` of every dense layer) and
 routes to `_product`, a `custom_vjp` over batched products whose backward runs the same
-implementation's kernel on transposed operand views: dA = dC @ Bᵀ and dB = Aᵀ @ dC.
+implementation's kernel on transposed operand views: dA = dZ @ Bᵀ and dB = Aᵀ @ dZ, where
+dZ = g·activation'(z) (g itself without an activation). With an activation the training
+forward's kernel also writes the pre-activation z (`Epilogue.saved`); dZ and dbias are one XLA
+pass over g and z; a residual's gradient is g.
 """
 
 from __future__ import annotations
@@ -21,9 +25,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 import reference
 from kernels import _dispatch, partition, registry
 from kernels._dtypes import promoted
+from kernels._epilogue import Epilogue, gradient
 from kernels.registry import Op
 from kernels.matmul import sharding
 from kernels.matmul.common import MatmulConfig, make_problem
+from reference import epilogue as epilogue_reference
 
 __all__ = ["matmul", "MatmulConfig"]
 
@@ -43,11 +49,15 @@ class _Static(NamedTuple):
     # The mesh axes asked of the product's dims on Explicit axes (partition.Layout.requested):
     # a sharded K then reduce-scatters into them.
     requested: tuple[partition.Dims | None] | None = None
+    epilogue: Epilogue = Epilogue()
 
 
-def _run_whole(a: jax.Array, b: jax.Array, static: _Static) -> jax.Array:
-    p = make_problem(a, b, static.transpose_a, static.transpose_b, static.out_dtype)
-    return OP.module(static.implementation).matmul(a, b, p, config=static.config,
+def _run_whole(a: jax.Array, b: jax.Array, bias: jax.Array | None, residual: jax.Array | None,
+               static: _Static) -> jax.Array | tuple[jax.Array, jax.Array]:
+    p = make_problem(a, b, static.transpose_a, static.transpose_b, static.out_dtype,
+                     static.epilogue)
+    return OP.module(static.implementation).matmul(a, b, bias, residual, p,
+                                                   config=static.config,
                                                    precision=static.precision,
                                                    interpret=static.interpret)
 
@@ -56,15 +66,24 @@ def _run_whole(a: jax.Array, b: jax.Array, static: _Static) -> jax.Array:
 _run = partition.partitioned(_run_whole, sharding.rule, sharding.factors)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _product(a: jax.Array, b: jax.Array, static: _Static) -> jax.Array:
-    return _run(a, b, static)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _product(a: jax.Array, b: jax.Array, bias: jax.Array | None, residual: jax.Array | None,
+             static: _Static) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """The batched product with `static.epilogue`; (y, z) where the epilogue saves z."""
+    return _run(a, b, bias, residual, static)
 
 
-def _product_fwd(a, b, static):
+def _product_fwd(a, b, bias, residual, static):
     # Calls `_product`, not `_run`: higher-order differentiation goes through the forward too,
     # and it must meet this custom_vjp there, not a raw pallas_call.
-    return _product(a, b, static), (a, b)
+    epilogue = static.epilogue
+    if epilogue.activation is None or epilogue.saved is not None:
+        out = _product(a, b, bias, residual, static)
+        z = out[1] if epilogue.saved is not None else None
+        return out, (a, b, bias, residual, z)
+    saving = static._replace(epilogue=epilogue._replace(saved=static.out_dtype))
+    y, z = _product(a, b, bias, residual, saving)
+    return y, (a, b, bias, residual, z)
 
 
 def _sum_to_batch(x: jax.Array, batch: tuple[int, ...], dtype: jnp.dtype) -> jax.Array:
@@ -83,13 +102,31 @@ def _gradient(lhs, rhs, transpose_lhs, transpose_rhs, static: _Static, like: jax
     # A gradient is asked for its primal's sharding: a contraction over a sharded dim then
     # reduce-scatters into it (on Explicit axes; XLA asks so itself on Auto axes).
     product = static._replace(config=None, transpose_a=transpose_lhs, transpose_b=transpose_rhs,
-                              out_dtype=out_dtype,
+                              out_dtype=out_dtype, epilogue=Epilogue(),
                               requested=None if reduced else (partition.dims_of(like),))
-    return partition.like(_sum_to_batch(_product(lhs, rhs, product), batch, like.dtype), like)
+    out = _product(lhs, rhs, None, None, product)
+    return partition.like(_sum_to_batch(out, batch, like.dtype), like)
+
+
+def _epilogue_gradients(static: _Static, residuals, g):
+    """(dZ, dbias, dresidual) from the cotangent g of the output (and of z where the forward
+    returned it): dZ in the product's dtype, for the backward's two products."""
+    a, b, bias, residual, z = residuals
+    epilogue = static.epilogue
+    g_y, g_z = g if epilogue.saved is not None else (g, None)
+    if epilogue.is_identity:
+        return g_y, None, None
+    dz = gradient(z, g_y, epilogue.activation)
+    if g_z is not None:
+        dz = dz + g_z.astype(dz.dtype)
+    dbias = None if bias is None else jnp.sum(dz.reshape(-1, dz.shape[-1]), 0).astype(bias.dtype)
+    dresidual = None if residual is None else g_y.astype(residual.dtype)
+    return dz.astype(promoted(a.dtype, b.dtype)), dbias, dresidual
 
 
 def _product_bwd(static: _Static, residuals, g):
-    a, b = residuals
+    a, b = residuals[:2]
+    g, dbias, dresidual = _epilogue_gradients(static, residuals, g)
     if static.transpose_a:  # A is stored (K, M): dA = op(B) @ gᵀ
         da = _gradient(b, g, static.transpose_b, True, static, a)
     else:  # dA = g @ op(B)ᵀ
@@ -98,7 +135,7 @@ def _product_bwd(static: _Static, residuals, g):
         db = _gradient(g, a, True, static.transpose_a, static, b)
     else:  # dB = op(A)ᵀ @ g
         db = _gradient(a, g, not static.transpose_a, False, static, b)
-    return da, db
+    return da, db, dbias, dresidual
 
 
 _product.defvjp(_product_fwd, _product_bwd)
@@ -106,9 +143,9 @@ _product.defvjp(_product_fwd, _product_bwd)
 _jitted_product = jax.jit(_product, static_argnums=-1)
 
 
-def _validated(a: jax.Array, b: jax.Array,
-               config: MatmulConfig | None) -> tuple[jax.Array, jax.Array]:
-    OP.validate(config, a=a, b=b)
+def _validated(a: jax.Array, b: jax.Array, config: MatmulConfig | None,
+               **epilogue: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    OP.validate(config, a=a, b=b, **{k: v for k, v in epilogue.items() if v is not None})
     a, b = jnp.asarray(a), jnp.asarray(b)
     for name, x in (("a", a), ("b", b)):
         if x.ndim < 1:
@@ -171,6 +208,9 @@ def matmul(
     a: jax.Array,
     b: jax.Array,
     *,
+    bias: jax.Array | None = None,
+    activation: str | None = None,
+    residual: jax.Array | None = None,
     precision: lax.PrecisionLike = None,
     preferred_element_type: jnp.dtype | None = None,
     out_sharding: NamedSharding | PartitionSpec | None = None,
@@ -178,36 +218,49 @@ def matmul(
     interpret: bool | str | None = None,
     config: MatmulConfig | None = None,
 ) -> jax.Array:
-    """`jnp.matmul(a, b, precision=..., preferred_element_type=..., out_sharding=...)` as a
-    Pallas kernel.
+    """`activation(jnp.matmul(a, b, ...) + bias) + residual` as a Pallas kernel.
 
     Operands of rank >= 1 with broadcasting batch dims, any M, N, K, any float dtype (16-bit
-    inputs accumulate in float32). `out_sharding` as `jnp.matmul` takes it (on Explicit axes: a
-    contraction over a sharded dim reduce-scatters into it). `implementation` and `interpret`
-    choose the kernel as in docs/design.md; `config` sets block sizes (`None` picks them from
-    the shapes).
+    inputs accumulate in float32). The epilogue (docs/design.md) is applied to the float32
+    accumulator in the kernel and rounded once: `bias` of shape (N,), `activation` one of None,
+    "relu", "gelu", "gelu_tanh", "silu", `residual` broadcasting to the output; the result has
+    the dtype jnp gives that formula. `out_sharding` as `jnp.matmul` takes it (on Explicit
+    axes: a contraction over a sharded dim reduce-scatters into it). `implementation` and
+    `interpret` choose the kernel as in docs/design.md; `config` sets block sizes (`None`
+    picks them from the shapes).
     """
-    a, b = _validated(a, b, config)
+    a, b = _validated(a, b, config, bias=bias, residual=residual)
     if isinstance(precision, list):
         precision = tuple(precision)
-    out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(a, b))
+    result_shape = _result_shape(a.shape, b.shape)
+    epilogue_reference.check("matmul", result_shape, b.shape[-1] if b.ndim > 1 else None, bias,
+                             activation, residual)
+    bias = None if bias is None else jnp.asarray(bias)
+    residual = None if residual is None else jnp.asarray(residual)
+    product_dtype = jnp.dtype(preferred_element_type or jnp.result_type(a, b))
+    out_dtype = epilogue_reference.result_dtype(product_dtype, bias, residual)
+    epilogue = Epilogue(activation, bias is not None, residual is not None)
     a2, b2 = jax.eval_shape(lambda a, b: _as_batched_matrices(a, b)[:2], a, b)
-    out_sharding = partition.out_sharding(out_sharding, "matmul",
-                                          len(_result_shape(a.shape, b.shape)))
-    problem = make_problem(a2, b2, False, False, out_dtype)
+    out_sharding = partition.out_sharding(out_sharding, "matmul", len(result_shape))
+    problem = make_problem(a2, b2, False, False, out_dtype, epilogue)
     checks = OP.checks(problem, config)
 
-    def call(name, interpret, out_sharding, a, b):
+    def call(name, interpret, out_sharding, a, b, bias, residual):
         if not registry.get(name).is_kernel:
-            return reference.matmul(a, b, precision=precision,
+            return reference.matmul(a, b, bias=bias, activation=activation, residual=residual,
+                                    precision=precision,
                                     preferred_element_type=preferred_element_type,
                                     out_sharding=out_sharding)
         a2, b2, out_shape = _as_batched_matrices(a, b)
+        if residual is not None:  # laid out as the batched product's output
+            residual = jnp.broadcast_to(residual, out_shape).reshape(
+                *problem.out_batch, problem.m, problem.n)
         dims = partition.requested(out_sharding, len(out_shape))
         static = _Static(name, interpret, config, precision, False, False, out_dtype,
-                         None if dims is None else (_requested_product(dims, a, b),))
-        out = _jitted_product(*partition.match_varying(a2, b2), static).reshape(out_shape)
+                         None if dims is None else (_requested_product(dims, a, b),), epilogue)
+        operands = partition.match_varying(a2, b2, bias, residual)
+        out = _jitted_product(*operands, static).reshape(out_shape)
         return partition.constrain(out, out_sharding)
 
-    return _dispatch.run("matmul", implementation, interpret, checks, call, a, b,
+    return _dispatch.run("matmul", implementation, interpret, checks, call, a, b, bias, residual,
                          config=config, out_sharding=out_sharding, empty=problem.is_empty)

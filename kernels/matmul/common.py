@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels._dtypes import promoted
+from kernels._epilogue import Epilogue
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +59,7 @@ class Problem(NamedTuple):
     a_dtype: jnp.dtype
     b_dtype: jnp.dtype
     out_dtype: jnp.dtype
+    epilogue: Epilogue = Epilogue()
 
     @property
     def num_batches(self) -> int:
@@ -79,14 +81,14 @@ class Problem(NamedTuple):
 
 
 def make_problem(a: jax.Array, b: jax.Array, transpose_a: bool, transpose_b: bool,
-                 out_dtype: jnp.dtype) -> Problem:
+                 out_dtype: jnp.dtype, epilogue: Epilogue = Epilogue()) -> Problem:
     *a_batch, a_rows, a_cols = a.shape
     *b_batch, b_rows, b_cols = b.shape
     m, k = (a_cols, a_rows) if transpose_a else (a_rows, a_cols)
     n = b_rows if transpose_b else b_cols
     out_batch = tuple(np.broadcast_shapes(tuple(a_batch), tuple(b_batch)))
     return Problem(tuple(a_batch), tuple(b_batch), out_batch, m, n, k, transpose_a,
-                   transpose_b, a.dtype, b.dtype, jnp.dtype(out_dtype))
+                   transpose_b, a.dtype, b.dtype, jnp.dtype(out_dtype), epilogue)
 
 
 def batch_index(out_index: jax.Array, out_batch: tuple[int, ...],
@@ -106,11 +108,12 @@ def batch_index(out_index: jax.Array, out_batch: tuple[int, ...],
 
 
 def flops_and_bytes(p: Problem) -> tuple[int, int]:
-    """2·M·N·K flops per batch; bytes if each operand is read once and the output written once
-    (the op's minimum traffic)."""
+    """2·M·N·K flops per batch; bytes if each operand is read once and each output written
+    once (the op's minimum traffic), with the epilogue's (`Epilogue.bytes_per_output`)."""
+    outputs = p.num_batches * p.m * p.n
     nbytes = (math.prod(p.a_batch) * p.m * p.k * jnp.dtype(p.a_dtype).itemsize
               + math.prod(p.b_batch) * p.k * p.n * jnp.dtype(p.b_dtype).itemsize
-              + p.num_batches * p.m * p.n * jnp.dtype(p.out_dtype).itemsize)
+              + outputs * p.epilogue.bytes_per_output(p.out_dtype))
     return 2 * p.num_batches * p.m * p.n * p.k, nbytes
 
 

@@ -5,13 +5,19 @@ column-parallel `x @ W` with W sharded over N). A sharded contracting dim K (row
 weights) runs a local product on each device's K slice and sums the partials: an all-reduce,
 or a reduce-scatter when XLA wants the output sharded by that axis. The same rule serves the
 backward's products (dA = dC @ Bᵀ, dB = Aᵀ @ dC), which are products of this kind too.
+
+The epilogue's bias is laid out like N, its residual and saved pre-activation like the output.
+Over a sharded K the kernel writes float32 partials and the epilogue runs after their sum, in
+XLA on each device's block: an activation of a partial sum is not a partial of the activation.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from kernels._epilogue import Epilogue, apply_after_sum
 from kernels.partition import Layout, Plan, reduction
+from reference.epilogue import accumulator_dtype
 
 
 def _roles(static: Any, rank: int) -> tuple[int, int, int, int]:
@@ -22,7 +28,7 @@ def _roles(static: Any, rank: int) -> tuple[int, int, int, int]:
 
 
 def factors(static: Any, shapes: tuple) -> str:
-    a_shape, b_shape = shapes
+    a_shape, b_shape, bias_shape, residual_shape = shapes
     rank = len(a_shape)
     m_a, k_a, k_b, n_b = _roles(static, rank)
     a, b = [""] * rank, [""] * rank
@@ -32,11 +38,14 @@ def factors(static: Any, shapes: tuple) -> str:
         b[d] = f"b{d}" if b_shape[d] > 1 or a_shape[d] == 1 else f"c{d}"
         out.append(f"b{d}")
     a[m_a], a[k_a], b[k_b], b[n_b] = "m", "k", "k", "n"
-    return f"{' '.join(a)}, {' '.join(b)} -> {' '.join(out + ['m', 'n'])}"
+    out = " ".join(out + ["m", "n"])
+    operands = [" ".join(a), " ".join(b)] + ["n"] * (bias_shape is not None) + [
+        out] * (residual_shape is not None)
+    return f"{', '.join(operands)} -> {', '.join([out] * static.epilogue.num_outputs)}"
 
 
 def rule(product: Any, static: Any, layout: Layout) -> Plan:
-    (a_shape, b_shape), (a_dims, b_dims) = layout.shapes, layout.dims
+    (a_shape, b_shape, *_), (a_dims, b_dims, *_) = layout.shapes, layout.dims
     rank = len(a_shape)
     m_a, k_a, k_b, n_b = _roles(static, rank)
     used: set[str] = set()
@@ -57,8 +66,18 @@ def rule(product: Any, static: Any, layout: Layout) -> Plan:
     out_dims = [*batch, m, n]
     out_shape = [max(a_shape[d], b_shape[d]) for d in range(rank - 2)]
     sum_k = reduction(k, [*out_shape, a_shape[m_a], b_shape[n_b]], out_dims, layout)
+    epilogue = static.epilogue
 
-    def local(a, b):
-        return sum_k(product(a, b, static))
+    def local(a, b, bias, residual):
+        if not k or epilogue.is_identity:
+            return sum_k(product(a, b, bias, residual, static))
+        partials = static._replace(epilogue=Epilogue(), out_dtype=accumulator_dtype(
+            a.dtype, b.dtype, static.out_dtype))
+        summed = sum_k(product(a, b, None, None, partials))
+        return apply_after_sum(summed, bias, residual, epilogue, static.out_dtype)
 
-    return Plan((tuple(a_in), tuple(b_in)), tuple(out_dims), local)
+    in_dims = (tuple(a_in), tuple(b_in), (out_dims[-1],), tuple(out_dims))
+    in_dims = tuple(d if shape is not None else None for d, shape in zip(in_dims, layout.shapes))
+    if epilogue.saved is None:
+        return Plan(in_dims, tuple(out_dims), local)
+    return Plan(in_dims, (tuple(out_dims),) * 2, local, multiple=True)

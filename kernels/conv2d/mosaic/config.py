@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from kernels import _targets
 from kernels._blocks import LANES, require_floating, sublanes
+from kernels._epilogue import require_supported
 from kernels._pallas import pl
 from kernels.conv2d.common import Conv2dConfig, Problem
 
@@ -70,18 +71,21 @@ def resolve_config(p: Problem, config: Conv2dConfig | None) -> Conv2dConfig:
 
 
 def vmem_bytes(p: Problem, layout: Layout, block_n: int) -> int:
-    """Double-buffered input tile, weights and output block, plus the float32 accumulator."""
+    """Double-buffered input tile, weights and output block (and a saved pre-activation), plus
+    the float32 accumulator."""
     channels = block_n if p.depthwise else p.cg
     x_tile = layout.phases * layout.tile_rows * layout.cols * channels * p.x_dtype.itemsize
     weights = p.kh * p.kw * (1 if p.depthwise else p.cg) * block_n * p.w_dtype.itemsize
     out = layout.block_rows * layout.out_cols * block_n
-    return 2 * (x_tile + weights + out * p.out_dtype.itemsize) + 4 * (out + weights)
+    out_bytes = out * p.epilogue.bytes_per_output(p.out_dtype)
+    return 2 * (x_tile + weights + out_bytes) + 4 * (out + weights)
 
 
 def check(p: Problem, config: Conv2dConfig | None) -> None:
     """Declines float64, non-float operands and tiles that do not fit VMEM; rejects configs
     that break TPU tiling."""
     require_floating(x=p.x_dtype, w=p.w_dtype)
+    require_supported(p.epilogue, p.x_dtype, p.w_dtype, p.out_dtype)
     if jnp.float64 in (p.x_dtype, p.w_dtype, p.out_dtype):
         raise NotImplementedError("float64 is not supported on TPU")
     config = resolve_config(p, config)

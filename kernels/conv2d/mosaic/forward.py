@@ -25,6 +25,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from kernels import _epilogue
 from kernels._pallas import mosaic_call, mosaic_precision, pl, pltpu, vmem_limit
 from kernels.conv2d.common import Conv2dConfig, Problem, flops_and_bytes
 from kernels.conv2d.mosaic.config import Layout, resolve_config, vmem_bytes
@@ -33,28 +34,41 @@ from kernels.conv2d.mosaic.windows import dot, input_spec, staged_x, tap_list, w
 __all__ = ["conv"]
 
 
-def _conv_kernel(x_ref, w_ref, out_ref, *, p: Problem, layout: Layout, precision):
+def _store_outputs(acc, bias_ref, out_ref, z_ref, p: Problem):
+    """The epilogue on the accumulator block, then its one store (and z's, saved)."""
+    bias = None if bias_ref is None else bias_ref[...]
+    y, z = _epilogue.apply(acc, bias, None, p.epilogue)
+    out_ref[...] = y.reshape(out_ref.shape).astype(out_ref.dtype)
+    if z_ref is not None:
+        z_ref[...] = z.reshape(z_ref.shape).astype(z_ref.dtype)
+
+
+def _conv_kernel(*refs, p: Problem, layout: Layout, precision):
+    (x_ref, w_ref), bias_ref, _, out_ref, z_ref = _epilogue.split_refs(refs, p.epilogue, 2)
     pixels = layout.block_rows * layout.out_cols
     acc = None
     for kh, kw in tap_list(p):
         window = window_at(x_ref, p, layout, kh, kw, (0, 0)).reshape(pixels, p.cg)
         product = dot(window, w_ref[kh, kw], p, precision)
         acc = product if acc is None else acc + product
-    out_ref[...] = acc.reshape(out_ref.shape).astype(out_ref.dtype)
+    _store_outputs(acc, bias_ref, out_ref, z_ref, p)
 
 
-def _depthwise_kernel(x_ref, w_ref, out_ref, *, p: Problem, layout: Layout):
+def _depthwise_kernel(*refs, p: Problem, layout: Layout):
+    (x_ref, w_ref), bias_ref, _, out_ref, z_ref = _epilogue.split_refs(refs, p.epilogue, 2)
     acc = None
     for tap, (kh, kw) in enumerate(tap_list(p)):
         window = window_at(x_ref, p, layout, kh, kw, (0,)).astype(jnp.float32)
         product = window * w_ref[pl.ds(tap, 1), :].astype(jnp.float32)[None]
         acc = product if acc is None else acc + product
-    out_ref[...] = acc.astype(out_ref.dtype)
+    _store_outputs(acc, bias_ref, out_ref, z_ref, p)
 
 
-def conv(x: jax.Array, w: jax.Array, p: Problem, *, config: Conv2dConfig | None, precision,
-         interpret: bool | str) -> jax.Array:
-    """The convolution of a problem that `check` accepted: (N, OH, OW, O) in p.out_dtype."""
+def conv(x: jax.Array, w: jax.Array, bias: jax.Array | None, p: Problem, *,
+         config: Conv2dConfig | None, precision,
+         interpret: bool | str) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """The convolution of a problem that `check` accepted, with `p.epilogue`: (N, OH, OW, O)
+    in p.out_dtype, and the pre-activation beside it where the epilogue saves it."""
     config = resolve_config(p, config)
     layout = Layout(p, config.block_rows)
     block_n = config.block_n
@@ -63,6 +77,9 @@ def conv(x: jax.Array, w: jax.Array, p: Problem, *, config: Conv2dConfig | None,
         multiplier = p.og  # output channel c·multiplier + o reads input channel c
         ws = w.reshape(p.kh * p.kw, p.c, multiplier).transpose(2, 0, 1)  # (mult, taps, C)
         grid = (p.n, multiplier, p.c // block_n, layout.num_row_blocks)
+        # Output channel c·multiplier + o: the bias as (multiplier, 1, C), a lane row per step.
+        biases = None if bias is None else bias.reshape(p.c, multiplier).T[:, None, :]
+        bias_spec = pl.BlockSpec((None, 1, block_n), lambda n, o, j, r: (o, 0, j))
         in_specs = [
             input_spec(p, layout, block_n, lambda n, o, j, r: (n, 0, r, j)),
             pl.BlockSpec((None, p.kh * p.kw, block_n), lambda n, o, j, r: (o, 0, j)),
@@ -74,6 +91,8 @@ def conv(x: jax.Array, w: jax.Array, p: Problem, *, config: Conv2dConfig | None,
     else:
         ws = w.reshape(p.kh, p.kw, p.cg, p.groups, p.og).transpose(3, 0, 1, 2, 4)
         grid = (p.n, p.groups, p.og // block_n, layout.num_row_blocks)
+        biases = None if bias is None else bias.reshape(p.groups, 1, p.og)
+        bias_spec = pl.BlockSpec((None, 1, block_n), lambda n, g, j, r: (g, 0, j))
         in_specs = [
             input_spec(p, layout, p.cg, lambda n, g, j, r: (n, g, r, 0)),
             pl.BlockSpec((None, p.kh, p.kw, p.cg, block_n), lambda n, g, j, r: (g, 0, 0, 0, j)),
@@ -83,19 +102,26 @@ def conv(x: jax.Array, w: jax.Array, p: Problem, *, config: Conv2dConfig | None,
                                 lambda n, g, j, r: (n, g, r, 0, j))
         kernel = functools.partial(_conv_kernel, p=p, layout=layout,
                                    precision=mosaic_precision(precision))
+    if bias is not None:
+        in_specs.append(bias_spec)
     out = mosaic_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct(out_shape, p.out_dtype),
-        grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=0, grid=grid,
-                                               in_specs=in_specs, out_specs=out_spec),
+        out_shape=_epilogue.out_shapes(out_shape, p.out_dtype, p.epilogue),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=0, grid=grid, in_specs=in_specs,
+            out_specs=out_spec if p.epilogue.saved is None else (out_spec, out_spec)),
         dimension_semantics=("parallel",) * 4,
         interpret=interpret,
         flops=flops_and_bytes(p)[0],
         vmem_limit_bytes=vmem_limit(vmem_bytes(p, layout, block_n)),
         name="conv2d_depthwise_mosaic" if p.depthwise else "conv2d_mosaic",
-    )(xs, ws)
+    )(xs, ws, *_epilogue.operands(biases, None))
+    return jax.tree.map(lambda out: _nhwc(out, p), out)
+
+
+def _nhwc(out: jax.Array, p: Problem) -> jax.Array:
+    """(N, groups or multiplier, OH', OW', channels) -> (N, OH, OW, O) in HWIO channel order."""
     out = out[:, :, :p.oh, :p.ow]
-    # (N, groups or multiplier, OH, OW, channels) -> (N, OH, OW, O) in HWIO channel order.
     if p.depthwise:
         return out.transpose(0, 2, 3, 4, 1).reshape(p.n, p.oh, p.ow, p.o)
     return out.transpose(0, 2, 3, 1, 4).reshape(p.n, p.oh, p.ow, p.o)

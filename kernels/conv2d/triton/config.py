@@ -15,6 +15,7 @@ from kernels._blocks import (MIN_PIPELINED_STEPS, MIN_TRITON_DOT, Split, check_t
                              fill_sms, max_splits, require_floating, require_int32_offsets,
                              require_shared_memory, split_reduction, triton_block,
                              triton_dot_shared_bytes)
+from kernels._epilogue import require_supported
 from kernels._pallas import pl
 from kernels.conv2d.common import Conv2dConfig, Problem
 
@@ -54,8 +55,10 @@ def resolve_config(p: Problem, config: Conv2dConfig | None) -> Conv2dConfig:
 
 
 def check(p: Problem, config: Conv2dConfig | None) -> None:
-    """Declines non-float operands and int32-overflowing sizes; rejects bad configs."""
+    """Declines non-float operands, an epilogue it cannot apply and int32-overflowing sizes;
+    rejects bad configs."""
     require_floating(x=p.x_dtype, w=p.w_dtype)
+    require_supported(p.epilogue, p.x_dtype, p.w_dtype, p.out_dtype)
     require_int32_offsets(x=p.n * p.h * p.w * p.c, output=p.m * p.o, w=p.k * p.o)
     config = resolve_config(p, config)
     check_triton_config(config, ("block_m", "block_n", "block_k"))
@@ -101,11 +104,11 @@ def _patch_passes(p: Problem, config: Conv2dConfig) -> int:
 
 def forward_traffic(p: Problem, config: Conv2dConfig) -> int:
     """Loads the forward's programs issue: the patches (`_patch_passes`), the weights once per
-    pixel block, the output written once."""
+    pixel block, the output (and a saved pre-activation) written once."""
     weight_bytes = p.kh * p.kw * p.cg * p.o * p.w_dtype.itemsize
     return (_patch_bytes(p) * _patch_passes(p, config)
             + weight_bytes * pl.cdiv(p.m, config.block_m)
-            + p.m * p.o * p.out_dtype.itemsize)
+            + p.m * p.o * p.epilogue.bytes_per_output(p.out_dtype))
 
 
 def _depthwise_weight_grad_config(p: Problem) -> Conv2dConfig:

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kernels import _epilogue
 from kernels._blocks import int32_loop
 from kernels._pallas import pl, triton_call, triton_load
 from kernels.conv2d.common import Conv2dConfig, Problem, flops_and_bytes
@@ -42,7 +43,21 @@ from kernels.conv2d.triton.patches import (arange_valid, dot, gather_input, inpu
 __all__ = ["conv"]
 
 
-def _conv_kernel(x_ref, w_ref, out_ref, *, p: Problem, config: Conv2dConfig, precision):
+def _store_outputs(acc, bias_ref, out_ref, z_ref, p: Problem, row_start, rows_valid, col_start,
+                   cols_valid):
+    """The epilogue on the accumulator tile, then its one store (and z's, saved)."""
+    bias = None
+    if bias_ref is not None:
+        view = bias_ref.at[pl.ds(col_start, cols_valid.shape[0])]
+        bias = triton_load(view, mask=cols_valid, other=0)[None, :]
+    y, z = _epilogue.apply(acc, bias, None, p.epilogue)
+    store_2d(out_ref, y, row_start, rows_valid, col_start, cols_valid)
+    if z_ref is not None:
+        store_2d(z_ref, z, row_start, rows_valid, col_start, cols_valid)
+
+
+def _conv_kernel(*refs, p: Problem, config: Conv2dConfig, precision):
+    (x_ref, w_ref), bias_ref, _, out_ref, z_ref = _epilogue.split_refs(refs, p.epilogue, 2)
     block_m, block_n, block_k = config.block_m, config.block_n, config.block_k
     row_start, group = pl.program_id(0) * block_m, pl.program_id(2)
     col_start = group * p.og + pl.program_id(1) * block_n
@@ -56,11 +71,12 @@ def _conv_kernel(x_ref, w_ref, out_ref, *, p: Problem, config: Conv2dConfig, pre
         return acc + dot(patches, weights, p, precision)
 
     acc = int32_loop(num_k_blocks(p, block_k), step,
-                        jnp.zeros((block_m, block_n), p.accumulator_dtype))
-    store_2d(out_ref, acc, row_start, pixels[0], col_start, cols_valid)
+                     jnp.zeros((block_m, block_n), p.accumulator_dtype))
+    _store_outputs(acc, bias_ref, out_ref, z_ref, p, row_start, pixels[0], col_start, cols_valid)
 
 
-def _depthwise_kernel(x_ref, w_ref, out_ref, *, p: Problem, config: Conv2dConfig):
+def _depthwise_kernel(*refs, p: Problem, config: Conv2dConfig):
+    (x_ref, w_ref), bias_ref, _, out_ref, z_ref = _epilogue.split_refs(refs, p.epilogue, 2)
     block_m, block_n = config.block_m, config.block_n
     row_start, col_start = pl.program_id(0) * block_m, pl.program_id(1) * block_n
     m_valid, n, oh, ow = pixel_range(p, row_start, block_m)
@@ -78,13 +94,15 @@ def _depthwise_kernel(x_ref, w_ref, out_ref, *, p: Problem, config: Conv2dConfig
         return acc + values.astype(acc.dtype) * weights.astype(acc.dtype)[None, :]
 
     acc = int32_loop(p.kh * p.kw, step,
-                        jnp.zeros((block_m, block_n), p.accumulator_dtype))
-    store_2d(out_ref, acc, row_start, m_valid, col_start, cols_valid)
+                     jnp.zeros((block_m, block_n), p.accumulator_dtype))
+    _store_outputs(acc, bias_ref, out_ref, z_ref, p, row_start, m_valid, col_start, cols_valid)
 
 
-def conv(x: jax.Array, w: jax.Array, p: Problem, *, config: Conv2dConfig | None, precision,
-         interpret: bool | str) -> jax.Array:
-    """The convolution of a problem that `check` accepted: (N, OH, OW, O) in p.out_dtype."""
+def conv(x: jax.Array, w: jax.Array, bias: jax.Array | None, p: Problem, *,
+         config: Conv2dConfig | None, precision,
+         interpret: bool | str) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """The convolution of a problem that `check` accepted, with `p.epilogue`: (N, OH, OW, O)
+    in p.out_dtype, and the pre-activation beside it where the epilogue saves it."""
     config = resolve_config(p, config)
     if p.depthwise:
         kernel = functools.partial(_depthwise_kernel, p=p, config=config)
@@ -92,9 +110,9 @@ def conv(x: jax.Array, w: jax.Array, p: Problem, *, config: Conv2dConfig | None,
     else:
         kernel = functools.partial(_conv_kernel, p=p, config=config, precision=precision)
         grid = (pl.cdiv(p.m, config.block_m), pl.cdiv(p.og, config.block_n), p.groups)
-    out = triton_call(
+    outs = triton_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((p.m, p.o), p.out_dtype),
+        out_shape=_epilogue.out_shapes((p.m, p.o), p.out_dtype, p.epilogue),
         grid=grid,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
@@ -102,5 +120,5 @@ def conv(x: jax.Array, w: jax.Array, p: Problem, *, config: Conv2dConfig | None,
         flops=flops_and_bytes(p)[0],
         bytes_accessed=forward_traffic(p, config),
         name="conv2d_depthwise_triton" if p.depthwise else "conv2d_triton",
-    )(x.reshape(-1), w.reshape(p.k, p.o))
-    return out.reshape(p.n, p.oh, p.ow, p.o)
+    )(x.reshape(-1), w.reshape(p.k, p.o), *_epilogue.operands(bias, None))
+    return jax.tree.map(lambda out: out.reshape(p.n, p.oh, p.ow, p.o), outs)

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from kernels import _targets
 from kernels._blocks import LANES, require_floating, sublanes
+from kernels._epilogue import require_supported
 from kernels.matmul.common import MatmulConfig, Problem
 
 __all__ = ["resolve_config", "check", "block_shapes", "vmem_bytes"]
@@ -50,6 +51,7 @@ def check(p: Problem, config: MatmulConfig | None) -> None:
     """Declines float64, non-float operands and blocks over the TPU's VMEM; rejects blocks
     that break TPU tiling."""
     require_floating(a=p.a_dtype, b=p.b_dtype)
+    require_supported(p.epilogue, p.a_dtype, p.b_dtype, p.out_dtype)
     if jnp.float64 in (p.a_dtype, p.b_dtype, p.out_dtype):
         raise NotImplementedError("float64 is not supported on TPU")
     if p.is_empty:
@@ -71,10 +73,11 @@ def check(p: Problem, config: MatmulConfig | None) -> None:
 
 
 def vmem_bytes(p: Problem, config: MatmulConfig) -> int:
-    """VMEM of one step: A, B and output blocks double-buffered, the float32 accumulator, and
-    the float32 product of the step's dot before it is added."""
+    """VMEM of one step: A, B and output blocks (with the epilogue's residual and saved
+    pre-activation) double-buffered, the float32 accumulator, and the float32 product of the
+    step's dot before it is added."""
     a_block, b_block, out_block = block_shapes(p, config)
     blocks = (math.prod(a_block) * jnp.dtype(p.a_dtype).itemsize
               + math.prod(b_block) * jnp.dtype(p.b_dtype).itemsize
-              + math.prod(out_block) * jnp.dtype(p.out_dtype).itemsize)
+              + math.prod(out_block) * p.epilogue.bytes_per_output(p.out_dtype))
     return 2 * blocks + 2 * 4 * math.prod(out_block)

@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kernels import _epilogue
 from kernels._pallas import mosaic_call, mosaic_precision, pl, pltpu, vmem_limit
 from kernels.matmul.common import MatmulConfig, Problem, batch_index, dot, flops_and_bytes
 from kernels.matmul.mosaic.config import block_shapes, resolve_config, vmem_bytes
@@ -51,7 +52,10 @@ def _zero_past_k(x: jax.Array, k_axis: int, p: Problem, block_k: int) -> jax.Arr
     return jnp.where(k < p.k, x, jnp.zeros_like(x))
 
 
-def _matmul_kernel(a_ref, b_ref, out_ref, acc_ref, *, p: Problem, block_k: int, precision):
+def _matmul_kernel(*refs, p: Problem, block_k: int, precision):
+    (a_ref, b_ref), bias_ref, residual_ref, out_ref, z_ref = _epilogue.split_refs(
+        refs[:-1], p.epilogue, 2)
+    acc_ref = refs[-1]
     k_step = pl.program_id(3)
     a, b = a_ref[...], b_ref[...]
     if p.k % block_k:
@@ -67,12 +71,19 @@ def _matmul_kernel(a_ref, b_ref, out_ref, acc_ref, *, p: Problem, block_k: int, 
 
     @pl.when(k_step == pl.num_programs(3) - 1)
     def _():
-        out_ref[...] = acc_ref[...].astype(out_ref.dtype)
+        bias = None if bias_ref is None else bias_ref[...]
+        residual = None if residual_ref is None else residual_ref[...]
+        y, z = _epilogue.apply(acc_ref[...], bias, residual, p.epilogue)
+        out_ref[...] = y.astype(out_ref.dtype)
+        if z_ref is not None:
+            z_ref[...] = z.astype(z_ref.dtype)
 
 
-def matmul(a: jax.Array, b: jax.Array, p: Problem, *, config: MatmulConfig | None, precision,
-           interpret: bool | str) -> jax.Array:
-    """`op(a) @ op(b)` for a problem that `check` accepted; returns out_batch + (M, N)."""
+def matmul(a: jax.Array, b: jax.Array, bias: jax.Array | None, residual: jax.Array | None,
+           p: Problem, *, config: MatmulConfig | None, precision,
+           interpret: bool | str) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """`op(a) @ op(b)` with `p.epilogue`, for a problem that `check` accepted: out_batch +
+    (M, N), and the pre-activation beside it where the epilogue saves it."""
     config = resolve_config(p, config)
     a_block, b_block, out_block = block_shapes(p, config)
 
@@ -86,19 +97,23 @@ def matmul(a: jax.Array, b: jax.Array, p: Problem, *, config: MatmulConfig | Non
 
     grid = (p.num_batches, pl.cdiv(p.m, config.block_m), pl.cdiv(p.n, config.block_n),
             pl.cdiv(p.k, config.block_k))
+    out_spec = pl.BlockSpec((None, *out_block), lambda i, r, c, k: (i, r, c))
+    bias_spec = pl.BlockSpec((1, out_block[1]), lambda i, r, c, k: (0, c))
+    epilogue_specs = [spec for spec, x in ((bias_spec, bias), (out_spec, residual))
+                      if x is not None]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=0,
         grid=grid,
         in_specs=[pl.BlockSpec((None, *a_block), a_index),
-                  pl.BlockSpec((None, *b_block), b_index)],
-        out_specs=pl.BlockSpec((None, *out_block), lambda i, r, c, k: (i, r, c)),
+                  pl.BlockSpec((None, *b_block), b_index), *epilogue_specs],
+        out_specs=out_spec if p.epilogue.saved is None else (out_spec, out_spec),
         scratch_shapes=[pltpu.VMEM(out_block, jnp.float32)],
     )
     kernel = functools.partial(_matmul_kernel, p=p, block_k=config.block_k,
                                precision=mosaic_precision(precision))
-    out = mosaic_call(
+    outs = mosaic_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((p.num_batches, p.m, p.n), p.out_dtype),
+        out_shape=_epilogue.out_shapes((p.num_batches, p.m, p.n), p.out_dtype, p.epilogue),
         grid_spec=grid_spec,
         dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
         interpret=interpret,
@@ -106,5 +121,7 @@ def matmul(a: jax.Array, b: jax.Array, p: Problem, *, config: MatmulConfig | Non
         vmem_limit_bytes=vmem_limit(vmem_bytes(p, config)),
         name="matmul_mosaic",
     )(a.reshape(math.prod(p.a_batch), *a.shape[-2:]),
-      b.reshape(math.prod(p.b_batch), *b.shape[-2:]))
-    return out.reshape(*p.out_batch, p.m, p.n)
+      b.reshape(math.prod(p.b_batch), *b.shape[-2:]),
+      *_epilogue.operands(None if bias is None else bias.reshape(1, p.n),
+                          None if residual is None else residual.reshape(p.num_batches, p.m, p.n)))
+    return jax.tree.map(lambda out: out.reshape(*p.out_batch, p.m, p.n), outs)

@@ -12,6 +12,7 @@ from kernels._blocks import (MIN_PIPELINED_STEPS, Split, check_triton_config, fi
                              is_positive_int, is_power_of_2, max_splits, require_floating,
                              require_shared_memory, split_reduction, triton_block,
                              triton_dot_shared_bytes)
+from kernels._epilogue import require_supported
 from kernels._pallas import pl
 from kernels.matmul.common import MatmulConfig, Problem, flops_and_bytes
 
@@ -70,9 +71,10 @@ def k_split(p: Problem, config: MatmulConfig) -> Split:
 
 
 def check(p: Problem, config: MatmulConfig | None) -> None:
-    """Declines non-float operands and blocks over the GPU's shared memory; rejects a config
-    that Triton cannot compile."""
+    """Declines non-float operands, an epilogue it cannot apply and blocks over the GPU's
+    shared memory; rejects a config that Triton cannot compile."""
     require_floating(a=p.a_dtype, b=p.b_dtype)
+    require_supported(p.epilogue, p.a_dtype, p.b_dtype, p.out_dtype)
     config = resolve_config(p, config)
     check_triton_config(config, ("block_m", "block_n", "block_k"))
     itemsize = max(jnp.dtype(p.a_dtype).itemsize, jnp.dtype(p.b_dtype).itemsize)
@@ -87,8 +89,10 @@ def check(p: Problem, config: MatmulConfig | None) -> None:
 def moved_bytes(p: Problem, config: MatmulConfig, partial_bytes: int) -> int:
     """Each tile program of each output batch streams its (block_m, K) panel of A and (K,
     block_n) panel of B (the grouped order serves most re-reads from L2) and writes its
-    output tile, or, split, `partial_bytes` of float32 partials that XLA reads back."""
+    output tile (with the epilogue's residual and saved pre-activation), or, split,
+    `partial_bytes` of float32 partials that XLA reads back."""
     panels = (p.m * p.k * jnp.dtype(p.a_dtype).itemsize * pl.cdiv(p.n, config.block_n)
               + p.k * p.n * jnp.dtype(p.b_dtype).itemsize * pl.cdiv(p.m, config.block_m))
-    written = partial_bytes or p.num_batches * p.m * p.n * jnp.dtype(p.out_dtype).itemsize
+    outputs = p.num_batches * p.m * p.n
+    written = partial_bytes or outputs * p.epilogue.bytes_per_output(p.out_dtype)
     return p.num_batches * panels + written

@@ -47,6 +47,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from kernels import _epilogue
 from kernels._blocks import int32_loop
 from kernels._pallas import pl, triton_call, triton_load, triton_store
 from kernels.matmul.common import MatmulConfig, Problem, batch_index, dot, flops_and_bytes
@@ -102,7 +103,17 @@ def _load_tile(ref, batch: jax.Array, rows: _Span, cols: _Span) -> jax.Array:
     return triton_load(view) if mask is None else triton_load(view, mask=mask, other=0)
 
 
-def _matmul_kernel(a_ref, b_ref, out_ref, *, p: Problem, config: MatmulConfig, precision):
+def _load_bias(bias_ref, cols: _Span) -> jax.Array:
+    """The (1, block_n) bias tile; columns past N read 0."""
+    view = bias_ref.at[pl.ds(cols.start, cols.size)]
+    bias = triton_load(view) if cols.valid is None else triton_load(view, mask=cols.valid,
+                                                                      other=0)
+    return bias[None, :]
+
+
+def _matmul_kernel(*refs, p: Problem, config: MatmulConfig, precision):
+    (a_ref, b_ref), bias_ref, residual_ref, out_ref, z_ref = _epilogue.split_refs(
+        refs, p.epilogue, 2)
     block_m, block_n, block_k = config.block_m, config.block_n, config.block_k
     tile, batch = pl.program_id(0), pl.program_id(1)
     tile_row, tile_col = _grouped_tile(tile, pl.cdiv(p.m, block_m), pl.cdiv(p.n, block_n),
@@ -125,31 +136,63 @@ def _matmul_kernel(a_ref, b_ref, out_ref, *, p: Problem, config: MatmulConfig, p
     out_index = split * p.num_batches + batch
     acc = int32_loop(count, lambda i, acc: step(first + i, acc),
                      jnp.zeros((block_m, block_n), p.accumulator_dtype))
-    triton_store(_tile(out_ref, out_index, rows, cols), acc.astype(out_ref.dtype),
-                 mask=_tile_mask(rows, cols))
+    bias = None if bias_ref is None else _load_bias(bias_ref, cols)
+    residual = None if residual_ref is None else _load_tile(residual_ref, batch, rows, cols)
+    y, z = _epilogue.apply(acc, bias, residual, p.epilogue)
+    mask = _tile_mask(rows, cols)
+    triton_store(_tile(out_ref, out_index, rows, cols), y, mask=mask)
+    if z_ref is not None:
+        triton_store(_tile(z_ref, out_index, rows, cols), z, mask=mask)
 
 
-def matmul(a: jax.Array, b: jax.Array, p: Problem, *, config: MatmulConfig | None, precision,
-           interpret: bool | str) -> jax.Array:
-    """`op(a) @ op(b)` for a problem that `check` accepted; returns out_batch + (M, N)."""
+def matmul(a: jax.Array, b: jax.Array, bias: jax.Array | None, residual: jax.Array | None,
+           p: Problem, *, config: MatmulConfig | None, precision,
+           interpret: bool | str) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """`op(a) @ op(b)` with `p.epilogue`, for a problem that `check` accepted: out_batch +
+    (M, N), and the pre-activation beside it where the epilogue saves it."""
     config = resolve_config(p, config)
-    num_tiles = pl.cdiv(p.m, config.block_m) * pl.cdiv(p.n, config.block_n)
-    splits = config.split_k
-    out_dtype = p.out_dtype if splits == 1 else p.accumulator_dtype
-    partial_bytes = 0 if splits == 1 else 2 * splits * p.num_batches * p.m * p.n * 4
+    if residual is not None:
+        residual = residual.reshape(p.num_batches, p.m, p.n)
+    if config.split_k > 1:  # the kernel writes partials; the epilogue runs in XLA's reduction
+        return _split_k(a, b, bias, residual, p, config, precision, interpret)
     kernel = functools.partial(_matmul_kernel, p=p, config=config, precision=precision)
+    num_tiles = pl.cdiv(p.m, config.block_m) * pl.cdiv(p.n, config.block_n)
+    outs = triton_call(
+        kernel,
+        out_shape=_epilogue.out_shapes((p.num_batches, p.m, p.n), p.out_dtype, p.epilogue),
+        grid=(num_tiles, p.num_batches, 1),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        interpret=interpret,
+        flops=flops_and_bytes(p)[0],
+        bytes_accessed=moved_bytes(p, config, 0),
+        name="matmul_triton",
+    )(a.reshape(math.prod(p.a_batch), *a.shape[-2:]),
+      b.reshape(math.prod(p.b_batch), *b.shape[-2:]), *_epilogue.operands(bias, residual))
+    return jax.tree.map(lambda out: out.reshape(*p.out_batch, p.m, p.n), outs)
+
+
+def _split_k(a, b, bias, residual, p: Problem, config: MatmulConfig, precision, interpret):
+    """Split-K: `config.split_k` programs per tile write float32 partials; XLA adds them in a
+    fixed order (the same sum on every run) and applies the epilogue in the same pass."""
+    splits = config.split_k
+    num_tiles = pl.cdiv(p.m, config.block_m) * pl.cdiv(p.n, config.block_n)
+    partials_problem = p._replace(epilogue=_epilogue.Epilogue())
+    partial_bytes = 2 * splits * p.num_batches * p.m * p.n * 4
+    kernel = functools.partial(_matmul_kernel, p=partials_problem, config=config,
+                               precision=precision)
     out = triton_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((splits * p.num_batches, p.m, p.n), out_dtype),
+        out_shape=jax.ShapeDtypeStruct((splits * p.num_batches, p.m, p.n), p.accumulator_dtype),
         grid=(num_tiles, p.num_batches, splits),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         interpret=interpret,
         flops=flops_and_bytes(p)[0],
-        bytes_accessed=moved_bytes(p, config, partial_bytes),
-        name="matmul_triton" if splits == 1 else "matmul_split_k_triton",
+        bytes_accessed=moved_bytes(partials_problem, config, partial_bytes),
+        name="matmul_split_k_triton",
     )(a.reshape(math.prod(p.a_batch), *a.shape[-2:]),
       b.reshape(math.prod(p.b_batch), *b.shape[-2:]))
-    if splits > 1:  # XLA's reduction: a fixed order, the same sum on every run
-        out = out.reshape(splits, p.num_batches, p.m, p.n).sum(axis=0).astype(p.out_dtype)
-    return out.reshape(*p.out_batch, p.m, p.n)
+    summed = out.reshape(splits, p.num_batches, p.m, p.n).sum(axis=0)
+    outs = _epilogue.apply_after_sum(summed, bias, residual, p.epilogue, p.out_dtype)
+    return jax.tree.map(lambda out: out.reshape(*p.out_batch, p.m, p.n), outs)

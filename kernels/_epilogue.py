@@ -1,0 +1,170 @@
+"""The epilogue matmul and conv2d kernels fuse (`reference.epilogue` defines it):
+`activation(acc + bias) + residual` on the float32 (float64) accumulator tile, before the one
+rounding and the one store.
+
+`apply` is written in operations every backend lowers (Triton has no erf: `_erfc` is a
+Chebyshev fit of fractional error below 1.2e-7 everywhere, Numerical Recipes' `erfcc`), so one
+function serves the Triton and Mosaic kernels on their tiles and XLA where the epilogue runs
+after a reduction (split-K partials, a contraction sharded over a mesh). A float64 gelu is
+declined by the kernels: the fit is float32-accurate only.
+
+Training keeps the pre-activation z = acc + bias: a kernel with `Epilogue.saved` set writes it
+beside the output (a second write of the output's size), and the backward computes
+dz = g·activation'(z) once in XLA (`gradient`), one memory-bound pass that also yields dbias.
+Fused instead into the two backward GEMMs' operand loads, the derivative (about 20 flops an
+element on the CUDA cores for gelu) would be recomputed for every tile that reads dz, costing
+about as much time as the GEMMs' tensor-core work.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from reference.epilogue import ACTIVATIONS, accumulator_dtype
+
+__all__ = ["Epilogue", "apply", "apply_after_sum", "gradient", "require_supported", "operands",
+           "split_refs", "out_shapes"]
+
+# erfc(t) = τ·exp(-t² + P(τ)) with τ = 1 / (1 + t/2), t >= 0; P's coefficients, lowest first.
+_ERFC_COEFFICIENTS = (-1.26551223, 1.00002368, 0.37409196, 0.09678418, -0.18628806, 0.27886807,
+                      -1.13520398, 1.48851587, -0.82215223, 0.17087277)
+
+
+class Epilogue(NamedTuple):
+    """What a kernel applies to its accumulator (hashable: part of a kernel's problem).
+
+    bias: a (features,) operand is added along the output's last (channel) dim.
+    residual: an operand of the output's shape is added after the activation.
+    saved: the dtype in which the pre-activation z is written as a second output (training
+      with an activation), or None.
+    """
+
+    activation: str | None = None
+    bias: bool = False
+    residual: bool = False
+    saved: Any = None
+
+    @property
+    def is_identity(self) -> bool:
+        return self.activation is None and not self.bias and not self.residual
+
+    @property
+    def num_outputs(self) -> int:
+        return 1 if self.saved is None else 2
+
+    def bytes_per_output(self, out_dtype: Any) -> int:
+        """Bytes a kernel moves per output element: the output, the residual it reads
+        (counted at the output's width, into which its dtype promotes) and the pre-activation
+        it saves; the bias, a vector, is left out."""
+        out = jnp.dtype(out_dtype).itemsize
+        return (out * (1 + self.residual)
+                + (0 if self.saved is None else jnp.dtype(self.saved).itemsize))
+
+    @property
+    def operands(self) -> tuple[bool, bool]:
+        """Which of (bias, residual) a kernel takes after its two inputs."""
+        return self.bias, self.residual
+
+
+def operands(bias: jax.Array | None, residual: jax.Array | None) -> list[jax.Array]:
+    """The epilogue's operands a kernel takes after its inputs, in `split_refs`' order."""
+    return [x for x in (bias, residual) if x is not None]
+
+
+def split_refs(refs: Any, epilogue: Epilogue, num_inputs: int) -> tuple[list, Any, Any, Any, Any]:
+    """A kernel's refs (inputs, bias, residual, output, saved z) as `operands` and
+    `Epilogue.num_outputs` lay them out; absent ones are None."""
+    refs = list(refs)
+    inputs, rest = refs[:num_inputs], refs[num_inputs:]
+    bias = rest.pop(0) if epilogue.bias else None
+    residual = rest.pop(0) if epilogue.residual else None
+    return inputs, bias, residual, rest[0], rest[1] if epilogue.saved is not None else None
+
+
+def out_shapes(shape: tuple[int, ...], dtype: Any, epilogue: Epilogue) -> Any:
+    """A kernel's out_shape: the output, and z where the epilogue saves it."""
+    out = jax.ShapeDtypeStruct(shape, dtype)
+    if epilogue.saved is None:
+        return out
+    return out, jax.ShapeDtypeStruct(shape, epilogue.saved)
+
+
+def _erfc(x: jax.Array) -> jax.Array:
+    t = jnp.abs(x)
+    tau = 1 / (1 + 0.5 * t)
+    poly = jnp.full_like(x, _ERFC_COEFFICIENTS[-1])
+    for c in _ERFC_COEFFICIENTS[-2::-1]:
+        poly = c + tau * poly
+    tail = tau * jnp.exp(-t * t + poly)
+    return jnp.where(x >= 0, tail, 2 - tail)
+
+
+def _activate(z: jax.Array, activation: str | None) -> jax.Array:
+    if activation is None:
+        return z
+    if activation == "relu":
+        return jnp.maximum(z, jnp.zeros_like(z))
+    if activation == "gelu":
+        return 0.5 * z * _erfc(z * -math.sqrt(0.5))
+    if activation == "gelu_tanh":
+        return 0.5 * z * (1 + jnp.tanh(math.sqrt(2 / math.pi) * (z + 0.044715 * z * z * z)))
+    if activation == "silu":
+        return z / (1 + jnp.exp(-z))
+    raise AssertionError(activation)
+
+
+def apply(acc: jax.Array, bias: jax.Array | None, residual: jax.Array | None,
+          epilogue: Epilogue) -> tuple[jax.Array, jax.Array]:
+    """(output, pre-activation) in `acc`'s dtype: `bias` broadcasts along the last dim
+    (a tile of it, or the whole vector), `residual` is a tile of the output's shape."""
+    if bias is not None:
+        bias = bias.reshape((1,) * (acc.ndim - bias.ndim) + bias.shape)
+    z = acc if bias is None else acc + bias.astype(acc.dtype)
+    y = _activate(z, epilogue.activation)
+    if residual is not None:
+        y = y + residual.astype(acc.dtype)
+    return y, z
+
+
+def apply_after_sum(acc: jax.Array, bias: jax.Array | None, residual: jax.Array | None,
+                    epilogue: Epilogue, out_dtype: Any, bias_axis: int = -1
+                    ) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """`apply` in XLA on a summed accumulator (split-K, a sharded contraction), rounded to
+    the kernel's outputs: y in `out_dtype`, and z where `epilogue.saved`."""
+    if bias is not None:
+        axis = bias_axis % acc.ndim
+        bias = bias.reshape((1,) * axis + (-1,) + (1,) * (acc.ndim - 1 - axis))
+    y, z = apply(acc, bias, residual, epilogue)
+    if epilogue.saved is None:
+        return y.astype(out_dtype)
+    return y.astype(out_dtype), z.astype(epilogue.saved)
+
+
+def gradient(z: jax.Array, g: jax.Array, activation: str | None) -> jax.Array:
+    """dz = g·activation'(z) in float32 (float64), by JAX's own derivative of the activation."""
+    acc = accumulator_dtype(g.dtype, None if z is None else z.dtype)
+    if activation is None:
+        return g.astype(acc)
+    _, vjp = jax.vjp(ACTIVATIONS[activation], z.astype(acc))
+    return vjp(g.astype(acc))[0]
+
+
+def require_supported(epilogue: Epilogue, *dtypes: Any) -> None:
+    """Declines (NotImplementedError, so a sequence falls through to `xla`) an epilogue the
+    kernels cannot apply to these dtypes: a float64 gelu (`_erfc` is float32-accurate)."""
+    if epilogue.activation == "gelu" and any(jnp.dtype(d) == jnp.float64 for d in dtypes):
+        raise NotImplementedError("the kernels' gelu (erf) is float32-accurate; a float64 gelu "
+                                  "runs in xla")
+
+
+def sum_to(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """`x` summed over the leading and broadcast dims that make it `shape` (a gradient)."""
+    lead = x.ndim - len(shape)
+    axes = tuple(range(lead)) + tuple(lead + d for d, n in enumerate(shape)
+                                      if n == 1 and x.shape[lead + d] != 1)
+    return jnp.sum(x, axis=axes).reshape(shape) if axes else x.reshape(shape)
+
