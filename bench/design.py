@@ -1,6 +1,7 @@
 """Design figures: what every kernel launch of an op would do on an H100 and a TPU v5e, worked
 out on any machine (no device needed) at the device-sized shapes of `kernels.compile.CASES`
-marked `design`, forward and backward.
+marked `design`: a training step's forward and backward, and for a case marked `inference`
+(a fused layer) the forward alone too, each beside XLA's own program of the same work.
 
 Per launch: the grid and its programs, against the H100's 132 SMs (waves; fewer than two leave
 SMs idle) or, on a TPU, the sequential grid steps of its one core; the flops and bytes the
@@ -53,32 +54,46 @@ def _op_flops(case) -> int | None:
         return 2 * math.prod(batch) * m * n * k
     if case.op == "conv2d":  # output pixels x channels x taps x input channels per group
         kh, kw, cg, _ = shapes[1]
-        out = jax.eval_shape(lambda *arrays: case.call(registry.REFERENCE, *arrays), *case.args)
+        out = jax.eval_shape(case.forward(registry.REFERENCE), *case.args)
         return 2 * out.size * kh * kw * cg
     return None
 
 
+MODES = {"training": "forward and backward", "inference": "inference (forward)"}
+
+
 def rows(ops: list[str], compile_kernels: bool = True) -> Iterator[dict]:
-    """One row per distinct kernel launch of each design case, per target and implementation
-    whose kernels run there, labelled with the parts of the op it computes (`launch`:
-    "forward, dX" where the input gradient runs the forward's very kernel); then, on a GPU
-    and with the compilers, one row for XLA's own program of the same layer (`_xla_row`)."""
+    """One row per distinct kernel launch of each design case, per target, mode (`MODES`) and
+    implementation whose kernels run there, labelled with the parts of the op it computes
+    (`launch`: "forward, dX" where the input gradient runs the forward's very kernel); then, on
+    a GPU and with the compilers, one row for XLA's own program of the same work
+    (`_xla_row`)."""
     for op in ops:
         for case in (c for c in CASES[op] if c.design):
-            for name in TARGETS:
-                target = _targets.TARGETS[name]
-                for implementation in _implementations(op, target):
-                    every = launches(case.function(implementation), *case.args, target=target)
-                    roles: dict[tuple, list[str]] = {}
-                    for eqn, role in zip(every, _roles(case, implementation, target, every),
-                                         strict=True):
-                        roles.setdefault(launch_key(eqn), []).append(role)
-                    for eqn in distinct(every):
-                        yield {**_row(case, eqn, target, implementation, compile_kernels),
-                               "launch": ", ".join(roles[launch_key(eqn)]),
-                               "count": len(roles[launch_key(eqn)])}
-                if target.platform == "gpu" and compile_kernels:
-                    yield _xla_row(case, target)
+            for mode in ("training", "inference") if case.inference else ("training",):
+                for name in TARGETS:
+                    yield from _target_rows(case, mode, _targets.TARGETS[name], compile_kernels)
+
+
+def _target_rows(case, mode: str, target, compile_kernels: bool) -> Iterator[dict]:
+    for implementation in _implementations(case.op, target):
+        fn = (case.function if mode == "training" else case.forward)(implementation)
+        every = launches(fn, *case.args, target=target)
+        roles: dict[tuple, list[str]] = {}
+        labels = (_roles(case, implementation, target, every) if mode == "training"
+                  else _numbered("forward", len(every)))
+        for eqn, role in zip(every, labels, strict=True):
+            roles.setdefault(launch_key(eqn), []).append(role)
+        for eqn in distinct(every):
+            yield {**_row(case, eqn, target, implementation, compile_kernels), "mode": mode,
+                   "launch": ", ".join(roles[launch_key(eqn)]),
+                   "count": len(roles[launch_key(eqn)]), "program": False}
+    if target.platform == "gpu" and compile_kernels:
+        # A fused layer's kernels, counted alone, leave out the XLA passes between them (the
+        # backward's dZ); their whole programs are counted like XLA's.
+        programs = _implementations(case.op, target) if case.inference else []
+        for implementation in [registry.REFERENCE, *programs]:
+            yield _program_row(case, target, mode, implementation)
 
 
 def _implementations(op: str, target) -> list[str]:
@@ -135,13 +150,17 @@ def _row(case, eqn, target, implementation: str, compile_kernels: bool) -> dict:
     return row
 
 
-def _xla_row(case, target) -> dict:
-    """XLA's own program of the case's layer (forward output and gradient from a cotangent),
-    compiled for `target`: its launches and the bytes XLA's cost analysis states
-    (`kernels.compile.programs.reference_layer`), beside its operands and results once."""
-    row = {"op": case.op, "case": case.description, "target": target.name,
-           "implementation": registry.REFERENCE, "kernel": "XLA's program",
-           "launch": "forward and backward", "count": 1, "grid": "-", "programs": None,
+def _program_row(case, target, mode: str, implementation: str) -> dict:
+    """The whole program of the case's layer with `implementation` (training: forward output
+    and gradient from a cotangent; inference: the output), compiled for `target`: its launches
+    and the bytes XLA's cost analysis states (`kernels.compile.programs.layer_program`: each
+    kernel or library call its operands and results once), beside the layer's operands and
+    results once."""
+    name = ("XLA's program" if implementation == registry.REFERENCE
+            else f"{implementation}'s program")
+    row = {"op": case.op, "case": case.description, "target": target.name, "mode": mode,
+           "implementation": implementation, "kernel": name, "program": True,
+           "launch": MODES[mode], "count": 1, "grid": "-", "programs": None,
            "waves": None,
            "flops": None, "op_flops": _op_flops(case), "bytes": None, "min_bytes": None,
            "resources": "not compiled"}
@@ -149,13 +168,15 @@ def _xla_row(case, target) -> dict:
     if missing:
         row["resources"] = f"not compiled: {missing} is not installed (the test extra)"
         return row
-    from kernels.compile.programs import reference_layer
+    from kernels.compile.programs import layer_program
 
-    out = jax.eval_shape(lambda *arrays: case.call(registry.REFERENCE, *arrays), *case.args)
+    out = jax.eval_shape(case.forward(registry.REFERENCE), *case.args)
     floats = [a for a in case.args if jnp.issubdtype(a.dtype, jnp.floating)]
-    kernels, nbytes = reference_layer(case, target.name)
-    return {**row, "grid": f"{kernels} kernels", "bytes": nbytes,
-            "min_bytes": _bytes([*case.args, out, out, *floats]), "resources": "XLA"}
+    kernels, nbytes = layer_program(case, target.name, implementation,
+                                    training=mode == "training")
+    once = [*case.args, out, out, *floats] if mode == "training" else [*case.args, out]
+    return {**row, "grid": f"{kernels} kernels", "bytes": nbytes, "min_bytes": _bytes(once),
+            "resources": "XLA"}
 
 
 def _ratio(value, floor) -> str:
@@ -180,19 +201,20 @@ def _figures(r: dict) -> list[str]:
 
 
 def _occupancy(r: dict) -> str:
-    if r["implementation"] == registry.REFERENCE:
+    if r["program"]:
         return "-"
     return f"{r['waves']:.1f} waves" if r["waves"] is not None else f"{r['programs']} steps"
 
 
 def _totals(case_rows: list[dict]) -> str:
-    """The forward and backward's bytes per implementation on one target, every launch
-    counted as often as it runs, beside XLA's own program: "triton 500.1 MB, ..."."""
+    """The bytes per implementation on one target: its whole program's where it was compiled
+    (XLA's always), else every launch counted as often as it runs: "triton 500.1 MB, ..."."""
     totals = []
     for (name,), rows in _groups(case_rows, ("implementation",)).items():
+        rows = [r for r in rows if r["program"]] or rows
         if all(r["bytes"] is not None for r in rows):
             nbytes = sum(r["bytes"] * r["count"] for r in rows)
-            launches = f" ({rows[0]['grid']})" if name == registry.REFERENCE else ""
+            launches = f" ({rows[0]['grid']})" if rows[0]["program"] else ""
             totals.append(f"{name} {nbytes / 1e6:.1f} MB{launches}")
     return ", ".join(totals)
 
@@ -201,15 +223,16 @@ def grouped(design_rows: list[dict]) -> str:
     """The launches grouped per op and case, each case a small table of its launches per
     target (the default view)."""
     blocks = []
-    for (op, case), case_rows in _groups(design_rows, ("op", "case")).items():
+    for (op, case, mode), case_rows in _groups(design_rows, ("op", "case", "mode")).items():
         cells = [[DEVICE_NAMES[r["target"]] if i == 0 else "", r["launch"], *_figures(r)[:-1],
                   "-" if r["resources"].startswith("not compiled") else r["resources"]]
                  for target_rows in _groups(case_rows, ("target",)).values()
                  for i, r in enumerate(target_rows)]
         table_text = aligned(["target", "launch", *_FIGURE_COLUMNS], cells)
-        totals = [f"  {DEVICE_NAMES[target]}, forward and backward: {_totals(rows)}"
+        totals = [f"  {DEVICE_NAMES[target]}, {MODES[mode]}: {_totals(rows)}"
                   for (target,), rows in _groups(case_rows, ("target",)).items()]
-        blocks.append(f"{op}: {case}\n" + "\n".join(
+        title = f"{op}: {case}" + ("" if mode == "training" else f", {MODES[mode]}")
+        blocks.append(title + "\n" + "\n".join(
             ["  " + line for line in table_text.splitlines()] + totals))
     return "\n\n".join(blocks)
 
@@ -227,14 +250,14 @@ def target_line(design_rows: list[dict], target: str) -> str:
     compiler reported; then, per case where XLA's own program was compiled, every
     implementation's bytes beside XLA's."""
     rows = [r for r in design_rows if r["target"] == target]
-    kernels = [r for r in rows if r["implementation"] != registry.REFERENCE]
+    kernels = [r for r in rows if not r["program"]]
     if not kernels:
         return "no design case"
     parts = [f"{name} {_launches_line(launches, target)}"
              for (name,), launches in _groups(kernels, ("implementation",)).items()]
-    for (case,), case_rows in _groups(rows, ("case",)).items():
-        if any(r["implementation"] == registry.REFERENCE and r["bytes"] for r in case_rows):
-            parts.append(f"forward and backward of {case}, HBM est.: {_totals(case_rows)}")
+    for (case, mode), case_rows in _groups(rows, ("case", "mode")).items():
+        if any(r["program"] and r["bytes"] for r in case_rows):
+            parts.append(f"{MODES[mode]} of {case}, HBM est.: {_totals(case_rows)}")
     return "; ".join(parts)
 
 

@@ -28,6 +28,9 @@ class Case:
     args: tuple[jax.ShapeDtypeStruct, ...]
     call: Callable[..., Any]
     design: bool = False  # one of the device-sized shapes the bench's design figures show
+    # Its design figures also show inference, the forward alone (a fused layer: what its
+    # epilogue saves there against a training step, which also writes the pre-activation).
+    inference: bool = False
 
     def function(self, implementation: str) -> Callable[..., Any]:
         def forward_and_backward(*arrays):
@@ -40,9 +43,14 @@ class Case:
 
         return forward_and_backward
 
-    def designed(self) -> Case:
-        """This case, marked as one the bench's design figures show."""
-        return dataclasses.replace(self, design=True)
+    def forward(self, implementation: str) -> Callable[..., Any]:
+        """The op alone, as inference runs it."""
+        return lambda *arrays: self.call(implementation, *arrays)
+
+    def designed(self, inference: bool = False) -> Case:
+        """This case, marked as one the bench's design figures show (`inference`: the forward
+        alone too)."""
+        return dataclasses.replace(self, design=True, inference=inference)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -59,7 +59,10 @@ def _assert_triton_design(case, r) -> None:
     wgmma, which takes both operand layouts the backward needs)."""
     x = case.args[0]
     if case.op == "conv2d" and x.dtype == jnp.bfloat16 and x.shape[-1] % 8 == 0:
-        assert set(r.load_bytes) == {16}, (r.name, r.operands, r.load_bytes)
+        # A fused bias is one vector of block_n channels a program, loaded once after the
+        # main loop at whatever width Triton lays it out (4 bytes on sm_90 and sm_80).
+        widths = set(r.load_bytes) - ({4} if len(case.args) > 2 else set())
+        assert widths == {16}, (r.name, r.operands, r.load_bytes)
     if case.op == "matmul" and x.dtype == jnp.float32 and min(
             d for a in case.args for d in a.shape[-2:]) >= 64:
         instruction = "wgmma.mma_async" if r.target == "sm_90" else "mma.sync"

@@ -45,7 +45,7 @@ from kernels.compile.report import first_line
 from kernels.ops import OPS
 
 __all__ = ["ProgramReport", "Program", "PROGRAMS", "MESHES", "devices", "compile_program",
-           "expects_kernels", "collectives", "reference_layer"]
+           "expects_kernels", "collectives", "layer_program"]
 
 MESHES = ("one", "auto", "explicit")
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
@@ -199,20 +199,22 @@ def _custom_call_bytes(entry: str) -> tuple[int, int]:
     return calls, nbytes
 
 
-def reference_layer(case: Case, target_name: str) -> tuple[int, int]:
-    """XLA's own program for `case`'s op as a layer of a model: the forward's output and the
-    gradient of every float operand from a given cotangent (`implementation="xla"`), compiled
-    for one compile-only GPU of `target_name`. Returns (launches, bytes): the instructions of
-    its entry computation that launch a kernel, and the bytes XLA's cost analysis states for
-    the compiled (fused) module, which it counts per fusion from what each reads and writes
-    (a library call's, from its operands and result: `_custom_call_bytes`)."""
+def layer_program(case: Case, target_name: str, implementation: str = registry.REFERENCE,
+                  training: bool = True) -> tuple[int, int]:
+    """The whole program of `case`'s op as a layer of a model, with `implementation` (XLA's own
+    by default): the forward's output and (when `training`) the gradient of every float operand
+    from a given cotangent, compiled for one compile-only GPU of `target_name`. Returns
+    (launches, bytes): the instructions of its entry computation that launch a kernel, and the
+    bytes XLA's cost analysis states for the compiled (fused) module, which it counts per fusion
+    from what each reads and writes (a library call's or a Pallas kernel's, from its operands
+    and result: `_custom_call_bytes`), so programs of every implementation are counted alike."""
     from jax._src import xla_bridge
     from jax._src.lib import xla_client
 
     device = devices(target_name, 1)[0]
     sharding = jax.sharding.SingleDeviceSharding(device)
     args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in case.args]
-    out = jax.eval_shape(functools.partial(case.call, registry.REFERENCE), *case.args)
+    out = jax.eval_shape(case.forward(registry.REFERENCE), *case.args)
     cotangent = jax.ShapeDtypeStruct(out.shape, out.dtype, sharding=sharding)
     floating = [i for i, a in enumerate(case.args) if jnp.issubdtype(a.dtype, jnp.floating)]
 
@@ -221,13 +223,16 @@ def reference_layer(case: Case, target_name: str) -> tuple[int, int]:
             full = list(arrays)
             for i, value in zip(floating, floats):
                 full[i] = value
-            return case.call(registry.REFERENCE, *full)
+            return case.call(implementation, *full)
 
         out, pullback = jax.vjp(forward, *(arrays[i] for i in floating))
         return out, pullback(cotangent)
 
     with jax.default_device(device):
-        compiled = jax.jit(layer).trace(cotangent, *args).lower().compile()
+        if training:
+            compiled = jax.jit(layer).trace(cotangent, *args).lower().compile()
+        else:
+            compiled = jax.jit(case.forward(implementation)).trace(*args).lower().compile()
     text = compiled.as_text()
     entry = text[text.index("\nENTRY"):]
     opcodes = re.findall(r"^\s*(?:ROOT )?\S+ = .*? ([a-z][\w-]*)\(", entry, re.MULTILINE)

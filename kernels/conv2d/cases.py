@@ -14,11 +14,14 @@ from kernels.conv2d import conv2d
 _BF16, _F32 = jnp.bfloat16, jnp.float32
 
 
-def _case(x_shape, w_shape, dtype, **options) -> Case:
-    extra = "".join(f", {k}={v}" for k, v in options.items())
+def _case(x_shape, w_shape, dtype, bias: bool = False, **options) -> Case:
+    """`bias`: with a bias operand (of the output channels), an epilogue."""
+    extra = "".join(f", {k}={v}" for k, v in options.items()) + ", bias" * bias
+    args = (spec(x_shape, dtype), spec(w_shape, dtype)) + (spec(w_shape[-1:], dtype),) * bias
     return Case("conv2d", f"{shape_text(x_shape)} * {shape_text(w_shape)} "
-                f"{jnp.dtype(dtype).name}{extra}", (spec(x_shape, dtype), spec(w_shape, dtype)),
-                lambda impl, x, w: conv2d(x, w, implementation=impl, interpret=False, **options))
+                f"{jnp.dtype(dtype).name}{extra}", args,
+                lambda impl, x, w, *bias: conv2d(x, w, bias=bias[0] if bias else None,
+                                                 implementation=impl, interpret=False, **options))
 
 
 # The bench's device shapes (`designed`: those its design figures show), the shapes of models
@@ -34,6 +37,9 @@ COMPILE = [
     _case((2, 33, 65, 65), (3, 3, 65, 129), _F32),
     _case((8, 56, 56, 96), (7, 7, 1, 96), _BF16, feature_group_count=96),  # ConvNeXt
     _case((1, 9, 17, 8), (3, 3, 8, 16), _F32, stride=2),
+    _case((32, 56, 56, 64), (3, 3, 64, 64), _BF16, bias=True,
+          activation="relu").designed(inference=True),
+    _case((2, 33, 65, 65), (3, 3, 65, 129), _F32, bias=True, activation="gelu"),
 ]
 
 PROGRAMS = {
@@ -75,11 +81,16 @@ def sharded(impl):
             [((4, 6, 6, 8), P("data", None, None, "model")),
              ((3, 3, 1, 8), P(None, None, None, "model"))]),
         "conv2d/spatial": (conv, [((4, 8, 6, 8), P(None, "data")), ((3, 3, 8, 8), P())]),
+        # The epilogue over sharded input channels: applied after the partials' sum.
+        "conv2d/in-channels+bias": (
+            lambda x, w, bias: conv2d(x, w, bias=bias, activation="silu", implementation=impl),
+            [((4, 6, 6, 8), P("data", None, None, "model")),
+             ((3, 3, 8, 8), P(None, None, "model")), ((8,), P())]),
     }
 
 
 # The sharded cases whose rule sums per-shard partials in the forward pass.
-REDUCING = {"conv2d/in-channels"}
+REDUCING = {"conv2d/in-channels", "conv2d/in-channels+bias"}
 
 
 def _with_out_sharding(impl):

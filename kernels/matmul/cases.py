@@ -20,6 +20,18 @@ def _case(a_shape, b_shape, dtype) -> Case:
                 lambda impl, a, b: matmul(a, b, implementation=impl, interpret=False))
 
 
+def _fused_case(a_shape, b_shape, dtype, activation) -> Case:
+    """A dense layer with every epilogue: `activation(a @ b + bias) + residual`."""
+    out_shape = (*a_shape[:-1], b_shape[-1])
+    return Case("matmul", f"{activation}({shape_text(a_shape)} @ {shape_text(b_shape)} + bias) "
+                f"+ residual {jnp.dtype(dtype).name}",
+                (spec(a_shape, dtype), spec(b_shape, dtype), spec(b_shape[-1:], dtype),
+                 spec(out_shape, dtype)),
+                lambda impl, a, b, bias, residual: matmul(
+                    a, b, bias=bias, activation=activation, residual=residual,
+                    implementation=impl, interpret=False))
+
+
 # The bench's device shapes (`designed`: those its design figures show), the shapes of models
 # people train, and odd small ones.
 COMPILE = [
@@ -33,6 +45,8 @@ COMPILE = [
     _case((129, 65), (65, 257), _F32),
     _case((8, 1000, 1000), (8, 1000, 1000), _BF16),
     _case((7, 5), (5, 13), _F32),
+    _fused_case((8192, 4096), (4096, 1024), _BF16, "gelu").designed(inference=True),
+    _fused_case((129, 65), (65, 257), _F32, "silu"),
 ]
 
 PROGRAMS = {
@@ -59,17 +73,28 @@ def sharded(impl):
     """name -> (the op of `impl` as a function of arrays, [(shape, spec)]), on a (2, 4) mesh
     ("data", "model")."""
     mm = lambda a, b: matmul(a, b, implementation=impl)  # noqa: E731
+
+    def fused(a, b, bias, residual):
+        return matmul(a, b, bias=bias, activation="gelu", residual=residual,
+                      implementation=impl)
+
     return {
         "matmul/M": (mm, [((64, 32), P("data", None)), ((32, 48), P())]),
         "matmul/N": (mm, [((64, 32), P("data", None)), ((32, 48), P(None, "model"))]),
         "matmul/K": (mm, [((64, 32), P("data", "model")), ((32, 48), P("model", None))]),
         "matmul/batch+K": (mm, [((4, 16, 32), P("data", None, "model")),
                                 ((32, 48), P("model", None))]),
+        # The epilogue: a column-parallel layer's bias and residual sharded like its output;
+        # over a sharded K, applied after the partials' sum.
+        "matmul/N+epilogue": (fused, [((64, 32), P("data", None)), ((32, 48), P(None, "model")),
+                                      ((48,), P("model")), ((64, 48), P("data", "model"))]),
+        "matmul/K+epilogue": (fused, [((64, 32), P("data", "model")), ((32, 48), P("model", None)),
+                                      ((48,), P()), ((64, 48), P("data", None))]),
     }
 
 
 # The sharded cases whose rule sums per-shard partials in the forward pass.
-REDUCING = {"matmul/K", "matmul/batch+K"}
+REDUCING = {"matmul/K", "matmul/batch+K", "matmul/K+epilogue"}
 
 
 def _with_out_sharding(impl):
