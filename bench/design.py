@@ -60,6 +60,13 @@ def _op_flops(case) -> int | None:
 
 
 MODES = {"training": "forward and backward", "inference": "inference (forward)"}
+# The ops whose kernels' whole programs are compiled beside XLA's (`_program_row`) and counted
+# alike, each kernel its operands and results once, every XLA pass between them included (a
+# fused layer's dZ, a float32 operand's K-major copy). A GEMM launch's own figure states the
+# panel loads its programs issue, mostly served by L2, so only the programs compare with XLA's.
+# (A gather kernel reads only the gathered rows of its table operand: its launches' figures
+# are the ones to sum.)
+_PROGRAM_OPS = ("matmul", "conv2d")
 
 
 def rows(ops: list[str], compile_kernels: bool = True) -> Iterator[dict]:
@@ -89,9 +96,7 @@ def _target_rows(case, mode: str, target, compile_kernels: bool) -> Iterator[dic
                    "launch": ", ".join(roles[launch_key(eqn)]),
                    "count": len(roles[launch_key(eqn)]), "program": False}
     if target.platform == "gpu" and compile_kernels:
-        # A fused layer's kernels, counted alone, leave out the XLA passes between them (the
-        # backward's dZ); their whole programs are counted like XLA's.
-        programs = _implementations(case.op, target) if case.inference else []
+        programs = _implementations(case.op, target) if case.op in _PROGRAM_OPS else []
         for implementation in [registry.REFERENCE, *programs]:
             yield _program_row(case, target, mode, implementation)
 

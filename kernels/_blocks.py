@@ -20,6 +20,31 @@ MIN_PIPELINED_STEPS = 4
 # interpreted sizing takes (`tile_limit`), but for an op's named override beside its own
 # measurement (normalize's Triton tiles: `normalize.triton.config._INTERPRETED_TILE`).
 INTERPRETED_TILE = 1 << 22
+# A float32 operand of a Triton dot that is not K-major (its contraction dim not the contiguous
+# one) is copied transposed by XLA first where each element meets at least this many output
+# rows or columns. TF32 tensor-core instructions take K-major operands only, so Triton loads
+# an MN-major float32 tile 4 bytes at a time (sm_90 PTX of the 4096^2 float32 forward: B's
+# tiles 48 4-byte loads beside A's 12 16-byte ones). The copy reads and writes each element once
+# (8 bytes) where the product does 2 flops per element per output row it meets: at an H100's
+# TF32 balance (495 TFLOP/s over 3.35 TB/s, 148 flops a byte) it costs 4 x 148 / reuse
+# product-times at peak, against about 3 product-times the MN-major loads lose (the H100
+# record: the float32 kernel at 4.35-5.00x cuBLAS's time, bfloat16's at 1.17-1.26x): even near
+# a reuse of 197. A design figure; not measured on a device.
+K_MAJOR_MIN_REUSE = 256
+
+
+def tensor_float32(dtype: Any, precision: Any) -> bool:
+    """Whether Triton multiplies `dtype` operands at `precision` on the tensor cores as TF32:
+    float32 at DEFAULT or HIGH (either operand's); HIGHEST keeps its IEEE float32 dot."""
+    if jnp.dtype(dtype) != jnp.float32:
+        return False
+    if precision is None:
+        return True
+    pair = tuple(precision) if isinstance(precision, (tuple, list)) else (precision, precision)
+    try:
+        return any(lax.Precision(p) != lax.Precision.HIGHEST for p in pair)
+    except (TypeError, ValueError):  # a dot algorithm preset: as it says
+        return False
 
 
 def next_power_of_2(n: int) -> int:

@@ -24,7 +24,9 @@ pytestmark = pytest.mark.usefixtures("strict_interpret")
 
 GRAD_CASES = [CASES[0], CASES[3], CASES[5], CASES[6], CASES[7],
               ((1, 8, 7, 4), (3, 3, 2, 4), {"stride": 2, "feature_group_count": 2,
-                                            "data_format": "NCHW"})]
+                                            "data_format": "NCHW"}),
+              # 288 output pixels: the Triton forward and dX read float32 weights K-major.
+              ((2, 12, 12, 8), (3, 3, 8, 16), {})]
 # TPU interpret mode is ~25x slower: mosaic runs the grouped-strided-padded, the depthwise
 # and the NCHW cases here, and several row blocks in test_mosaic_many_blocks.
 MOSAIC_GRAD_CASES = (1, 2, 5)

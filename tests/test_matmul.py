@@ -355,6 +355,29 @@ def test_cost_estimates_count_the_bytes_the_schedule_moves(a_shape, b_shape):
         panels = p.num_batches * 2 * p.k * (p.m * column_tiles + p.n * row_tiles)
         assert gpu.params["cost_estimate"].bytes_accessed == panels + out_bytes
 
+def test_triton_float32_k_major_copies():
+    """TF32 dots take K-major tiles: at default precision the Triton wrapper copies the
+    MN-major float32 operands transposed where they are reused enough (the forward's B, and A
+    and dC of dB = Aᵀ @ dC: this product's every dim is >= `K_MAJOR_MIN_REUSE`), never at
+    HIGHEST. The copied layouts give the same values and gradients (their 16-byte loads are
+    checked in the compiled PTX by tests/test_compile.py)."""
+    from kernels.matmul.common import make_problem
+    from kernels.matmul.triton.config import k_major_copies
+
+    a, b = random((2, 150, 260), jnp.float32, 1), random((260, 270), jnp.float32, 2)
+    forward = make_problem(a.reshape(300, 260), b, False, False, jnp.float32)
+    weight_gradient = make_problem(a.reshape(300, 260), b[:, :300], True, False, jnp.float32)
+    assert k_major_copies(forward, None) == (False, True)
+    assert k_major_copies(weight_gradient, "default") == (True, True)
+    assert k_major_copies(forward, "highest") == (False, False)
+    assert k_major_copies(forward._replace(m=100), None) == (False, False)  # too few rows
+    grads = jax.grad(_loss("triton"), argnums=(0, 1))(a, b)
+    want = jax.grad(_loss("reference"), argnums=(0, 1))(a, b)
+    for got, expected in zip(grads, want):
+        assert_close(got, expected, jnp.float32, reduction_length=600, dot=True)
+    _check_against_ground_truth(a, b, matmul(a, b, implementation="triton"))
+
+
 def test_triton_float32_highest_stays_off_the_tensor_cores():
     """Compiled by Triton for sm_90: a float32 product at HIGHEST precision (IEEE float32, as
     promised) issues no tensor-core instruction, forward or backward. (At default precision

@@ -57,7 +57,8 @@ def as_implementation(implementation: Any) -> Implementation:
 class MatmulDotGeneral:
     """The `dot_general` Flax's Linear/Dense call, as `kernels.matmul` (which folds the inputs'
     batch dims into rows: one large product instead of a batched one). `out_sharding`: the
-    Linen layer's field, where Flax's call passes none."""
+    Linen layer's field, where Flax's call passes none. `bias`: the layers' own calls pass
+    theirs, added in the product's epilogue."""
 
     implementation: Implementation = None
     interpret: bool | str | None = None
@@ -65,13 +66,13 @@ class MatmulDotGeneral:
 
     def __call__(self, lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
                  precision: Any = None, preferred_element_type: Any = None,
-                 out_sharding: Any = None) -> jax.Array:
+                 out_sharding: Any = None, bias: jax.Array | None = None) -> jax.Array:
         if rhs.ndim != 2 or tuple(map(tuple, dimension_numbers[0])) != ((lhs.ndim - 1,), (0,)) \
                 or any(dimension_numbers[1]):
             raise NotImplementedError(
                 "kernels.flax Linear: only the product of the last input axis with the kernel's "
                 f"first, got dimension_numbers={dimension_numbers}")
-        return kernels.matmul(lhs, rhs, precision=precision,
+        return kernels.matmul(lhs, rhs, bias=bias, precision=precision,
                               preferred_element_type=preferred_element_type,
                               out_sharding=self.out_sharding if out_sharding is None
                               else out_sharding,
@@ -129,6 +130,14 @@ class Conv2dGeneralDilated:
                              out_sharding=out_sharding, implementation=self.implementation,
                              interpret=self.interpret)
         return out[:, 0] if spatial == 1 else out
+
+
+def dense(layer: Any, inputs: jax.Array, kernel: jax.Array, bias: jax.Array | None,
+          **options: Any) -> jax.Array:
+    """Flax's Linear/Dense call on its promoted arrays, with the bias in the product's epilogue
+    (one kernel, rounded once, where Flax adds it after the product)."""
+    return layer.dot_general(inputs, kernel, (((inputs.ndim - 1,), (0,)), ((), ())),
+                             precision=layer.precision, bias=bias, **options)
 
 
 def _axes(rank: int, axes: int | Sequence[int]) -> tuple[int, ...]:

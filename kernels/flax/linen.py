@@ -43,12 +43,21 @@ class _KernelOp:
 
 
 class Dense(_KernelOp, nn.Dense):
-    """`flax.linen.Dense` whose product is `kernels.matmul`."""
+    """`flax.linen.Dense` whose product is `kernels.matmul`, its bias added in the kernel."""
 
     implementation: common.Implementation = None
     interpret: bool | str | None = None
     out_sharding: Any = None
     _replaces = ("dot_general", common.MatmulDotGeneral)
+
+    @nn.compact
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        kernel = self.param("kernel", self.kernel_init, (jnp.shape(inputs)[-1], self.features),
+                            self.param_dtype)
+        bias = (self.param("bias", self.bias_init, (self.features,), self.param_dtype)
+                if self.use_bias else None)
+        inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
+        return common.dense(self, inputs, kernel, bias)
 
 
 class Conv(_KernelOp, nn.Conv):

@@ -25,7 +25,7 @@ def _replaced(kwargs: dict[str, Any], name: str, layer: str) -> None:
 
 
 class Linear(nnx.Linear):
-    """`flax.nnx.Linear` whose product is `kernels.matmul`."""
+    """`flax.nnx.Linear` whose product is `kernels.matmul`, its bias added in the kernel."""
 
     def __init__(self, in_features: int, out_features: int, *,
                  implementation: common.Implementation = None, interpret: bool | str | None = None,
@@ -33,6 +33,13 @@ class Linear(nnx.Linear):
         _replaced(kwargs, "dot_general", "Linear")
         super().__init__(in_features, out_features, **kwargs, dot_general=common.MatmulDotGeneral(
             common.as_implementation(implementation), interpret))
+
+    def __call__(self, inputs: jax.Array, out_sharding: Any = None) -> jax.Array:
+        bias = self.bias[...] if self.bias is not None else None
+        inputs, kernel, bias = self.promote_dtype((inputs, self.kernel[...], bias),
+                                                  dtype=self.dtype)
+        return common.dense(self, inputs, kernel, bias, out_sharding=out_sharding,
+                            preferred_element_type=self.preferred_element_type)
 
 
 class Conv(nnx.Conv):

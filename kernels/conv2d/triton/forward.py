@@ -9,7 +9,10 @@ Forward (`conv`), GEMM path (C_in/G > 1):
   gathers a (block_m, block_k) patch tile (masked), loads the (block_k, block_n) weight tile
   (masked past K and past the group's channels), and accumulates their dot in float32 (float64
   for float64) registers; 16-bit inputs are multiplied on the tensor cores with float32
-  accumulation. The tile is cast and stored once, masked to the array. Traffic: the output is
+  accumulation, float32 as TF32, whose instructions take K-major tiles only: there the weights
+  are copied transposed to (O, K) by XLA first (a small copy, `_blocks.K_MAJOR_MIN_REUSE`) and
+  loaded as (block_n, block_k) tiles 16 bytes at a time. The epilogue (bias, activation) is
+  applied to the accumulator, and the tile is cast and stored once, masked to the array. Traffic: the output is
   written once, the weights read cdiv(M, block_m) times, each input pixel about KH·KW/stride²
   times per column block (mostly from L2/L1: neighbouring pixels share it).
 Forward, depthwise path (C_in/G == 1, each output channel reads one input channel):
@@ -33,7 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from kernels import _epilogue
-from kernels._blocks import int32_loop
+from kernels._blocks import K_MAJOR_MIN_REUSE, int32_loop, tensor_float32
 from kernels._pallas import pl, triton_call, triton_load
 from kernels.conv2d.common import Conv2dConfig, Problem, flops_and_bytes
 from kernels.conv2d.triton.config import forward_traffic, num_k_blocks, resolve_config
@@ -56,7 +59,7 @@ def _store_outputs(acc, bias_ref, out_ref, z_ref, p: Problem, row_start, rows_va
         store_2d(z_ref, z, row_start, rows_valid, col_start, cols_valid)
 
 
-def _conv_kernel(*refs, p: Problem, config: Conv2dConfig, precision):
+def _conv_kernel(*refs, p: Problem, config: Conv2dConfig, precision, k_major: bool):
     (x_ref, w_ref), bias_ref, _, out_ref, z_ref = _epilogue.split_refs(refs, p.epilogue, 2)
     block_m, block_n, block_k = config.block_m, config.block_n, config.block_k
     row_start, group = pl.program_id(0) * block_m, pl.program_id(2)
@@ -67,8 +70,11 @@ def _conv_kernel(*refs, p: Problem, config: Conv2dConfig, precision):
     def step(k_block, acc):
         k = k_block_at(p, block_k, k_block)
         patches = patch_tile(x_ref, p, group, pixels, k)
-        weights = load_2d(w_ref, k.start, k.valid, col_start, cols_valid)
-        return acc + dot(patches, weights, p, precision)
+        if k_major:  # the weights stored (O, K): a (block_n, block_k) tile
+            weights = load_2d(w_ref, col_start, cols_valid, k.start, k.valid)
+        else:
+            weights = load_2d(w_ref, k.start, k.valid, col_start, cols_valid)
+        return acc + dot(patches, weights, p, precision, transpose_b=k_major)
 
     acc = int32_loop(num_k_blocks(p, block_k), step,
                      jnp.zeros((block_m, block_n), p.accumulator_dtype))
@@ -104,12 +110,18 @@ def conv(x: jax.Array, w: jax.Array, bias: jax.Array | None, p: Problem, *,
     """The convolution of a problem that `check` accepted, with `p.epilogue`: (N, OH, OW, O)
     in p.out_dtype, and the pre-activation beside it where the epilogue saves it."""
     config = resolve_config(p, config)
+    weights = w.reshape(p.k, p.o)
     if p.depthwise:
         kernel = functools.partial(_depthwise_kernel, p=p, config=config)
         grid = (pl.cdiv(p.m, config.block_m), pl.cdiv(p.o, config.block_n))
     else:
-        kernel = functools.partial(_conv_kernel, p=p, config=config, precision=precision)
+        # TF32 dots take K-major tiles: the small weight matrix copied transposed by XLA.
+        k_major = (tensor_float32(p.compute_dtype, precision)
+                   and p.m >= K_MAJOR_MIN_REUSE)
+        kernel = functools.partial(_conv_kernel, p=p, config=config, precision=precision,
+                                   k_major=k_major)
         grid = (pl.cdiv(p.m, config.block_m), pl.cdiv(p.og, config.block_n), p.groups)
+        weights = weights.T if k_major else weights
     outs = triton_call(
         kernel,
         out_shape=_epilogue.out_shapes((p.m, p.o), p.out_dtype, p.epilogue),
@@ -120,5 +132,5 @@ def conv(x: jax.Array, w: jax.Array, bias: jax.Array | None, p: Problem, *,
         flops=flops_and_bytes(p)[0],
         bytes_accessed=forward_traffic(p, config),
         name="conv2d_depthwise_triton" if p.depthwise else "conv2d_triton",
-    )(x.reshape(-1), w.reshape(p.k, p.o), *_epilogue.operands(bias, None))
+    )(x.reshape(-1), weights, *_epilogue.operands(bias, None))
     return jax.tree.map(lambda out: out.reshape(p.n, p.oh, p.ow, p.o), outs)

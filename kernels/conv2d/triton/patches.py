@@ -105,7 +105,7 @@ def arange_valid(start, size: int, limit: int):
     return start + jnp.arange(size, dtype=jnp.int32) < limit
 
 
-def dot(a, b, p: Problem, precision, transpose_a: bool = False):
-    dims = (((0,) if transpose_a else (1,), (0,)), ((), ()))
+def dot(a, b, p: Problem, precision, transpose_a: bool = False, transpose_b: bool = False):
+    dims = (((0,) if transpose_a else (1,), (1,) if transpose_b else (0,)), ((), ()))
     return lax.dot_general(a.astype(p.compute_dtype), b.astype(p.compute_dtype), dims,
                            precision=precision, preferred_element_type=p.accumulator_dtype)

@@ -6,9 +6,11 @@ launch moves, which its cost estimate states (`moved_bytes`)."""
 
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
 
-from kernels._blocks import (MIN_PIPELINED_STEPS, Split, check_triton_config, fill_sms,
+from kernels._blocks import (K_MAJOR_MIN_REUSE, MIN_PIPELINED_STEPS, tensor_float32, Split, check_triton_config, fill_sms,
                              is_positive_int, is_power_of_2, max_splits, require_floating,
                              require_shared_memory, split_reduction, triton_block,
                              triton_dot_shared_bytes)
@@ -16,7 +18,7 @@ from kernels._epilogue import require_supported
 from kernels._pallas import pl
 from kernels.matmul.common import MatmulConfig, Problem, flops_and_bytes
 
-__all__ = ["resolve_config", "check", "k_split", "moved_bytes"]
+__all__ = ["resolve_config", "check", "k_split", "moved_bytes", "k_major_copies"]
 
 
 def _largest_blocks(p: Problem) -> tuple[int, int]:
@@ -63,6 +65,19 @@ def resolve_config(p: Problem, config: MatmulConfig | None) -> MatmulConfig:
                                      else 4)
     return MatmulConfig(block_m, block_n, block_k, config.group_m, num_warps,
                         config.num_stages or 3, split_k)
+
+
+def k_major_copies(p: Problem, precision) -> tuple[bool, bool]:
+    """(A, B): which operands XLA copies transposed for a TF32 product, so the kernel loads
+    both K-major (`kernels._blocks.K_MAJOR_MIN_REUSE`): B stored (K, N) (every forward), A
+    stored (K, M) (the weight gradient Aᵀ @ dC), where each element meets enough output rows
+    (B) or columns (A), counted over the batches that share it."""
+    if not tensor_float32(p.compute_dtype, precision):
+        return False, False
+    rows_per_b = p.num_batches * p.m // math.prod(p.b_batch)
+    cols_per_a = p.num_batches * p.n // math.prod(p.a_batch)
+    return (p.transpose_a and cols_per_a >= K_MAJOR_MIN_REUSE,
+            not p.transpose_b and rows_per_b >= K_MAJOR_MIN_REUSE)
 
 
 def k_split(p: Problem, config: MatmulConfig) -> Split:

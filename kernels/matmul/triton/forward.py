@@ -14,11 +14,16 @@ One program loops over the cdiv(K, block_k) slices of the contraction. Each step
 loads: rows >= M, columns >= N and k >= K read as 0, so any M, N, K works without padding copies
 and the ragged K edge adds nothing to the sum. The tiles are cast to the operands' common dtype
 and multiplied into a float32 (float64 for float64) accumulator held in registers; `precision`
-becomes the dot's input precision (DEFAULT: TF32, HIGHEST: IEEE float32). After the loop the tile
-is cast to the output dtype and stored once, masked to the array.
+becomes the dot's input precision (DEFAULT: TF32, HIGHEST: IEEE float32). After the loop the
+epilogue (`kernels._epilogue`: bias, activation, residual) is applied to the accumulator tile,
+which is cast to the output dtype and stored once, masked to the array (with the pre-activation
+beside it where training saves it).
 
 A transposed operand (the backward pass's Aᵀ and Bᵀ) is loaded as a (block_k, block_m) tile from
-its stored layout and the transpose happens in the dot, never in HBM.
+its stored layout and the transpose happens in the dot, never in HBM, except in float32: TF32
+tensor-core dots take K-major tiles only, so an MN-major float32 operand (B stored (K, N), A
+stored (K, M)) is copied transposed by XLA first where it is reused enough to repay the copy
+(`config.k_major_copies`), and every tile then loads 16 bytes at a time.
 
 Memory traffic: the output is written once; A is read cdiv(N, block_n) times and B
 cdiv(M, block_m) times, mostly from L2 thanks to the grouped order.
@@ -51,7 +56,7 @@ from kernels import _epilogue
 from kernels._blocks import int32_loop
 from kernels._pallas import pl, triton_call, triton_load, triton_store
 from kernels.matmul.common import MatmulConfig, Problem, batch_index, dot, flops_and_bytes
-from kernels.matmul.triton.config import k_split, moved_bytes, resolve_config
+from kernels.matmul.triton.config import k_major_copies, k_split, moved_bytes, resolve_config
 
 __all__ = ["matmul"]
 
@@ -150,6 +155,7 @@ def matmul(a: jax.Array, b: jax.Array, bias: jax.Array | None, residual: jax.Arr
            interpret: bool | str) -> jax.Array | tuple[jax.Array, jax.Array]:
     """`op(a) @ op(b)` with `p.epilogue`, for a problem that `check` accepted: out_batch +
     (M, N), and the pre-activation beside it where the epilogue saves it."""
+    a, b, p = _k_major(a, b, p, precision)
     config = resolve_config(p, config)
     if residual is not None:
         residual = residual.reshape(p.num_batches, p.m, p.n)
@@ -170,6 +176,17 @@ def matmul(a: jax.Array, b: jax.Array, bias: jax.Array | None, residual: jax.Arr
     )(a.reshape(math.prod(p.a_batch), *a.shape[-2:]),
       b.reshape(math.prod(p.b_batch), *b.shape[-2:]), *_epilogue.operands(bias, residual))
     return jax.tree.map(lambda out: out.reshape(*p.out_batch, p.m, p.n), outs)
+
+
+def _k_major(a: jax.Array, b: jax.Array, p: Problem, precision):
+    """The operands (and problem) with the MN-major float32 ones that `k_major_copies` picks
+    copied transposed by XLA, so TF32 tiles load 16 bytes at a time."""
+    copy_a, copy_b = k_major_copies(p, precision)
+    if copy_a:
+        a, p = jnp.swapaxes(a, -1, -2), p._replace(transpose_a=False)
+    if copy_b:
+        b, p = jnp.swapaxes(b, -1, -2), p._replace(transpose_b=True)
+    return a, b, p
 
 
 def _split_k(a, b, bias, residual, p: Problem, config: MatmulConfig, precision, interpret):
