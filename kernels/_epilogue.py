@@ -9,8 +9,10 @@ after a reduction (split-K partials, a contraction sharded over a mesh). A float
 declined by the kernels: the fit is float32-accurate only.
 
 Training keeps the pre-activation z = acc + bias: a kernel with `Epilogue.saved` set writes it
-beside the output (a second write of the output's size), and the backward computes
-dz = g·activation'(z) once in XLA (`gradient`), one memory-bound pass that also yields dbias.
+beside the output, in float32 (float64) as JAX's gradient of the reference keeps it (a second
+write, 4 bytes an element), and the backward computes dz = g·activation'(z) once in XLA
+(`gradient`), one memory-bound pass that also yields dbias; dz stays float32 for the two
+gradient products, so the gradients equal JAX's to their own rounding.
 Fused instead into the two backward GEMMs' operand loads, the derivative (about 20 flops an
 element on the CUDA cores for gelu) would be recomputed for every tile that reads dz, costing
 about as much time as the GEMMs' tensor-core work.

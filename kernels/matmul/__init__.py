@@ -26,6 +26,7 @@ import reference
 from kernels import _dispatch, partition, registry
 from kernels._dtypes import promoted
 from kernels._epilogue import Epilogue, gradient
+from reference.epilogue import accumulator_dtype
 from kernels.registry import Op
 from kernels.matmul import sharding
 from kernels.matmul.common import MatmulConfig, make_problem
@@ -81,7 +82,8 @@ def _product_fwd(a, b, bias, residual, static):
         out = _product(a, b, bias, residual, static)
         z = out[1] if epilogue.saved is not None else None
         return out, (a, b, bias, residual, z)
-    saving = static._replace(epilogue=epilogue._replace(saved=static.out_dtype))
+    saving = static._replace(epilogue=epilogue._replace(
+        saved=accumulator_dtype(a.dtype, b.dtype, static.out_dtype)))
     y, z = _product(a, b, bias, residual, saving)
     return y, (a, b, bias, residual, z)
 
@@ -110,7 +112,8 @@ def _gradient(lhs, rhs, transpose_lhs, transpose_rhs, static: _Static, like: jax
 
 def _epilogue_gradients(static: _Static, residuals, g):
     """(dZ, dbias, dresidual) from the cotangent g of the output (and of z where the forward
-    returned it): dZ in the product's dtype, for the backward's two products."""
+    returned it): with an epilogue dZ is float32 (float64), as in JAX's gradient of the
+    reference, for the backward's two products."""
     a, b, bias, residual, z = residuals
     epilogue = static.epilogue
     g_y, g_z = g if epilogue.saved is not None else (g, None)
@@ -121,7 +124,7 @@ def _epilogue_gradients(static: _Static, residuals, g):
         dz = dz + g_z.astype(dz.dtype)
     dbias = None if bias is None else jnp.sum(dz.reshape(-1, dz.shape[-1]), 0).astype(bias.dtype)
     dresidual = None if residual is None else g_y.astype(residual.dtype)
-    return dz.astype(promoted(a.dtype, b.dtype)), dbias, dresidual
+    return dz, dbias, dresidual
 
 
 def _product_bwd(static: _Static, residuals, g):

@@ -84,10 +84,8 @@ def sharded(impl):
         "matmul/K": (mm, [((64, 32), P("data", "model")), ((32, 48), P("model", None))]),
         "matmul/batch+K": (mm, [((4, 16, 32), P("data", None, "model")),
                                 ((32, 48), P("model", None))]),
-        # The epilogue: a column-parallel layer's bias and residual sharded like its output;
-        # over a sharded K, applied after the partials' sum.
-        "matmul/N+epilogue": (fused, [((64, 32), P("data", None)), ((32, 48), P(None, "model")),
-                                      ((48,), P("model")), ((64, 48), P("data", "model"))]),
+        # The epilogue over a sharded K (a row-parallel layer), applied after the partials'
+        # sum; its residual sharded like the output.
         "matmul/K+epilogue": (fused, [((64, 32), P("data", "model")), ((32, 48), P("model", None)),
                                       ((48,), P()), ((64, 48), P("data", None))]),
     }

@@ -68,16 +68,18 @@ def resolve_config(p: Problem, config: MatmulConfig | None) -> MatmulConfig:
 
 
 def k_major_copies(p: Problem, precision) -> tuple[bool, bool]:
-    """(A, B): which operands XLA copies transposed for a TF32 product, so the kernel loads
-    both K-major (`kernels._blocks.K_MAJOR_MIN_REUSE`): B stored (K, N) (every forward), A
-    stored (K, M) (the weight gradient Aᵀ @ dC), where each element meets enough output rows
-    (B) or columns (A), counted over the batches that share it."""
+    """(A, B): which float32 operands XLA copies transposed for a TF32 product, so the kernel
+    loads both K-major (`kernels._blocks.K_MAJOR_MIN_REUSE`): B stored (K, N) (every
+    forward), A stored (K, M) (the weight gradient Aᵀ @ dC), where each element meets enough
+    output rows (B) or columns (A), counted over the batches that share it. A 16-bit operand
+    of a TF32 product (a bfloat16 layer's weights against its float32 dZ) still loads 16 bytes
+    at a time MN-major (sm_90 PTX), cast in registers: it is not copied."""
     if not tensor_float32(p.compute_dtype, precision):
         return False, False
     rows_per_b = p.num_batches * p.m // math.prod(p.b_batch)
     cols_per_a = p.num_batches * p.n // math.prod(p.a_batch)
-    return (p.transpose_a and cols_per_a >= K_MAJOR_MIN_REUSE,
-            not p.transpose_b and rows_per_b >= K_MAJOR_MIN_REUSE)
+    return (p.transpose_a and p.a_dtype.itemsize == 4 and cols_per_a >= K_MAJOR_MIN_REUSE,
+            not p.transpose_b and p.b_dtype.itemsize == 4 and rows_per_b >= K_MAJOR_MIN_REUSE)
 
 
 def k_split(p: Problem, config: MatmulConfig) -> Split:
