@@ -73,8 +73,8 @@ def rows(ops: list[str], compile_kernels: bool = True) -> Iterator[dict]:
     """One row per distinct kernel launch of each design case, per target, mode (`MODES`) and
     implementation whose kernels run there, labelled with the parts of the op it computes
     (`launch`: "forward, dX" where the input gradient runs the forward's very kernel); then, on
-    a GPU and with the compilers, one row for XLA's own program of the same work
-    (`_xla_row`)."""
+    a GPU and with the compilers, one row for XLA's own program of the same work and, for
+    `_PROGRAM_OPS`, one for each kernel implementation's (`_program_row`)."""
     for op in ops:
         for case in (c for c in CASES[op] if c.design):
             for mode in ("training", "inference") if case.inference else ("training",):
@@ -181,7 +181,7 @@ def _program_row(case, target, mode: str, implementation: str) -> dict:
                                     training=mode == "training")
     once = [*case.args, out, out, *floats] if mode == "training" else [*case.args, out]
     return {**row, "grid": f"{kernels} kernels", "bytes": nbytes, "min_bytes": _bytes(once),
-            "resources": "XLA"}
+            "resources": "XLA" if implementation == registry.REFERENCE else "XLA program"}
 
 
 def _ratio(value, floor) -> str:

@@ -28,8 +28,8 @@ import jax.numpy as jnp
 
 from reference.epilogue import ACTIVATIONS, accumulator_dtype
 
-__all__ = ["Epilogue", "apply", "apply_after_sum", "gradient", "require_supported", "operands",
-           "split_refs", "out_shapes"]
+__all__ = ["Epilogue", "on_accumulator", "apply_after_sum", "gradients", "require_supported",
+           "operands", "split_refs", "out_shapes"]
 
 # erfc(t) = τ·exp(-t² + P(τ)) with τ = 1 / (1 + t/2), t >= 0; P's coefficients, lowest first.
 _ERFC_COEFFICIENTS = (-1.26551223, 1.00002368, 0.37409196, 0.09678418, -0.18628806, 0.27886807,
@@ -39,20 +39,20 @@ _ERFC_COEFFICIENTS = (-1.26551223, 1.00002368, 0.37409196, 0.09678418, -0.186288
 class Epilogue(NamedTuple):
     """What a kernel applies to its accumulator (hashable: part of a kernel's problem).
 
-    bias: a (features,) operand is added along the output's last (channel) dim.
-    residual: an operand of the output's shape is added after the activation.
+    has_bias: a (features,) operand is added along the output's last (channel) dim.
+    has_residual: an operand of the output's shape is added after the activation.
     saved: the dtype in which the pre-activation z is written as a second output (training
       with an activation), or None.
     """
 
     activation: str | None = None
-    bias: bool = False
-    residual: bool = False
+    has_bias: bool = False
+    has_residual: bool = False
     saved: Any = None
 
     @property
     def is_identity(self) -> bool:
-        return self.activation is None and not self.bias and not self.residual
+        return self.activation is None and not self.has_bias and not self.has_residual
 
     @property
     def num_outputs(self) -> int:
@@ -63,13 +63,8 @@ class Epilogue(NamedTuple):
         (counted at the output's width, into which its dtype promotes) and the pre-activation
         it saves; the bias, a vector, is left out."""
         out = jnp.dtype(out_dtype).itemsize
-        return (out * (1 + self.residual)
+        return (out * (1 + self.has_residual)
                 + (0 if self.saved is None else jnp.dtype(self.saved).itemsize))
-
-    @property
-    def operands(self) -> tuple[bool, bool]:
-        """Which of (bias, residual) a kernel takes after its two inputs."""
-        return self.bias, self.residual
 
 
 def operands(bias: jax.Array | None, residual: jax.Array | None) -> list[jax.Array]:
@@ -82,8 +77,8 @@ def split_refs(refs: Any, epilogue: Epilogue, num_inputs: int) -> tuple[list, An
     `Epilogue.num_outputs` lay them out; absent ones are None."""
     refs = list(refs)
     inputs, rest = refs[:num_inputs], refs[num_inputs:]
-    bias = rest.pop(0) if epilogue.bias else None
-    residual = rest.pop(0) if epilogue.residual else None
+    bias = rest.pop(0) if epilogue.has_bias else None
+    residual = rest.pop(0) if epilogue.has_residual else None
     return inputs, bias, residual, rest[0], rest[1] if epilogue.saved is not None else None
 
 
@@ -119,8 +114,8 @@ def _activate(z: jax.Array, activation: str | None) -> jax.Array:
     raise AssertionError(activation)
 
 
-def apply(acc: jax.Array, bias: jax.Array | None, residual: jax.Array | None,
-          epilogue: Epilogue) -> tuple[jax.Array, jax.Array]:
+def on_accumulator(acc: jax.Array, bias: jax.Array | None, residual: jax.Array | None,
+                   epilogue: Epilogue) -> tuple[jax.Array, jax.Array]:
     """(output, pre-activation) in `acc`'s dtype: `bias` broadcasts along the last dim
     (a tile of it, or the whole vector), `residual` is a tile of the output's shape."""
     if bias is not None:
@@ -135,24 +130,35 @@ def apply(acc: jax.Array, bias: jax.Array | None, residual: jax.Array | None,
 def apply_after_sum(acc: jax.Array, bias: jax.Array | None, residual: jax.Array | None,
                     epilogue: Epilogue, out_dtype: Any, bias_axis: int = -1
                     ) -> jax.Array | tuple[jax.Array, jax.Array]:
-    """`apply` in XLA on a summed accumulator (split-K, a sharded contraction), rounded to
+    """`on_accumulator` in XLA on a summed accumulator (split-K, a sharded contraction), rounded to
     the kernel's outputs: y in `out_dtype`, and z where `epilogue.saved`."""
     if bias is not None:
         axis = bias_axis % acc.ndim
         bias = bias.reshape((1,) * axis + (-1,) + (1,) * (acc.ndim - 1 - axis))
-    y, z = apply(acc, bias, residual, epilogue)
+    y, z = on_accumulator(acc, bias, residual, epilogue)
     if epilogue.saved is None:
         return y.astype(out_dtype)
     return y.astype(out_dtype), z.astype(epilogue.saved)
 
 
-def gradient(z: jax.Array, g: jax.Array, activation: str | None) -> jax.Array:
-    """dz = g·activation'(z) in float32 (float64), by JAX's own derivative of the activation."""
-    acc = accumulator_dtype(g.dtype, None if z is None else z.dtype)
-    if activation is None:
-        return g.astype(acc)
-    _, vjp = jax.vjp(ACTIVATIONS[activation], z.astype(acc))
-    return vjp(g.astype(acc))[0]
+def gradients(epilogue: Epilogue, g: Any, z: jax.Array | None, bias: jax.Array | None,
+              residual: jax.Array | None) -> tuple[jax.Array, Any, Any]:
+    """(dZ, dbias, dresidual) from the cotangent g of the output (a pair with z's where the
+    forward returned z). dZ is g itself without an activation, else g·activation'(z) by JAX's
+    own derivative, in float32 (float64) as JAX's gradient of the reference keeps it; dbias is
+    summed in float32 over every dim but the last (the features); dresidual is g."""
+    g_y, g_z = g if epilogue.saved is not None else (g, None)
+    dz = g_y
+    if epilogue.activation is not None:
+        acc = accumulator_dtype(g_y.dtype, z.dtype)
+        _, vjp = jax.vjp(ACTIVATIONS[epilogue.activation], z.astype(acc))
+        dz = vjp(g_y.astype(acc))[0]
+        dz = dz if g_z is None else dz + g_z.astype(acc)
+    dbias = None
+    if bias is not None:
+        summed = jnp.sum(dz.astype(accumulator_dtype(dz.dtype)), axis=tuple(range(dz.ndim - 1)))
+        dbias = summed.astype(bias.dtype)
+    return dz, dbias, None if residual is None else g_y.astype(residual.dtype)
 
 
 def require_supported(epilogue: Epilogue, *dtypes: Any) -> None:
@@ -161,12 +167,4 @@ def require_supported(epilogue: Epilogue, *dtypes: Any) -> None:
     if epilogue.activation == "gelu" and any(jnp.dtype(d) == jnp.float64 for d in dtypes):
         raise NotImplementedError("the kernels' gelu (erf) is float32-accurate; a float64 gelu "
                                   "runs in xla")
-
-
-def sum_to(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """`x` summed over the leading and broadcast dims that make it `shape` (a gradient)."""
-    lead = x.ndim - len(shape)
-    axes = tuple(range(lead)) + tuple(lead + d for d, n in enumerate(shape)
-                                      if n == 1 and x.shape[lead + d] != 1)
-    return jnp.sum(x, axis=axes).reshape(shape) if axes else x.reshape(shape)
 

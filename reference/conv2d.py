@@ -167,7 +167,8 @@ def conv2d(
         rhs_dilation=g.rhs_dilation,
         dimension_numbers=(data_format, DATA_FORMATS[data_format], data_format),
         feature_group_count=g.groups, precision=precision,
-        preferred_element_type=(epilogue.accumulator_dtype(dtype, out_dtype) if fused
+        preferred_element_type=(epilogue.accumulator_dtype(dtype, out_dtype)
+                                if fused and epilogue.is_rounded_once(out_dtype)
                                 else preferred_element_type),
         out_sharding=out_sharding)
     if not fused:

@@ -69,17 +69,24 @@ def accumulator_dtype(*dtypes: Any) -> jnp.dtype:
     return jnp.dtype(jnp.float64 if wide else jnp.float32)
 
 
+def is_rounded_once(dtype: Any) -> bool:
+    """Whether the formula's result is computed from a float32 (float64) product and rounded
+    once: floating results. Integer and complex ones take jnp's own arithmetic."""
+    return jnp.issubdtype(dtype, jnp.floating)
+
+
 def apply(product: jax.Array, bias: Any, activation: str | None, residual: Any,
           dtype: Any, bias_axis: int = -1) -> jax.Array:
-    """`activation(product + bias) + residual` in `product`'s (accumulator) dtype, rounded
-    once to `dtype`; the bias runs along `bias_axis` of the product."""
-    acc = product.dtype
+    """`activation(product + bias) + residual` with the bias along `bias_axis` of the product:
+    for a floating `dtype`, in `product`'s (accumulator) dtype and rounded once to `dtype`;
+    else in jnp's own promotion."""
+    rounded = is_rounded_once(dtype)
+    cast = (lambda x: jnp.asarray(x, product.dtype)) if rounded else jnp.asarray
     z = product
     if bias is not None:
         axis = bias_axis % product.ndim
-        shape = (1,) * axis + (-1,) + (1,) * (product.ndim - 1 - axis)
-        z = z + jnp.asarray(bias, acc).reshape(shape)
+        z = z + cast(bias).reshape((1,) * axis + (-1,) + (1,) * (product.ndim - 1 - axis))
     y = ACTIVATIONS[activation](z)
     if residual is not None:
-        y = y + jnp.broadcast_to(jnp.asarray(residual, acc), y.shape)
-    return y.astype(dtype)
+        y = y + jnp.broadcast_to(cast(residual), y.shape)
+    return y.astype(dtype) if rounded else y

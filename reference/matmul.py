@@ -32,7 +32,8 @@ def matmul(
                           out_sharding=out_sharding)
     product_dtype = preferred_element_type or jnp.result_type(a, b)
     dtype = epilogue.result_dtype(product_dtype, bias, residual)
-    accumulator = epilogue.accumulator_dtype(a.dtype, b.dtype, dtype)
+    accumulator = (epilogue.accumulator_dtype(a.dtype, b.dtype, dtype)
+                   if epilogue.is_rounded_once(dtype) else preferred_element_type)
     product = jnp.matmul(a, b, precision=precision, preferred_element_type=accumulator,
                          out_sharding=out_sharding)
     return epilogue.apply(product, bias, activation, residual, dtype)

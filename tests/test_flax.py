@@ -74,6 +74,29 @@ def _linen_pair(name, **ours):
     return flax_cls(*args, **options), our_cls(*args, **options, **ours)
 
 
+@pytest.mark.parametrize("name", ["Linear", "Conv-3x3-stride2", "Conv-1d-causal-grouped"])
+def test_bias_is_added_in_the_kernel(name):
+    """Linear/Dense and Conv hand their bias to the op's epilogue: the layer's forward is one
+    kernel launch taking the bias as an operand, and nothing follows it but reshapes."""
+    from kernels import _targets
+    from kernels._pallas import on_target
+    from kernels.compile.launches import launches
+
+    x = LAYERS[name][3]
+    flax_linen, linen_layer = _linen_pair(name, implementation="triton", interpret=False)
+    _, nnx_layer = _nnx_pair(name, implementation="triton", interpret=False)
+    params = flax_linen.init(jax.random.key(0), x)
+    bias = params["params"]["bias"]
+    target = _targets.TARGETS["sm_90"]
+    for layer, args in ((lambda x: nnx_layer(x), (x,)),
+                        (lambda p, x: linen_layer.apply(p, x), (params, x))):
+        (launch,) = launches(layer, *args, target=target)
+        assert any(v.aval.shape == bias.shape for v in launch.invars), launch.invars
+        with on_target(target):
+            jaxpr = jax.make_jaxpr(layer)(*args)
+        assert not any(e.primitive.name == "add" for e in jaxpr.jaxpr.eqns), jaxpr
+
+
 def _assert_same(ours, theirs, dtype, length, dot=False):
     """Same shape and NaNs; values within `dtype`'s tolerance (`theirs` may be float64)."""
     assert ours.shape == theirs.shape

@@ -101,6 +101,19 @@ def test_output_dtype_is_the_formulas(implementation):
         matmul(a, b, residual=residual, implementation=implementation)
 
 
+def test_broadcast_residual_gradient_sums_in_float32(implementation):
+    """A residual broadcast over the rows gets the cotangent summed over them in float32 and
+    rounded once to its dtype, as JAX's gradient of the reference does (the weights are
+    multiples of 1/8: the float32 sums are exact, bfloat16 sums would round)."""
+    a, b, bias, _ = _operands((512, 8), (8, 16), jnp.float32)
+    residual = random((16,), jnp.bfloat16, 5)
+    with standard_promotion():
+        got = jax.grad(_loss(implementation, "relu"), argnums=3)(a, b, bias, residual)
+        want = jax.grad(_loss("reference", "relu"), argnums=3)(a, b, bias, residual)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got, np.float64), np.asarray(want, np.float64))
+
+
 def _loss(implementation, activation):
     """A weighted sum of the layer. Kernels run the fast interpreter here: the gradient kernels
     take no epilogue, and the strict simulator runs every kernel in the other tests."""

@@ -33,7 +33,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from kernels import _dispatch, partition, registry
-from kernels._epilogue import Epilogue, gradient
+from kernels._epilogue import Epilogue, gradients
 from kernels.registry import Op
 from kernels.conv2d import sharding
 from kernels.conv2d.common import (Conv2dConfig, Phase, Problem, make_problem,
@@ -79,7 +79,8 @@ def _check(kernel: str, p: Problem, config: Conv2dConfig | None) -> None:
     if _is_pointwise(p, config):
         a = jax.ShapeDtypeStruct((p.m, p.c), p.x_dtype)
         b = jax.ShapeDtypeStruct((p.c, p.o), p.w_dtype)
-        MATMUL.module(kernel).check(matmul_problem(a, b, False, False, p.out_dtype), None)
+        MATMUL.module(kernel).check(matmul_problem(a, b, False, False, p.out_dtype, p.epilogue),
+                                    None)
     else:
         OP.module(kernel).check(p, config)
 
@@ -134,15 +135,7 @@ def _conv_fwd(x, w, bias, static):
 
 def _conv_bwd(static: _Static, residuals, g):
     x, w, bias, z = residuals
-    epilogue = static.epilogue
-    dy, g_z = g if epilogue.saved is not None else (g, None)
-    dbias = None
-    if not epilogue.is_identity:
-        dz = gradient(z, dy, epilogue.activation)
-        dz = dz if g_z is None else dz + g_z.astype(dz.dtype)
-        if bias is not None:
-            dbias = jnp.sum(dz, axis=(0, 1, 2)).astype(bias.dtype)
-        dy = dz
+    dy, dbias, _ = gradients(static.epilogue, g, z, bias, None)
     static = static._replace(requested=None, epilogue=Epilogue())
     dx = _input_gradient(dy, w, static, x.shape[1:3], x.dtype)
     dw = _weight_gradient(x, dy, static._replace(out_dtype=jnp.dtype(w.dtype)), w.shape[:2])
@@ -316,7 +309,7 @@ def conv2d(
     bias = None if bias is None else jnp.asarray(bias)
     out_dtype = epilogue_reference.result_dtype(
         preferred_element_type or jnp.result_type(x, w), bias, None)
-    epilogue = Epilogue(activation, bias is not None)
+    epilogue = Epilogue(activation, has_bias=bias is not None)
     problem = make_problem(tuple(x.shape[d] for d in nhwc), w_hwio, x.dtype, w.dtype, geometry,
                            out_dtype, epilogue)
     checks = OP.checks(problem, config)

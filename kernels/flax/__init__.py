@@ -29,7 +29,7 @@ What Flax offers that these do not (each raises an error naming the argument):
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -96,7 +96,7 @@ class Conv2dGeneralDilated:
                  rhs_dilation: Sequence[int] | None = None, dimension_numbers: Any = None,
                  feature_group_count: int = 1, batch_group_count: int = 1,
                  precision: Any = None, preferred_element_type: Any = None,
-                 out_sharding: Any = None) -> jax.Array:
+                 out_sharding: Any = None, bias: jax.Array | None = None) -> jax.Array:
         out_sharding = self.out_sharding if out_sharding is None else out_sharding
         spatial = lhs.ndim - 2
         if spatial not in _CHANNELS_LAST:
@@ -124,7 +124,8 @@ class Conv2dGeneralDilated:
                 spec = tuple(sharding.spec) + (None,) * (3 - len(sharding.spec))
                 out_sharding = NamedSharding(sharding.mesh, PartitionSpec(spec[0], None,
                                                                           *spec[1:]))
-        out = kernels.conv2d(lhs, rhs, stride=strides, padding=padding, dilation=dilation,
+        out = kernels.conv2d(lhs, rhs, bias=bias, stride=strides, padding=padding,
+                             dilation=dilation,
                              feature_group_count=feature_group_count, precision=precision,
                              preferred_element_type=preferred_element_type,
                              out_sharding=out_sharding, implementation=self.implementation,
@@ -138,6 +139,21 @@ def dense(layer: Any, inputs: jax.Array, kernel: jax.Array, bias: jax.Array | No
     (one kernel, rounded once, where Flax adds it after the product)."""
     return layer.dot_general(inputs, kernel, (((inputs.ndim - 1,), (0,)), ((), ())),
                              precision=layer.precision, bias=bias, **options)
+
+
+class BiasInConvolution:
+    """A Flax Conv as its own `__call__` sees it with the bias moved into the convolution:
+    `conv` adds it in the kernel's epilogue, so there is none to add after (`use_bias` False,
+    `bias` None), and `dtype` is the one Flax promotes inputs, kernel and bias to together.
+    Every other attribute (and, in Linen, `param`) is the layer's own: Flax's code runs as is,
+    its padding modes, masks and batch flattening included."""
+
+    def __init__(self, layer: Any, dtype: Any, conv: Callable[..., jax.Array]):
+        self._layer, self.dtype, self.conv_general_dilated = layer, dtype, conv
+        self.bias, self.use_bias = None, False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._layer, name)
 
 
 def _axes(rank: int, axes: int | Sequence[int]) -> tuple[int, ...]:

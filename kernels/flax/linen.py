@@ -61,12 +61,29 @@ class Dense(_KernelOp, nn.Dense):
 
 
 class Conv(_KernelOp, nn.Conv):
-    """`flax.linen.Conv` whose convolution is `kernels.conv2d` (1-D and 2-D kernels)."""
+    """`flax.linen.Conv` whose convolution is `kernels.conv2d` (1-D and 2-D kernels), its bias
+    added in the kernel."""
 
     implementation: common.Implementation = None
     interpret: bool | str | None = None
     out_sharding: Any = None
     _replaces = ("conv_general_dilated", common.Conv2dGeneralDilated)
+
+    @nn.compact
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        flax_call = nn.Conv.__call__.__wrapped__  # Flax's own code, in this call's scope
+        if not self.use_bias:
+            return flax_call(self, inputs)
+        # The dtype Flax promotes inputs, kernel and bias (both param_dtype) to together.
+        dtype = self.promote_dtype(*(jnp.zeros((), d) for d in (
+            inputs.dtype, self.param_dtype, self.param_dtype)), dtype=self.dtype)[0].dtype
+
+        def conv(*args: Any, **kwargs: Any) -> jax.Array:
+            # Created where Flax creates it, after the kernel: the same parameter order.
+            bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype)
+            return self.conv_general_dilated(*args, bias=bias.astype(dtype), **kwargs)
+
+        return flax_call(common.BiasInConvolution(self, dtype, conv), inputs)
 
 
 class _Normalization(_KernelOp):

@@ -8,6 +8,7 @@ take). Each is Flax's own class with `implementation=` and `interpret=` added:
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -43,7 +44,8 @@ class Linear(nnx.Linear):
 
 
 class Conv(nnx.Conv):
-    """`flax.nnx.Conv` whose convolution is `kernels.conv2d` (1-D and 2-D kernels)."""
+    """`flax.nnx.Conv` whose convolution is `kernels.conv2d` (1-D and 2-D kernels), its bias
+    added in the kernel."""
 
     def __init__(self, in_features: int, out_features: int, kernel_size: int | Any,
                  strides: Any = 1, *, implementation: common.Implementation = None,
@@ -52,6 +54,15 @@ class Conv(nnx.Conv):
         super().__init__(in_features, out_features, kernel_size, strides, **kwargs,
                          conv_general_dilated=common.Conv2dGeneralDilated(
                              common.as_implementation(implementation), interpret))
+
+    def __call__(self, inputs: jax.Array, out_sharding: Any = None) -> jax.Array:
+        if self.bias is None:
+            return super().__call__(inputs, out_sharding=out_sharding)
+        bias = self.bias[...]
+        dtype = self.promote_dtype((inputs, self.kernel[...], bias), dtype=self.dtype)[0].dtype
+        conv = functools.partial(self.conv_general_dilated, bias=bias.astype(dtype))
+        return nnx.Conv.__call__(common.BiasInConvolution(self, dtype, conv), inputs,
+                                 out_sharding=out_sharding)
 
 
 class _KernelOptions:

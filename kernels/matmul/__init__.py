@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 import reference
 from kernels import _dispatch, partition, registry
 from kernels._dtypes import promoted
-from kernels._epilogue import Epilogue, gradient
+from kernels._epilogue import Epilogue, gradients
 from reference.epilogue import accumulator_dtype
 from kernels.registry import Op
 from kernels.matmul import sharding
@@ -110,26 +110,9 @@ def _gradient(lhs, rhs, transpose_lhs, transpose_rhs, static: _Static, like: jax
     return partition.like(_sum_to_batch(out, batch, like.dtype), like)
 
 
-def _epilogue_gradients(static: _Static, residuals, g):
-    """(dZ, dbias, dresidual) from the cotangent g of the output (and of z where the forward
-    returned it): with an epilogue dZ is float32 (float64), as in JAX's gradient of the
-    reference, for the backward's two products."""
-    a, b, bias, residual, z = residuals
-    epilogue = static.epilogue
-    g_y, g_z = g if epilogue.saved is not None else (g, None)
-    if epilogue.is_identity:
-        return g_y, None, None
-    dz = gradient(z, g_y, epilogue.activation)
-    if g_z is not None:
-        dz = dz + g_z.astype(dz.dtype)
-    dbias = None if bias is None else jnp.sum(dz.reshape(-1, dz.shape[-1]), 0).astype(bias.dtype)
-    dresidual = None if residual is None else g_y.astype(residual.dtype)
-    return dz, dbias, dresidual
-
-
 def _product_bwd(static: _Static, residuals, g):
-    a, b = residuals[:2]
-    g, dbias, dresidual = _epilogue_gradients(static, residuals, g)
+    a, b, bias, residual, z = residuals
+    g, dbias, dresidual = gradients(static.epilogue, g, z, bias, residual)  # g becomes dZ
     if static.transpose_a:  # A is stored (K, M): dA = op(B) @ gᵀ
         da = _gradient(b, g, static.transpose_b, True, static, a)
     else:  # dA = g @ op(B)ᵀ
@@ -242,7 +225,7 @@ def matmul(
     residual = None if residual is None else jnp.asarray(residual)
     product_dtype = jnp.dtype(preferred_element_type or jnp.result_type(a, b))
     out_dtype = epilogue_reference.result_dtype(product_dtype, bias, residual)
-    epilogue = Epilogue(activation, bias is not None, residual is not None)
+    epilogue = Epilogue(activation, has_bias=bias is not None, has_residual=residual is not None)
     a2, b2 = jax.eval_shape(lambda a, b: _as_batched_matrices(a, b)[:2], a, b)
     out_sharding = partition.out_sharding(out_sharding, "matmul", len(result_shape))
     problem = make_problem(a2, b2, False, False, out_dtype, epilogue)
@@ -256,6 +239,8 @@ def matmul(
                                     out_sharding=out_sharding)
         a2, b2, out_shape = _as_batched_matrices(a, b)
         if residual is not None:  # laid out as the batched product's output
+            if residual.shape != tuple(out_shape):  # JAX sums its gradient in this dtype
+                residual = residual.astype(accumulator_dtype(residual.dtype))
             residual = jnp.broadcast_to(residual, out_shape).reshape(
                 *problem.out_batch, problem.m, problem.n)
         dims = partition.requested(out_sharding, len(out_shape))

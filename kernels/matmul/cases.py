@@ -85,9 +85,11 @@ def sharded(impl):
         "matmul/batch+K": (mm, [((4, 16, 32), P("data", None, "model")),
                                 ((32, 48), P("model", None))]),
         # The epilogue over a sharded K (a row-parallel layer), applied after the partials'
-        # sum; its residual sharded like the output.
-        "matmul/K+epilogue": (fused, [((64, 32), P("data", "model")), ((32, 48), P("model", None)),
-                                      ((48,), P()), ((64, 48), P("data", None))]),
+        # sum, on sequence-sharded rows (a batched product: dbias sums over batch and rows);
+        # its residual sharded like the output.
+        "matmul/K+epilogue": (fused, [((4, 16, 32), P(None, "data", "model")),
+                                      ((32, 48), P("model", None)), ((48,), P()),
+                                      ((4, 16, 48), P(None, "data", None))]),
     }
 
 

@@ -37,7 +37,7 @@ __all__ = ["conv"]
 def _store_outputs(acc, bias_ref, out_ref, z_ref, p: Problem):
     """The epilogue on the accumulator block, then its one store (and z's, saved)."""
     bias = None if bias_ref is None else bias_ref[...]
-    y, z = _epilogue.apply(acc, bias, None, p.epilogue)
+    y, z = _epilogue.on_accumulator(acc, bias, None, p.epilogue)
     out_ref[...] = y.reshape(out_ref.shape).astype(out_ref.dtype)
     if z_ref is not None:
         z_ref[...] = z.reshape(z_ref.shape).astype(z_ref.dtype)

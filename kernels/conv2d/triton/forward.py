@@ -53,7 +53,7 @@ def _store_outputs(acc, bias_ref, out_ref, z_ref, p: Problem, row_start, rows_va
     if bias_ref is not None:
         view = bias_ref.at[pl.ds(col_start, cols_valid.shape[0])]
         bias = triton_load(view, mask=cols_valid, other=0)[None, :]
-    y, z = _epilogue.apply(acc, bias, None, p.epilogue)
+    y, z = _epilogue.on_accumulator(acc, bias, None, p.epilogue)
     store_2d(out_ref, y, row_start, rows_valid, col_start, cols_valid)
     if z_ref is not None:
         store_2d(z_ref, z, row_start, rows_valid, col_start, cols_valid)
@@ -116,7 +116,7 @@ def conv(x: jax.Array, w: jax.Array, bias: jax.Array | None, p: Problem, *,
         grid = (pl.cdiv(p.m, config.block_m), pl.cdiv(p.o, config.block_n))
     else:
         # TF32 dots take K-major tiles: the small weight matrix copied transposed by XLA.
-        k_major = (tensor_float32(p.compute_dtype, precision)
+        k_major = (tensor_float32(p.compute_dtype, precision) and p.w_dtype.itemsize == 4
                    and p.m >= K_MAJOR_MIN_REUSE)
         kernel = functools.partial(_conv_kernel, p=p, config=config, precision=precision,
                                    k_major=k_major)

@@ -73,7 +73,7 @@ def _matmul_kernel(*refs, p: Problem, block_k: int, precision):
     def _():
         bias = None if bias_ref is None else bias_ref[...]
         residual = None if residual_ref is None else residual_ref[...]
-        y, z = _epilogue.apply(acc_ref[...], bias, residual, p.epilogue)
+        y, z = _epilogue.on_accumulator(acc_ref[...], bias, residual, p.epilogue)
         out_ref[...] = y.astype(out_ref.dtype)
         if z_ref is not None:
             z_ref[...] = z.astype(z_ref.dtype)

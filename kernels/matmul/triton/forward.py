@@ -143,7 +143,7 @@ def _matmul_kernel(*refs, p: Problem, config: MatmulConfig, precision):
                      jnp.zeros((block_m, block_n), p.accumulator_dtype))
     bias = None if bias_ref is None else _load_bias(bias_ref, cols)
     residual = None if residual_ref is None else _load_tile(residual_ref, batch, rows, cols)
-    y, z = _epilogue.apply(acc, bias, residual, p.epilogue)
+    y, z = _epilogue.on_accumulator(acc, bias, residual, p.epilogue)
     mask = _tile_mask(rows, cols)
     triton_store(_tile(out_ref, out_index, rows, cols), y, mask=mask)
     if z_ref is not None:
