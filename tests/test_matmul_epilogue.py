@@ -15,10 +15,11 @@ from kernels import _targets
 from kernels.compile.launches import launches
 from kernels.matmul import MatmulConfig, matmul
 from reference.epilogue import ACTIVATIONS
-from tests.support import (as_f64, assert_close, kernels_of, random, standard_promotion,
-                           weighted_sum, x64)
+from tests.support import (as_f64, assert_close, implementations_of, kernels_of, random,
+                           standard_promotion, weighted_sum, x64)
 
 KERNELS = kernels_of("matmul")
+IMPLEMENTATIONS = implementations_of("matmul")
 ACTIVATION_NAMES = list(ACTIVATIONS)
 
 pytestmark = pytest.mark.usefixtures("strict_interpret")
@@ -46,8 +47,18 @@ def _check(a, b, bias, activation, residual, out, dtype):
     assert_close(out, truth, dtype, reduction_length=a.shape[-1], dot=True)
 
 
-@pytest.mark.parametrize("activation,dtype", [(a, jnp.float32) for a in ACTIVATION_NAMES]
-                         + [("gelu", jnp.bfloat16), ("silu", jnp.bfloat16)],
+# Every activation in float32 and two in bfloat16 on xla and the fast-interpreted kernels; the
+# kernels' epilogue is one function (`kernels._epilogue`), so the strict simulator (slow) runs
+# two of them, with the bias and residual blocks every case has.
+VALUE_CASES = [(impl, a, jnp.float32) for impl in IMPLEMENTATIONS if impl != "mosaic"
+               for a in ACTIVATION_NAMES] + [
+    (impl, a, jnp.bfloat16) for impl in IMPLEMENTATIONS if impl != "mosaic"
+    for a in ("gelu", "silu")] + [
+    (impl, a, d) for impl in IMPLEMENTATIONS if impl == "mosaic"
+    for a, d in (("gelu", jnp.float32), ("silu", jnp.bfloat16))]
+
+
+@pytest.mark.parametrize("implementation,activation,dtype", VALUE_CASES,
                          ids=lambda v: v if isinstance(v, str) or v is None
                          else jnp.dtype(v).name)
 def test_epilogue_matches_float64_truth(implementation, activation, dtype):

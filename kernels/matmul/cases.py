@@ -85,11 +85,9 @@ def sharded(impl):
         "matmul/batch+K": (mm, [((4, 16, 32), P("data", None, "model")),
                                 ((32, 48), P("model", None))]),
         # The epilogue over a sharded K (a row-parallel layer), applied after the partials'
-        # sum, on sequence-sharded rows (a batched product: dbias sums over batch and rows);
-        # its residual sharded like the output.
-        "matmul/K+epilogue": (fused, [((4, 16, 32), P(None, "data", "model")),
-                                      ((32, 48), P("model", None)), ((48,), P()),
-                                      ((4, 16, 48), P(None, "data", None))]),
+        # sum; its residual sharded like the output.
+        "matmul/K+epilogue": (fused, [((64, 32), P("data", "model")), ((32, 48), P("model", None)),
+                                      ((48,), P()), ((64, 48), P("data", None))]),
     }
 
 
@@ -114,10 +112,13 @@ OUT_SHARDING = {
     "matmul/K-both": (
         _with_out_sharding, [((4, 16, 32), P(None, None, "model")), ((32, 48), P("model", None))],
         P("data", None, "model"), P("data", None, "model")),
-    # Sequence-parallel activations into a dense layer: rows sharded on the sequence, not the
-    # batch, so the batch is not folded into M (a reshape JAX refuses on Explicit axes).
+    # Sequence-parallel activations into a dense layer with a bias: rows sharded on the
+    # sequence, not the batch, so the batch is not folded into M (a reshape JAX refuses on
+    # Explicit axes), and dbias sums over batch and rows.
     "matmul/sequence-sharded": (
-        _with_out_sharding, [((4, 16, 32), P(None, "model", None)), ((32, 48), P())],
+        lambda impl: lambda a, b, bias, s: matmul(a, b, bias=bias, activation="silu",
+                                                  out_sharding=s, implementation=impl),
+        [((4, 16, 32), P(None, "model", None)), ((32, 48), P()), ((48,), P())],
         None, P(None, "model")),
 }
 # The out_sharding cases whose kernels must reduce-scatter into the sharding asked for.
