@@ -59,8 +59,8 @@ def _assert_triton_design(case, r) -> None:
     (ResNet, MobileNet, ConvNeXt): every global load is a 16-byte vector or cp.async copy (patch
     rows are channel runs of one tap; a K block spanning taps compiled to 2-byte scalar loads).
     float32 matmuls of device size multiply on the tensor cores as TF32 (on sm_90 Hopper's
-    wgmma), their tiles and conv's forward's loaded K-major, 16 bytes at a time (the conv
-    weight gradient's tiles, both MN-major, still load 4 bytes at a time)."""
+    wgmma), their tiles and conv's loaded K-major, 16 bytes at a time (the weight gradient's
+    from pixel-major copies where the batch is a multiple of 4)."""
     x = case.args[0]
     if case.op == "conv2d" and x.dtype == jnp.bfloat16 and x.shape[-1] % 8 == 0:
         # A fused bias is one vector of block_n channels a program, loaded once after the
@@ -78,7 +78,10 @@ def _assert_triton_design(case, r) -> None:
             case.op == "matmul" and min(d for a in case.args[:2] for d in a.shape[-2:])
             >= K_MAJOR_MIN_REUSE
             or r.name == "conv2d_triton" and x.shape[-1] % 4 == 0 and x.shape[0] * x.shape[1]
-            * x.shape[2] >= K_MAJOR_MIN_REUSE):  # conv: each weight meets every pixel
+            * x.shape[2] >= K_MAJOR_MIN_REUSE  # conv: each weight meets every pixel
+            # dW: x and dy copied pixel-major (`conv2d.triton.config.pixel_major`)
+            or r.name == "conv2d_weight_grad_triton" and x.shape[0] % 4 == 0
+            and min(x.shape[-1], case.args[1].shape[-1]) >= 64):
         assert set(r.load_bytes) == {16}, (r.name, r.operands, r.load_bytes)
 
 

@@ -80,6 +80,57 @@ def test_triton_weight_gradient_pixel_splits(x_shape, w_shape, options):
                  dot=True)
 
 
+@pytest.mark.parametrize("x_shape,w_shape,options", [
+    ((4, 8, 8, 32), (3, 3, 32, 32), {}),
+    ((4, 9, 11, 64), (3, 3, 32, 256), {"stride": 2, "feature_group_count": 2}),
+    ((4, 10, 9, 48), (3, 2, 48, 64), {"dilation": 2, "padding": ((2, -1), (1, 3))}),
+], ids=["same", "grouped-strided", "dilated-cropped"])
+def test_triton_float32_weight_gradient_pixel_major(x_shape, w_shape, options):
+    """A float32 weight gradient whose operands are reused enough reads both K-major from
+    XLA's pixel-major copies (stride phases, a column shift per tap): dW against float64
+    truth, odd image sizes, groups, a stride, a dilation and cropping padding."""
+    from kernels.conv2d.triton import config as triton_config
+
+    p = _weight_grad_problem(x_shape, w_shape, jnp.float32, **options)
+    assert triton_config.pixel_major(p, None) is not None
+    x, w = _inputs(x_shape, w_shape, jnp.float32)
+    got = jax.grad(_loss("triton", **options), argnums=1)(x, w)
+    with x64():
+        want = jax.grad(_loss("reference", **options), argnums=1)(as_f64(x), as_f64(w))
+    assert_close(got, want, jnp.float32, reduction_length=int(np.prod(x_shape[:3])), dot=True)
+
+
+def test_triton_pixel_major_weight_gradient_reads_no_padding_pairs():
+    """dY's zero columns past OW pair with input columns of the next row: masked, so an inf in
+    an input column that no product of a tap reads leaves that tap's dW finite (here column 0,
+    which tap kw = 2 of a VALID 3x3 never reads), as XLA's gradient is."""
+    x, w = _inputs((4, 8, 8, 32), (3, 3, 32, 32), jnp.float32)
+    x = x.at[:, :, 0, :].set(jnp.inf)
+    dy = jnp.asarray(np.random.default_rng(3).standard_normal((4, 6, 6, 32)), jnp.float32)
+
+    def weight_grad(implementation):
+        conv = lambda w: conv2d(x, w, padding="VALID", implementation=implementation)  # noqa: E731
+        return jax.vjp(conv, w)[1](dy)[0]
+
+    got, want = weight_grad("triton")[:, 1:], weight_grad("xla")[:, 1:]
+    assert bool(jnp.isfinite(want).all())
+    assert_close(got, want, jnp.float32, reduction_length=4 * 6 * 6, dot=True)
+
+
+def test_triton_pixel_major_weight_gradient_where_it_repays():
+    """The pixel-major copies are taken for float32 on the tensor cores (TF32) only, with a
+    batch a multiple of 4 and enough reuse; otherwise the gathered kernel runs."""
+    from kernels.conv2d.triton.config import pixel_major
+
+    p = _weight_grad_problem((4, 8, 8, 32), (3, 3, 32, 32), jnp.float32)
+    assert pixel_major(p, None) is not None and pixel_major(p, "high") is not None
+    assert pixel_major(p, "highest") is None  # an IEEE float32 dot takes any layout
+    assert pixel_major(p._replace(n=6), None) is None  # unaligned tap shifts
+    assert pixel_major(p._replace(x_dtype=jnp.dtype(jnp.bfloat16)), None) is None
+    assert pixel_major(_weight_grad_problem((4, 8, 8, 16), (3, 3, 16, 32), jnp.float32),
+                       None) is None  # 16 channels x 9 taps: 144 < K_MAJOR_MIN_REUSE
+
+
 @pytest.mark.parametrize("x_shape,w_shape,options,tap_major", [
     ((1, 6, 5, 48), (3, 3, 24, 20), {"feature_group_count": 2, "stride": 2}, True),
     ((2, 9, 11, 4), (5, 5, 1, 8), {"feature_group_count": 4, "padding": (2, 1)}, False),

@@ -11,6 +11,9 @@ Each kernel's loop nest, per program (blocks and splits: `config.py`):
     dW, GEMM path:        for pb in pixel blocks of split s:
                               acc += patches[pb, kb]^T @ dy[pb, j]
                           dw[s, kb, j] = acc                        # partials summed by XLA
+    dW, float32 pixel-major: for qb in column blocks of split s:  # x, dy copied (C|O, pixels)
+                              acc += x[kb, qb + shift(tap)] @ dy[j, qb]^T
+                          dw[s, kb, j] = acc
     dW, depthwise:        for pb in pixel blocks of split s:
                               for tap in taps(kb):                  # unrolled
                                   acc[tap] += x[pixels(pb) + tap, j] * dy[pb, j]

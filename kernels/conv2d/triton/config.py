@@ -2,26 +2,28 @@
 in `forward.py` and `backward.py` beside it): each launch's config (`resolve_config` for the
 forward and the input gradient's phases, `weight_grad_config` for dW), the checks that decline a
 problem or reject a config, the K blocks of the implicit GEMM (`tap_major`, `num_k_blocks`), the
-weight gradient's pixel splits (`weight_grad_split`), and the loads each launch issues, which
-its cost estimate states (`forward_traffic`, `weight_grad_traffic`)."""
+weight gradient's pixel splits (`weight_grad_split`) and its float32 operands' pixel-major
+copies (`pixel_major`), and the loads each launch issues, which its cost estimate states
+(`forward_traffic`, `weight_grad_traffic`)."""
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax.numpy as jnp
 
-from kernels._blocks import (MIN_PIPELINED_STEPS, MIN_TRITON_DOT, Split, check_triton_config,
-                             fill_sms, max_splits, require_floating, require_int32_offsets,
-                             require_shared_memory, split_reduction, triton_block,
-                             triton_dot_shared_bytes)
+from kernels._blocks import (K_MAJOR_MIN_REUSE, MIN_PIPELINED_STEPS, MIN_TRITON_DOT, Split,
+                             check_triton_config, fill_sms, max_splits, require_floating,
+                             require_int32_offsets, require_shared_memory, split_reduction,
+                             tensor_float32, triton_block, triton_dot_shared_bytes)
 from kernels._epilogue import require_supported
 from kernels._pallas import pl
 from kernels.conv2d.common import Conv2dConfig, Problem
 
 __all__ = ["resolve_config", "check", "output_channels", "tap_major", "num_k_blocks",
-           "forward_traffic", "weight_grad_config", "weight_grad_grid", "weight_grad_split",
-           "weight_grad_traffic"]
+           "forward_traffic", "PixelMajor", "pixel_major", "weight_grad_config",
+           "weight_grad_grid", "weight_grad_split", "weight_grad_traffic"]
 
 
 def output_channels(p: Problem) -> int:
@@ -150,27 +152,77 @@ def weight_grad_grid(p: Problem, config: Conv2dConfig) -> tuple[int, int, int]:
             1 if p.depthwise else p.groups)
 
 
-def weight_grad_split(p: Problem, config: Conv2dConfig) -> Split:
+class PixelMajor(NamedTuple):
+    """The float32 weight gradient's operands copied pixel-major (`pixel_major`), so that both
+    are K-major for TF32: the padded input split into its stride phases, each phase a
+    (C, rows·cols·N) matrix, and dY laid on the same grid, (O, OH·cols·N) with zero columns
+    past OW. Batch is the fastest axis, so the input column that tap (kh, kw) pairs with dY
+    column q is q + `shift`: one constant per tap, a multiple of N."""
+
+    rows: int  # rows of one stride phase of the padded input
+    cols: int  # its columns: the row pitch of both copies' pixel axes
+
+    def pixels(self, p: Problem) -> int:
+        """The GEMM's contraction: dY's columns, OW padded to `cols` in every output row."""
+        return p.oh * self.cols * p.n
+
+    def input_elements(self, p: Problem) -> int:
+        return p.geometry.stride[0] * p.geometry.stride[1] * p.c * self.rows * self.cols * p.n
+
+    def phase_and_shift(self, p: Problem, kh, kw):
+        """The stride phase (a row block of C) and the column shift tap (kh, kw) reads."""
+        (sh, sw), (dh, dw) = p.geometry.stride, p.geometry.rhs_dilation
+        phase = (kh * dh % sh) * sw + kw * dw % sw
+        return phase, ((kh * dh // sh) * self.cols + kw * dw // sw) * p.n
+
+
+def pixel_major(p: Problem, precision) -> PixelMajor | None:
+    """The pixel-major layout of a float32 (TF32) weight gradient, or None where the gathered
+    NHWC patches stay: there both dot operands are MN-major (contracted over pixels, channels
+    contiguous) and load 4 bytes at a time. Taken where every input element meets at least
+    `K_MAJOR_MIN_REUSE` outputs (its group's O/G channels at each of the KH·KW/stride² taps
+    that read it) and every dY element too (C/G channels at KH·KW taps), the batch is a
+    multiple of 4 (16-byte-aligned tap shifts), K blocks lie in one tap (`tap_major`) and the
+    copies stay under 2³¹ elements."""
+    g = p.geometry
+    if (p.depthwise or not tap_major(p) or p.n % 4
+            or not tensor_float32(p.compute_dtype, precision)
+            or p.x_dtype.itemsize != 4 or p.w_dtype.itemsize != 4
+            or min(p.og * p.kh * p.kw // (g.stride[0] * g.stride[1]), p.cg * p.kh * p.kw)
+            < K_MAJOR_MIN_REUSE):
+        return None
+    layout = PixelMajor(*(pl.cdiv(size + sum(pad), stride) for size, pad, stride
+                          in zip((p.h, p.w), g.padding, g.stride)))
+    if max(layout.input_elements(p), p.o * layout.pixels(p)) >= 2**31:
+        return None
+    return layout
+
+
+def weight_grad_split(p: Problem, config: Conv2dConfig, pixels: int | None = None) -> Split:
     """Pixel splits: at least two waves of programs (`Target.min_programs`) when the dW tiles
     alone leave SMs idle, unless the splits' float32 partials, written and read back, would
     together cost more than half the unsplit kernel's traffic (`weight_grad_traffic`: the
     patches once per output-channel block, dY once per K block, dW written once), the measure
     matmul's split-K uses. Counting x and dY once instead capped ResNet's stride-2 128->256
-    layer at 2 splits: 144 programs, a second wave of 12 on an H100, no faster than none."""
-    unsplit_traffic = weight_grad_traffic(p, config, p.out_dtype, p.w_dtype, splits=1)
-    return split_reduction(math.prod(weight_grad_grid(p, config)), pl.cdiv(p.m, config.block_m),
+    layer at 2 splits: 144 programs, a second wave of 12 on an H100, no faster than none.
+    `pixels` is the reduction's length: M, or the pixel-major layout's (`PixelMajor.pixels`)."""
+    unsplit_traffic = weight_grad_traffic(p, config, p.out_dtype, p.w_dtype, 1, pixels)
+    return split_reduction(math.prod(weight_grad_grid(p, config)),
+                           pl.cdiv(p.m if pixels is None else pixels, config.block_m),
                            min_steps=MIN_PIPELINED_STEPS,
                            max_splits=max_splits(unsplit_traffic, p.k * p.o * 4))
 
 
-def weight_grad_traffic(p: Problem, config: Conv2dConfig, dy_dtype, dw_dtype,
-                         splits: int) -> int:
-    """Loads the weight gradient's programs issue: the patches (`_patch_passes`), dY once per K
-    block (a depthwise program's block of taps), and dW written once (float32
-    partials per pixel split, which XLA then reads back, when split)."""
+def weight_grad_traffic(p: Problem, config: Conv2dConfig, dy_dtype, dw_dtype, splits: int,
+                        pixels: int | None = None) -> int:
+    """Loads the weight gradient's programs issue: the patches (`_patch_passes`), dY's
+    `pixels` columns (M, or the pixel-major layout's, zeros included) once per K block (a
+    depthwise program's block of taps), and dW written once (float32 partials per pixel split,
+    which XLA then reads back, when split)."""
     dw_bytes = p.kh * p.kw * p.cg * p.o
     written = (dw_bytes * jnp.dtype(dw_dtype).itemsize if splits == 1
                else 2 * splits * dw_bytes * 4)
     return (_patch_bytes(p) * _patch_passes(p, config)
-            + p.m * p.o * jnp.dtype(dy_dtype).itemsize * num_k_blocks(p, config.block_k)
+            + (p.m if pixels is None else pixels) * p.o * jnp.dtype(dy_dtype).itemsize
+            * num_k_blocks(p, config.block_k)
             + written)

@@ -12,9 +12,10 @@ Forward (`conv`), GEMM path (C_in/G > 1):
   accumulation, float32 as TF32, whose instructions take K-major tiles only: there the weights
   are copied transposed to (O, K) by XLA first (a small copy, `_blocks.K_MAJOR_MIN_REUSE`) and
   loaded as (block_n, block_k) tiles 16 bytes at a time. The epilogue (bias, activation) is
-  applied to the accumulator, and the tile is cast and stored once, masked to the array. Traffic: the output is
-  written once, the weights read cdiv(M, block_m) times, each input pixel about KH·KW/stride²
-  times per column block (mostly from L2/L1: neighbouring pixels share it).
+  applied to the accumulator, and the tile is cast and stored once, masked to the array.
+  Traffic: the output is written once, the weights read cdiv(M, block_m) times, each input
+  pixel about KH·KW/stride² times per column block (mostly from L2/L1: neighbouring pixels
+  share it).
 Forward, depthwise path (C_in/G == 1, each output channel reads one input channel):
   grid = (cdiv(M, block_m), cdiv(O, block_n)). A program loops over the KH·KW taps; each step
   gathers the (block_m, block_n) input values of that tap for its pixels and channels
