@@ -2,7 +2,7 @@
 `kernels.compile.programs`). Run by `tests/test_programs.py` in its own process (libtpu and the CUDA
 plugin's compile-only devices are set up per process):
 
-    python tests/programs_run.py ops TARGET       # every op, one device / Auto / Explicit
+    python tests/programs_run.py ops TARGET [MESHES]  # every op, one device / Auto / Explicit
     python tests/programs_run.py models TARGET    # the examples' training steps
 
 `models` compiles one training step (loss, gradients, update) of `examples/train_digits.py`'s
@@ -95,9 +95,10 @@ def models(target: str) -> list[programs.ProgramReport]:
     return reports
 
 
-def main(mode: str, target: str) -> None:
+def main(mode: str, target: str, meshes: str = ",".join(programs.MESHES)) -> None:
     if mode == "ops":
-        reports = programs.compile_ops(target, 4, implementations=(None, "kernel"))
+        reports = programs.compile_ops(target, 4, meshes.split(","),
+                                       implementations=(None, "kernel"))
     else:
         reports = models(target)
     for report in reports:
@@ -105,4 +106,4 @@ def main(mode: str, target: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:])
