@@ -133,6 +133,12 @@ def check_strict_settings_with_x64(name: str, implementation: str) -> None:
     with x64():
         inputs = contract.repeated(0)
         op = contract.call(implementation)
+        if name == "matmul" and implementation == "mosaic_gpu":
+            # Its interpreter cannot run the warp-specialized pipeline under x64: declined,
+            # naming why (the compiled kernel is traced in 32 bits: test_mosaic_gpu).
+            with pytest.raises(NotImplementedError, match="jax_enable_x64"):
+                jax.jit(op)(*inputs)
+            return
         contract.check(jax.jit(op)(*inputs), *inputs)
         floats = tuple(i for i, a in enumerate(inputs) if jnp.issubdtype(a.dtype, jnp.floating))
         loss = lambda f: lambda *a: weighted_sum(f(*a))  # noqa: E731

@@ -10,12 +10,15 @@ import pytest
 from jax.test_util import check_grads
 
 import reference
+from kernels import registry
 from kernels.matmul import MatmulConfig, matmul
 from tests.support import (FLOAT_DTYPES, SUPPORTS_FLOAT64, Contract, as_f64, assert_close,
-                           assert_lowers, kernels_of, random, standard_promotion, tolerance,
-                           walked_pipeline_bytes, weighted_sum, x64)
+                           assert_lowers, implementations_of, kernels_of, needs, random,
+                           standard_promotion, tolerance, walked_pipeline_bytes, weighted_sum,
+                           x64)
 
 KERNELS = kernels_of("matmul")  # this op's kernels (`tests.support.implementations_of`)
+IMPLEMENTATIONS = implementations_of("matmul")
 
 # Kernels interpreted by default run strict here (TPU interpret mode for Mosaic), on small grids.
 pytestmark = pytest.mark.usefixtures("strict_interpret")
@@ -35,8 +38,17 @@ def _check_against_ground_truth(a, b, out, dtype=None, dot=True):
     assert_close(out, expected, dtype or out.dtype, reduction_length=a.shape[-1], dot=dot)
 
 
-@pytest.mark.parametrize("m,n,k", SHAPES)
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: jnp.dtype(d).name)
+# Mosaic GPU's interpreter takes about 1.5 s a call here (registry: no fast interpreter): its
+# kernel runs every shape in bfloat16 and the odd and the padded ones in float32 and float16
+# (casts and K-major copies are XLA's), and the first of each gradient shape class.
+SLOW = "mosaic_gpu"
+
+
+@pytest.mark.parametrize("implementation,dtype,m,n,k", [
+    (impl, dtype, *shape) for impl in IMPLEMENTATIONS for dtype in FLOAT_DTYPES
+    for shape in SHAPES
+    if impl != SLOW or dtype == jnp.bfloat16 or shape in ((7, 13, 5), (1000, 3, 1000))],
+    ids=lambda v: jnp.dtype(v).name if isinstance(v, type) else None)
 def test_matches_float64_ground_truth(implementation, m, n, k, dtype):
     a, b = random((m, k), dtype, seed=1), random((k, n), dtype, seed=2)
     _check_against_ground_truth(a, b, matmul(a, b, implementation=implementation))
@@ -84,6 +96,13 @@ def test_preferred_element_type(implementation):
 
 def test_precision_highest(implementation):
     a, b = random((33, 70), jnp.float32, 9), random((70, 17), jnp.float32, 10)
+    if implementation == "mosaic_gpu":  # wgmma multiplies float32 as TF32 only
+        with pytest.raises(NotImplementedError, match="mosaic_gpu: .*HIGHEST runs in xla"):
+            matmul(a, b, precision=jax.lax.Precision.HIGHEST, implementation=implementation)
+        out = matmul(a, b, precision=jax.lax.Precision.HIGHEST,
+                     implementation=(implementation, "xla"))  # falls through
+        _check_against_ground_truth(a, b, out, dot=False)
+        return
     out = matmul(a, b, precision=jax.lax.Precision.HIGHEST, implementation=implementation)
     _check_against_ground_truth(a, b, out, dot=False)
 
@@ -162,7 +181,10 @@ def _loss(implementation):
     return lambda a, b: weighted_sum(matmul(a, b, implementation=implementation))
 
 
-@pytest.mark.parametrize("a_shape,b_shape", [((17, 40), (40, 9))] + BATCHED + RANK_1)
+@pytest.mark.parametrize("implementation,a_shape,b_shape", [
+    (impl, *shapes) for impl in IMPLEMENTATIONS
+    for shapes in [((17, 40), (40, 9))] + BATCHED + RANK_1
+    if impl != SLOW or shapes in (((17, 40), (40, 9)), BATCHED[1], RANK_1[3])])
 def test_gradients_match_reference(implementation, a_shape, b_shape):
     a, b = random(a_shape, jnp.float32, 1), random(b_shape, jnp.float32, 2)
     grads = jax.grad(_loss(implementation), argnums=(0, 1))(a, b)
@@ -409,12 +431,13 @@ def test_tolerance_rule_rejects_a_wrong_kernel():
 
 def test_remat(implementation):
     a, b = random((9, 20), jnp.float32, 1), random((20, 5), jnp.float32, 2)
-    if implementation == "mosaic":
-        # TPU interpret mode runs kernels through ordered IO callbacks, which JAX's remat
-        # refuses to partial-evaluate; the kernel itself rematerializes, as lowering shows.
+    if "strict" in registry.get(implementation).interpreter_callbacks:
+        # TPU interpret mode and Mosaic GPU's interpreter run kernels through ordered IO
+        # callbacks, which JAX's remat refuses to partial-evaluate; the kernel itself
+        # rematerializes, as lowering shows.
         remat_grad = jax.grad(jax.checkpoint(lambda a, b: jnp.sum(jnp.sin(
-            matmul(a, b, implementation="mosaic", interpret=False)))), argnums=(0, 1))
-        assert_lowers(remat_grad, a, b, implementation="mosaic", min_kernels=3)
+            matmul(a, b, implementation=implementation, interpret=False)))), argnums=(0, 1))
+        assert_lowers(remat_grad, a, b, implementation=implementation, min_kernels=3)
         return
     loss = _loss(implementation)
     got = jax.grad(jax.checkpoint(loss), argnums=(0, 1))(a, b)
@@ -448,3 +471,29 @@ def test_precision_high_compiles_for_tpu(precision):
     assert len(reports) == 3 and all(r.fits for r in reports), [r.error for r in reports]
     x, y = random((33, 70), jnp.float32, 9), random((70, 17), jnp.float32, 10)
     _check_against_ground_truth(x, y, matmul(x, y, precision=precision, implementation="mosaic"))
+
+
+@needs("mosaic_gpu")
+@pytest.mark.parametrize("shape,dtype,stages,splits", [
+    ((4096, 4096, 4096), jnp.bfloat16, 3, 1), ((8192, 1024, 4096), jnp.float32, 3, 1),
+    ((16, 4096, 4096), jnp.bfloat16, 4, 10)], ids=["square", "float32", "decode"])
+def test_mosaic_gpu_plan_on_an_h100(shape, dtype, stages, splits):
+    """Design, no device: the Mosaic GPU kernel's persistent grid is one CTA per SM of an H100
+    (132), its TMA ring is as deep as shared memory holds beside the epilogue's buffers, and a
+    decode product (one row of output tiles) splits K for two waves of work items."""
+    from kernels import _targets
+    from kernels._pallas import on_target
+    from kernels.matmul.common import make_problem
+    from kernels.matmul.mosaic_gpu.config import epilogue_bytes, plan_of
+
+    m, n, k = shape
+    target = _targets.TARGETS["sm_90"]
+    p = make_problem(jax.ShapeDtypeStruct((m, k), dtype), jax.ShapeDtypeStruct((k, n), dtype),
+                     False, dtype == jnp.float32, dtype)  # float32: B read K-major
+    with on_target(target):
+        plan = plan_of(p, None)
+    assert (plan.stages, plan.splits) == (stages, splits), plan
+    assert plan.num_ctas == target.num_sms <= plan.tiles(p) * plan.splits, plan
+    stage = (plan.block_m + plan.block_n) * plan.block_k * jnp.dtype(dtype).itemsize
+    assert (plan.stages * stage + epilogue_bytes(p, plan.block_m, plan.block_n, plan.splits)
+            <= target.shared_memory), plan

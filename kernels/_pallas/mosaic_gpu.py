@@ -216,18 +216,21 @@ def mosaic_gpu_call(body: Callable[..., None], *, out_shape: Sequence[jax.ShapeD
                     grid: tuple[int, ...], grid_names: tuple[str, ...], interpret: bool | str,
                     name: str, scratch: Sequence[Any] = (),
                     flops_and_bytes: tuple[int, int] = (0, 0),
-                    transcendentals: int = 0) -> Callable[..., Any]:
-    """`plgpu.kernel(body, ...)`, one warpgroup per CTA, launched as `name`. `interpret` (the
-    dispatch's mode): False compiles; True and "strict" run Mosaic GPU's interpreter on the
-    device's schedule, "strict" with its race detector (Pallas' HLO interpreter cannot run
-    `plgpu.kernel`). Its cost estimate states `flops_and_bytes` (the bytes its TMA copies
-    and loads move, re-reads included, as `triton_call`'s) and `transcendentals`."""
+                    transcendentals: int = 0,
+                    warpgroups: int | None = None) -> Callable[..., Any]:
+    """`plgpu.kernel(body, ...)`, one warpgroup per CTA (or `warpgroups` of them, the axis
+    "wg": a warp-specialized kernel), launched as `name`. `interpret` (the dispatch's mode):
+    False compiles; True and "strict" run Mosaic GPU's interpreter on the device's schedule,
+    "strict" with its race detector (Pallas' HLO interpreter cannot run `plgpu.kernel`). Its
+    cost estimate states `flops_and_bytes` (the bytes its TMA copies and loads move, re-reads
+    included, as `triton_call`'s) and `transcendentals`."""
     params = (plgpu.InterpretGPUParams(detect_races=interpret == "strict") if interpret
               else None)
     body.__name__ = name  # the launch's name in jaxprs, HLO and the compile reports
     return plgpu.kernel(
         body, out_type=tuple(out_shape), grid=grid, grid_names=grid_names,
-        scratch_types=tuple(scratch),
+        scratch_types=tuple(scratch), num_threads=warpgroups,
+        thread_name=None if warpgroups is None else "wg",
         cost_estimate=pl.CostEstimate(flops=flops_and_bytes[0], bytes_accessed=flops_and_bytes[1],
                                       transcendentals=transcendentals),
         compiler_params=plgpu.CompilerParams(

@@ -61,7 +61,9 @@ def _ptxas(folder: str) -> dict:
     """Registers and spills from ptxas's report; shared memory: ptxas's static bytes plus the
     dynamic shared memory Mosaic GPU allocates (its resources dump's `smem_scratch_bytes`: the
     kernel's scratch buffers and barriers), which ptxas does not see; and the TMA copy
-    instructions in the PTX (`_TMA_COPIES`)."""
+    instructions in the PTX (`_TMA_COPIES`), its tensor-core instructions and the register
+    budgets its warpgroups set (`setmaxnreg`: a warp-specialized kernel's producer and
+    consumers)."""
     def read(pattern):
         return "".join(open(path).read() for path in glob.glob(os.path.join(folder, pattern)))
 
@@ -75,7 +77,10 @@ def _ptxas(folder: str) -> dict:
             "shared_bytes": (int(static[1]) if static else 0) + int(dynamic[1])
             if dynamic else None,
             "tma": {direction: len(re.findall(pattern, ptx))
-                    for direction, pattern in _TMA_COPIES.items()}}
+                    for direction, pattern in _TMA_COPIES.items()},
+            "mma": tuple(sorted(set(re.findall(r"\b(?:wgmma\.mma_async|tcgen05\.mma)\S*", ptx)))),
+            "max_registers": tuple(sorted({int(n) for n in re.findall(
+                r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}))}
 
 
 def mosaic_gpu_report(eqn, target: Target, timeout_s: float | None) -> KernelReport:

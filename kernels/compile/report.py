@@ -34,8 +34,10 @@ class KernelReport:
     num_stages: int | None = None
     load_bytes: dict[int, int] | None = None  # global loads in the PTX: bytes each -> count
     mma: tuple[str, ...] | None = None  # the tensor-core instructions in the PTX
-    # Mosaic GPU: the TMA copy instructions in the PTX, {"load": n, "store": n}
+    # Mosaic GPU: the TMA copy instructions in the PTX, {"load": n, "store": n}, and the
+    # register budgets its warpgroups set (setmaxnreg), warp-specialized kernels only
     tma: dict[str, int] | None = None
+    max_registers: tuple[int, ...] | None = None
     # Mosaic
     vmem_planned: int | None = None  # double-buffered blocks + scratch, tile-padded
     vmem_limit: int | None = None  # the kernel's vmem_limit_bytes, or the target's default

@@ -56,7 +56,7 @@ class _Static(NamedTuple):
 def _run_whole(a: jax.Array, b: jax.Array, bias: jax.Array | None, residual: jax.Array | None,
                static: _Static) -> jax.Array | tuple[jax.Array, jax.Array]:
     p = make_problem(a, b, static.transpose_a, static.transpose_b, static.out_dtype,
-                     static.epilogue)
+                     static.epilogue, static.precision)
     return OP.module(static.implementation).matmul(a, b, bias, residual, p,
                                                    config=static.config,
                                                    precision=static.precision,
@@ -228,7 +228,7 @@ def matmul(
     epilogue = Epilogue(activation, has_bias=bias is not None, has_residual=residual is not None)
     a2, b2 = jax.eval_shape(lambda a, b: _as_batched_matrices(a, b)[:2], a, b)
     out_sharding = partition.out_sharding(out_sharding, "matmul", len(result_shape))
-    problem = make_problem(a2, b2, False, False, out_dtype, epilogue)
+    problem = make_problem(a2, b2, False, False, out_dtype, epilogue, precision)
     checks = OP.checks(problem, config)
 
     def call(name, interpret, out_sharding, a, b, bias, residual):

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels._blocks import tensor_float32
 from kernels._dtypes import promoted
 from kernels._epilogue import Epilogue
 
@@ -60,6 +61,7 @@ class Problem(NamedTuple):
     b_dtype: jnp.dtype
     out_dtype: jnp.dtype
     epilogue: Epilogue = Epilogue()
+    highest: bool = False  # float32 asked at HIGHEST precision (IEEE float32, no TF32)
 
     @property
     def num_batches(self) -> int:
@@ -81,14 +83,16 @@ class Problem(NamedTuple):
 
 
 def make_problem(a: jax.Array, b: jax.Array, transpose_a: bool, transpose_b: bool,
-                 out_dtype: jnp.dtype, epilogue: Epilogue = Epilogue()) -> Problem:
+                 out_dtype: jnp.dtype, epilogue: Epilogue = Epilogue(),
+                 precision=None) -> Problem:
     *a_batch, a_rows, a_cols = a.shape
     *b_batch, b_rows, b_cols = b.shape
     m, k = (a_cols, a_rows) if transpose_a else (a_rows, a_cols)
     n = b_rows if transpose_b else b_cols
     out_batch = tuple(np.broadcast_shapes(tuple(a_batch), tuple(b_batch)))
     return Problem(tuple(a_batch), tuple(b_batch), out_batch, m, n, k, transpose_a,
-                   transpose_b, a.dtype, b.dtype, jnp.dtype(out_dtype), epilogue)
+                   transpose_b, a.dtype, b.dtype, jnp.dtype(out_dtype), epilogue,
+                   not tensor_float32(jnp.float32, precision))
 
 
 def batch_index(out_index: jax.Array, out_batch: tuple[int, ...],
@@ -115,6 +119,18 @@ def flops_and_bytes(p: Problem) -> tuple[int, int]:
               + math.prod(p.b_batch) * p.k * p.n * jnp.dtype(p.b_dtype).itemsize
               + outputs * p.epilogue.bytes_per_output(p.out_dtype))
     return 2 * p.num_batches * p.m * p.n * p.k, nbytes
+
+
+def moved_bytes(p: Problem, block_m: int, block_n: int, partial_bytes: int) -> int:
+    """What a tiled launch moves: each output tile of each batch streams its (block_m, K) panel
+    of A and (K, block_n) panel of B (the grouped tile order serves most re-reads from L2) and
+    writes its output tile (with the epilogue's residual and saved pre-activation), or, split,
+    `partial_bytes` of float32 partials that XLA reads back."""
+    panels = (p.m * p.k * jnp.dtype(p.a_dtype).itemsize * -(-p.n // block_n)
+              + p.k * p.n * jnp.dtype(p.b_dtype).itemsize * -(-p.m // block_m))
+    outputs = p.num_batches * p.m * p.n
+    written = partial_bytes or outputs * p.epilogue.bytes_per_output(p.out_dtype)
+    return p.num_batches * panels + written
 
 
 def dot(a: jax.Array, b: jax.Array, p: Problem, precision) -> jax.Array:

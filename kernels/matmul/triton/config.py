@@ -1,8 +1,8 @@
 """How big the Triton matmul kernel's tiles are (the kernel itself is in
 `forward.py` beside it): the config (`resolve_config`: tiles by shape class, shrunk until
 every SM has one, split-K where the tiles alone leave SMs idle), the K split each program takes
-(`k_split`), the checks that decline a problem or reject a config (`check`) and the bytes a
-launch moves, which its cost estimate states (`moved_bytes`)."""
+(`k_split`) and the checks that decline a problem or reject a config (`check`); the bytes a
+launch moves are `common.moved_bytes`."""
 
 from __future__ import annotations
 
@@ -10,15 +10,15 @@ import math
 
 import jax.numpy as jnp
 
-from kernels._blocks import (K_MAJOR_MIN_REUSE, MIN_PIPELINED_STEPS, tensor_float32, Split, check_triton_config, fill_sms,
-                             is_positive_int, is_power_of_2, max_splits, require_floating,
-                             require_shared_memory, split_reduction, triton_block,
-                             triton_dot_shared_bytes)
+from kernels._blocks import (K_MAJOR_MIN_REUSE, MIN_PIPELINED_STEPS, Split, check_triton_config,
+                             fill_sms, is_positive_int, is_power_of_2, max_splits,
+                             require_floating, require_shared_memory, split_reduction,
+                             tensor_float32, triton_block, triton_dot_shared_bytes)
 from kernels._epilogue import require_supported
 from kernels._pallas import pl
 from kernels.matmul.common import MatmulConfig, Problem, flops_and_bytes
 
-__all__ = ["resolve_config", "check", "k_split", "moved_bytes", "k_major_copies"]
+__all__ = ["resolve_config", "check", "k_split", "k_major_copies"]
 
 
 def _largest_blocks(p: Problem) -> tuple[int, int]:
@@ -101,15 +101,3 @@ def check(p: Problem, config: MatmulConfig | None) -> None:
         if not is_positive_int(getattr(config, field)):
             raise ValueError(f"config.{field} must be a positive int, got "
                              f"{getattr(config, field)!r}")
-
-
-def moved_bytes(p: Problem, config: MatmulConfig, partial_bytes: int) -> int:
-    """Each tile program of each output batch streams its (block_m, K) panel of A and (K,
-    block_n) panel of B (the grouped order serves most re-reads from L2) and writes its
-    output tile (with the epilogue's residual and saved pre-activation), or, split,
-    `partial_bytes` of float32 partials that XLA reads back."""
-    panels = (p.m * p.k * jnp.dtype(p.a_dtype).itemsize * pl.cdiv(p.n, config.block_n)
-              + p.k * p.n * jnp.dtype(p.b_dtype).itemsize * pl.cdiv(p.m, config.block_m))
-    outputs = p.num_batches * p.m * p.n
-    written = partial_bytes or outputs * p.epilogue.bytes_per_output(p.out_dtype)
-    return p.num_batches * panels + written

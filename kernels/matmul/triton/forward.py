@@ -55,8 +55,9 @@ import jax.numpy as jnp
 from kernels import _epilogue
 from kernels._blocks import int32_loop
 from kernels._pallas import pl, triton_call, triton_load, triton_store
-from kernels.matmul.common import MatmulConfig, Problem, batch_index, dot, flops_and_bytes
-from kernels.matmul.triton.config import k_major_copies, k_split, moved_bytes, resolve_config
+from kernels.matmul.common import (MatmulConfig, Problem, batch_index, dot, flops_and_bytes,
+                                   moved_bytes)
+from kernels.matmul.triton.config import k_major_copies, k_split, resolve_config
 
 __all__ = ["matmul"]
 
@@ -171,7 +172,7 @@ def matmul(a: jax.Array, b: jax.Array, bias: jax.Array | None, residual: jax.Arr
         num_stages=config.num_stages,
         interpret=interpret,
         flops=flops_and_bytes(p)[0],
-        bytes_accessed=moved_bytes(p, config, 0),
+        bytes_accessed=moved_bytes(p, config.block_m, config.block_n, 0),
         name="matmul_triton",
     )(a.reshape(math.prod(p.a_batch), *a.shape[-2:]),
       b.reshape(math.prod(p.b_batch), *b.shape[-2:]), *_epilogue.operands(bias, residual))
@@ -206,7 +207,8 @@ def _split_k(a, b, bias, residual, p: Problem, config: MatmulConfig, precision, 
         num_stages=config.num_stages,
         interpret=interpret,
         flops=flops_and_bytes(p)[0],
-        bytes_accessed=moved_bytes(partials_problem, config, partial_bytes),
+        bytes_accessed=moved_bytes(partials_problem, config.block_m, config.block_n,
+                                   partial_bytes),
         name="matmul_split_k_triton",
     )(a.reshape(math.prod(p.a_batch), *a.shape[-2:]),
       b.reshape(math.prod(p.b_batch), *b.shape[-2:]))
