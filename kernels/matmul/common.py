@@ -24,12 +24,15 @@ from kernels._epilogue import Epilogue
 class MatmulConfig:
     """Block sizes of the matmul kernels; `None` fields are picked from the shapes.
 
-    block_m, block_n: the output tile one program (Triton) or grid step (Mosaic) computes.
+    block_m, block_n: the output tile one program (Triton), grid step (Mosaic) or CTA (Mosaic
+      GPU, whose two consumer warpgroups take block_m / 2 rows each) computes.
     block_k: the slice of the contraction read per step of the K loop.
-    group_m: Triton only; rows of output tiles launched together so they share B tiles in L2.
-    num_warps, num_stages: Triton only; compiler params (warps per program, pipeline depth).
-    split_k: Triton only; programs that share one output tile, each summing its own range of
-      the contraction into float32 partials that are then added in a fixed order (1: never).
+    group_m: GPUs; rows of output tiles launched together so they share B tiles in L2.
+    num_warps: Triton only; warps per program.
+    num_stages: GPUs; pipeline depth (Triton's software pipeline, Mosaic GPU's TMA ring).
+    split_k: GPUs; programs (work items) that share one output tile, each summing its own
+      range of the contraction into float32 partials that are then added in a fixed order
+      (1: never).
     """
 
     block_m: int | None = None

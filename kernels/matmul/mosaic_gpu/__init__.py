@@ -16,7 +16,9 @@ The loop nest, per CTA (tiles, stages and splits: `config.py`; the block schedul
 
 16-bit operands go to wgmma as stored, transposed or not (the backward's dA = dZ @ Bᵀ and
 dB = Aᵀ @ dZ read the same arrays); float32 and mixed products run as TF32 on K-major copies
-(`forward._operands`); K and N must be multiples of 8 (TMA rows of 16 bytes, `config.check`).
+(`forward._operands`); an M, K or N that is not a whole TMA tile is padded by XLA
+(`config.kernel_problem`). Declined: Blackwell (no wgmma; a tcgen05 kernel is not written),
+float64, float32 at HIGHEST precision, and the interpreter under `jax_enable_x64`.
 """
 
 from kernels.matmul.mosaic_gpu.config import check, resolve_config

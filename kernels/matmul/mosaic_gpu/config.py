@@ -10,13 +10,13 @@ from typing import NamedTuple
 import jax.numpy as jnp
 
 from kernels import _targets
-from kernels._blocks import MIN_PIPELINED_STEPS, is_positive_int, max_splits, split_reduction
+from kernels._blocks import MIN_PIPELINED_STEPS, is_positive_int, max_splits
 from kernels._epilogue import require_supported
 from kernels._pallas import pl
-from kernels._pallas.mosaic_gpu import RESERVED_SMEM
 from kernels.matmul.common import MatmulConfig, Problem, flops_and_bytes
 
-__all__ = ["Plan", "plan_of", "resolve_config", "check", "CONSUMERS", "WG_ROWS",
+__all__ = ["Plan", "plan_of", "kernel_problem", "resolve_config", "check", "epilogue_bytes",
+           "CONSUMERS", "WG_ROWS",
            "EPILOGUE_COLUMNS", "SWIZZLE", "TMA_ROWS", "TMA_COLUMNS"]
 
 CONSUMERS = 2  # compute warpgroups per CTA, each owning block_m / 2 rows of the CTA tile
@@ -32,6 +32,15 @@ EPILOGUE_COLUMNS = 64
 # multiple of its tiling 64, but got 1000"), so the wrapper pads an odd M, K or N to these.
 TMA_ROWS, TMA_COLUMNS = 8, 64
 MAX_STAGES = 4  # JAX's Hopper matmul's depth; more only adds shared memory at these tiles
+# Shared memory beside the planned buffers: the pipeline's and the residual's barriers (8 bytes
+# each) and alignment. `Target.shared_memory` (232,448 on an H100) is the opt-in limit per
+# block, net of what the hardware reserves; Pallas' cross-warp reduction scratch is taken only
+# by reductions, which this kernel has none of. Measured: the 3-stage 256x128x64 bfloat16 plan
+# of 180,224 bytes compiled to 180,225 (jax 0.12.0.1, sm_90a).
+BARRIER_BYTES = 1024
+# A consumer's float32 accumulator elements: 128 x 192 is 192 registers a thread of its 232
+# (setmaxnreg), leaving room for addresses and the epilogue.
+MAX_ACCUMULATOR = 128 * 192
 # Registers per thread of the TMA producer warpgroup (setmaxnreg): it holds only addresses
 # and barrier phases, so the consumers get the rest (JAX's Hopper matmul: 40).
 PRODUCER_REGISTERS = 40
@@ -62,52 +71,82 @@ def _itemsize(dtype) -> int:
 
 def epilogue_bytes(p: Problem, block_m: int, block_n: int, splits: int) -> int:
     """Shared memory of the epilogue: per consumer one column slice of the output (float32
-    partials when split), of z and of the residual."""
+    partials when split), of z and of the residual (in the output's dtype: `forward.matmul`)."""
     if splits > 1:
         per_element = 4
     else:
-        per_element = _itemsize(p.out_dtype) + (
-            _itemsize(p.epilogue.saved) if p.epilogue.saved is not None else 0) + (
-            _itemsize(p.out_dtype) if p.epilogue.has_residual else 0)
+        per_element = _itemsize(p.out_dtype) * (1 + p.epilogue.has_residual) + (
+            _itemsize(p.epilogue.saved) if p.epilogue.saved is not None else 0)
     return block_m * min(EPILOGUE_COLUMNS, block_n) * per_element
 
 
 def _stages(p: Problem, block_m: int, block_n: int, block_k: int, splits: int) -> int:
-    budget = _targets.current("gpu").shared_memory - RESERVED_SMEM
+    budget = _targets.current("gpu").shared_memory - BARRIER_BYTES
     stage = (block_m + block_n) * block_k * _itemsize(p.compute_dtype)
     return min(MAX_STAGES, (budget - epilogue_bytes(p, block_m, block_n, splits)) // stage)
 
 
+def kernel_problem(p: Problem) -> Problem:
+    """The problem the kernel runs (`forward._operands` lays the arrays out so): 16-bit
+    operands of one dtype as they are; anything else as float32 (TF32), both K-major; M, K
+    and N padded to TMA's tiles (`TMA_ROWS`, `TMA_COLUMNS`; M to a row of `TMA_COLUMNS` where
+    A is stored (K, M))."""
+    if not (p.a_dtype == p.b_dtype and _itemsize(p.a_dtype) == 2):
+        f32 = jnp.dtype(jnp.float32)
+        p = p._replace(transpose_a=False, transpose_b=True, a_dtype=f32, b_dtype=f32)
+    m_step = TMA_COLUMNS if p.transpose_a else TMA_ROWS
+    return p._replace(**{dim: pl.cdiv(size, step) * step for dim, size, step in
+                         (("m", p.m, m_step), ("k", p.k, TMA_COLUMNS), ("n", p.n, TMA_COLUMNS))})
+
+
+def _splits(p: Problem, tiles: int, num_k_blocks: int, asked: int | None) -> int:
+    """K splits: `asked` (less any that would get no K block), else, where the output tiles
+    leave SMs idle, as many as keep every work item in one round of the persistent CTAs
+    (tiles x splits <= SMs) with at least `MIN_PIPELINED_STEPS` K steps each, and within
+    `max_splits` of partial traffic."""
+    if num_k_blocks <= 1:  # K = 0 (an empty product, never launched) or one block
+        return 1
+    if asked is not None:
+        return pl.cdiv(num_k_blocks, pl.cdiv(num_k_blocks, asked))
+    num_sms = _targets.current("gpu").num_sms
+    if not 0 < tiles < num_sms:  # no output (never launched), or every SM has a tile
+        return 1
+    wanted = min(num_sms // tiles, num_k_blocks // MIN_PIPELINED_STEPS,
+                 max_splits(flops_and_bytes(p)[1], p.num_batches * p.m * p.n * 4))
+    return pl.cdiv(num_k_blocks, pl.cdiv(num_k_blocks, max(1, wanted)))
+
+
 def resolve_config(p: Problem, config: MatmulConfig | None) -> MatmulConfig:
-    """Fills unset fields: a CTA tile of 2 x 128 rows by 128 columns (64 rows a consumer where M
-    fits in 128, 64 columns where N fits in 64), a K slice of `SWIZZLE` bytes, as many stages
-    as shared memory holds (up to `MAX_STAGES`), split-K where the tiles leave SMs idle."""
-    config = config or MatmulConfig()
+    """Fills unset fields for the kernel's problem (`kernel_problem`): a CTA tile of 2 x 128
+    rows by 128 columns (64 rows a consumer where M fits in 128, 64 columns where N fits in
+    64; 64 rows where the epilogue's buffers leave no room for two stages), a K slice of
+    `SWIZZLE` bytes, as many stages as shared memory holds (up to `MAX_STAGES`), split-K where
+    the tiles leave SMs idle (`_splits`)."""
+    config, p = config or MatmulConfig(), kernel_problem(p)
     block_m = config.block_m or (CONSUMERS * WG_ROWS if p.m <= CONSUMERS * WG_ROWS
                                  else CONSUMERS * 128)
     block_n = config.block_n or (64 if p.n <= 64 else 128)
     block_k = config.block_k or SWIZZLE // _itemsize(p.compute_dtype)
-    split_k = config.split_k
-    if split_k is None:
-        num_k_blocks = pl.cdiv(p.k, block_k)
+
+    def plan(block_m):
         tiles = p.num_batches * pl.cdiv(p.m, block_m) * pl.cdiv(p.n, block_n)
-        split_k = split_reduction(
-            tiles, num_k_blocks, min_steps=MIN_PIPELINED_STEPS,
-            max_splits=max_splits(flops_and_bytes(p)[1], p.num_batches * p.m * p.n * 4)).splits
-    stages = config.num_stages or _stages(p, block_m, block_n, block_k, split_k)
+        splits = _splits(p, tiles, pl.cdiv(p.k, block_k), config.split_k)
+        return splits, config.num_stages or _stages(p, block_m, block_n, block_k, splits)
+
+    splits, stages = plan(block_m)
     if stages < 2 and config.block_m is None and block_m > CONSUMERS * WG_ROWS:
-        # A float32 output with z and a float32 residual: 12 bytes of epilogue buffers an
-        # element; half the rows leave room for the pipeline.
-        block_m = CONSUMERS * WG_ROWS
-        stages = config.num_stages or _stages(p, block_m, block_n, block_k, split_k)
-    return MatmulConfig(block_m, block_n, block_k, config.group_m, None, stages, split_k)
+        block_m = CONSUMERS * WG_ROWS  # a float32 output with z and a residual
+        splits, stages = plan(block_m)
+    return MatmulConfig(block_m, block_n, block_k, config.group_m, None, stages, splits)
 
 
 def plan_of(p: Problem, config: MatmulConfig | None) -> Plan:
+    """The launch of `kernel_problem(p)`."""
     config = resolve_config(p, config)
+    kernel = kernel_problem(p)
     plan = Plan(config.block_m, config.block_n, config.block_k, config.group_m,
                 config.num_stages, config.split_k, 1)
-    num_ctas = min(_targets.current("gpu").num_sms, plan.tiles(p) * plan.splits)
+    num_ctas = min(_targets.current("gpu").num_sms, plan.tiles(kernel) * plan.splits)
     return plan._replace(num_ctas=num_ctas)
 
 
@@ -133,12 +172,16 @@ def check(p: Problem, config: MatmulConfig | None) -> None:
                                   "precision=HIGHEST runs in xla or triton")
     config = resolve_config(p, config)
     consumer_rows = config.block_m // CONSUMERS
-    if (config.block_m % CONSUMERS or consumer_rows % WG_ROWS
-            or not 8 <= config.block_n <= 256 or config.block_n % 8
-            or config.block_k * _itemsize(p.compute_dtype) % 32):
-        raise ValueError(f"Mosaic GPU matmul tiles: block_m a multiple of {CONSUMERS * WG_ROWS}"
-                         f", block_n a multiple of 8 up to 256 and a K slice of a multiple of "
-                         f"32 bytes, got {config}")
+    columns = min(EPILOGUE_COLUMNS, config.block_n)
+    if (config.block_m % CONSUMERS or consumer_rows % WG_ROWS or config.block_n % 8
+            or config.block_n % columns or consumer_rows * config.block_n > MAX_ACCUMULATOR
+            or config.block_k * _itemsize(kernel_problem(p).compute_dtype) % 32):
+        raise ValueError(
+            f"Mosaic GPU matmul tiles: block_m a multiple of {CONSUMERS * WG_ROWS}, block_n a "
+            f"multiple of 8 up to {EPILOGUE_COLUMNS} or of {EPILOGUE_COLUMNS} (the epilogue's "
+            f"slices), a consumer's (block_m / {CONSUMERS}) x block_n at most "
+            f"{MAX_ACCUMULATOR} (its float32 accumulator in registers) and a K slice of a "
+            f"multiple of 32 bytes, got {config}")
     if not is_positive_int(config.split_k) or config.num_stages < 2:
         raise NotImplementedError(
             f"Mosaic GPU matmul: tiles {config.block_m}x{config.block_n}x{config.block_k} "

@@ -11,7 +11,8 @@ L2). Per item:
     (block_m, block_k) tile of A and the (block_k, block_n) tile of B of each K step of the
     split's range into a ring of `Plan.stages` shared-memory slots (transposed operands as
     their stored (block_k, block_m) / (block_n, block_k) tiles); TMA zero-fills past M, N
-    and K, so ragged edges need no masks and no padding copies;
+    and K, so tiles that overhang the arrays need no masks (dims that are not whole TMA
+    tiles themselves, `config.TMA_ROWS` x `TMA_COLUMNS`, are padded by XLA first);
   - each of the 2 consumer warpgroups multiplies its block_m / 2 rows of A's slot by B's slot
     with wgmma into a float32 accumulator in registers (a transposed 16-bit tile is taken as
     the instruction's transposed operand; TF32 takes K-major tiles only, so float32 operands
@@ -39,7 +40,7 @@ from kernels._pallas.mosaic_gpu import mosaic_gpu_call
 from kernels.matmul.common import (MatmulConfig, Problem, batch_index, flops_and_bytes,
                                    moved_bytes)
 from kernels.matmul.mosaic_gpu.config import (CONSUMERS, EPILOGUE_COLUMNS, PRODUCER_REGISTERS,
-                                              TMA_COLUMNS, TMA_ROWS, Plan, plan_of)
+                                              Plan, kernel_problem, plan_of)
 
 __all__ = ["matmul"]
 
@@ -172,23 +173,18 @@ def _padded(x: jax.Array, rows: int, cols: int) -> jax.Array:
 
 
 def _operands(a: jax.Array, b: jax.Array, p: Problem) -> tuple[jax.Array, jax.Array, Problem]:
-    """The operands as the kernel takes them, and their problem. wgmma multiplies operands of
-    one dtype: 16-bit operands of one dtype go as they are, transposed or not; anything else
-    runs as TF32, whose instructions take K-major tiles only, so both are cast to float32 and
-    an MN-major one copied K-major (one fused XLA pass). TMA moves whole tiles of the
-    shared-memory layout (`TMA_ROWS` x `TMA_COLUMNS`): an odd M, K or N is padded with zeros
-    (a copy; zeros along K add nothing, and the output is cut back by the caller)."""
-    if not (p.a_dtype == p.b_dtype and jnp.dtype(p.a_dtype).itemsize == 2):
-        a = (jnp.swapaxes(a, -1, -2) if p.transpose_a else a).astype(jnp.float32)
-        b = (b if p.transpose_b else jnp.swapaxes(b, -1, -2)).astype(jnp.float32)
-        p = p._replace(transpose_a=False, transpose_b=True, a_dtype=jnp.dtype(jnp.float32),
-                       b_dtype=jnp.dtype(jnp.float32))
-    m_step = TMA_COLUMNS if p.transpose_a else TMA_ROWS  # A stored (K, M): M is a row's
-    m, k, n = (pl.cdiv(size, step) * step for size, step in
-               ((p.m, m_step), (p.k, TMA_COLUMNS), (p.n, TMA_COLUMNS)))
-    a = _padded(a, *((k, m) if p.transpose_a else (m, k)))
-    b = _padded(b, *((n, k) if p.transpose_b else (k, n)))
-    return a, b, p._replace(m=m, k=k, n=n)
+    """The operands laid out as `kernel_problem(p)` takes them, and that problem: cast to
+    float32 and copied K-major where the product runs as TF32 (one fused XLA pass), padded
+    with zeros where M, K or N is odd (zeros along K add nothing; the caller cuts the output
+    back)."""
+    kernel = kernel_problem(p)
+    a = jnp.swapaxes(a, -1, -2) if kernel.transpose_a != p.transpose_a else a
+    b = jnp.swapaxes(b, -1, -2) if kernel.transpose_b != p.transpose_b else b
+    a, b = a.astype(kernel.a_dtype), b.astype(kernel.b_dtype)
+    m, k, n = kernel.m, kernel.k, kernel.n
+    a = _padded(a, *((k, m) if kernel.transpose_a else (m, k)))
+    b = _padded(b, *((n, k) if kernel.transpose_b else (k, n)))
+    return a, b, kernel
 
 
 def matmul(a: jax.Array, b: jax.Array, bias: jax.Array | None, residual: jax.Array | None,
@@ -210,24 +206,26 @@ def matmul(a: jax.Array, b: jax.Array, bias: jax.Array | None, residual: jax.Arr
     b = b.reshape(math.prod(p.b_batch), *b.shape[-2:])
     shape = (p.num_batches, p.m, p.n)
     if residual is not None:
-        residual = _padded(residual.reshape(p.num_batches, m, n), p.m, p.n)
+        residual = residual.reshape(p.num_batches, m, n)
     if plan.splits > 1:  # float32 partials; the epilogue runs in XLA's reduction
         partials = p._replace(epilogue=_epilogue.Epilogue())
         out = _launch(a, b, [], partials, plan, jax.ShapeDtypeStruct(
             (plan.splits * p.num_batches, p.m, p.n), jnp.float32), flops, interpret,
             "matmul_split_k_mosaic_gpu")
-        summed = out.reshape(plan.splits, *shape).sum(axis=0)
-        if bias is not None:
-            bias = jnp.pad(bias, (0, p.n - n))
+        summed = out.reshape(plan.splits, *shape).sum(axis=0)[:, :m, :n]
         outs = _epilogue.apply_after_sum(summed, bias, residual, p.epilogue, p.out_dtype)
     else:
         if bias is not None:  # float32 whole tiles: the epilogue's vector loads stay in bounds
             bias = jnp.pad(bias.astype(jnp.float32),
                            (0, pl.cdiv(p.n, plan.block_n) * plan.block_n - n))
+        if residual is not None:  # its values are the output dtype's (its dtype is in the
+            # result's promotion; a broadcast one was widened for its gradient's sum only)
+            residual = _padded(residual.astype(p.out_dtype), p.m, p.n)
         outs = _launch(a, b, _epilogue.operands(bias, residual), p, plan,
                        _epilogue.out_shapes(shape, p.out_dtype, p.epilogue), flops, interpret,
                        "matmul_mosaic_gpu")
-    return jax.tree.map(lambda out: out[:, :m, :n].reshape(*p.out_batch, m, n), outs)
+        outs = jax.tree.map(lambda out: out[:, :m, :n], outs)
+    return jax.tree.map(lambda out: out.reshape(*p.out_batch, m, n), outs)
 
 
 def _launch(a, b, epilogue_operands, p: Problem, plan: Plan, out_shape, flops: int,
