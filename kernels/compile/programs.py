@@ -268,16 +268,27 @@ def compile_ops(target: str, count: int = 4, meshes: Sequence[str] = MESHES,
                 implementations: Sequence[str | None] = (None,),
                 programs: Sequence[str] | None = None) -> list[ProgramReport]:
     """Every program of `PROGRAMS` (or those named) compiled for `target` on each mesh kind,
-    with each implementation (None: the default; "kernel": the target's own kernel)."""
+    with each implementation (None: the default; "kernel": the target's own kernel). Where the
+    default is the kernel that compiled for the same program and mesh, it is the same program:
+    its report is that one's, not a second compile."""
+    lowering = _targets.TARGETS[target].lowering_platform
     reports = []
     for kind in meshes:
         mesh = mesh_for(target, count, kind)
         for name in programs or PROGRAMS:
             program = PROGRAMS[name]
-            for implementation in implementations:
+            explicit: dict[str, ProgramReport] = {}  # compiled, by the kernel named
+            for implementation in sorted(implementations, key=lambda i: i is None):
                 chosen = (implementation_for(target) if implementation == "kernel"
                           else implementation)
-                reports.append(compile_program(
+                default = _dispatch.implementations(None, program.op, lowering)[0]
+                if chosen is None and default in explicit:
+                    reports.append(dataclasses.replace(explicit[default], implementation="None"))
+                    continue
+                report = compile_program(
                     name, program.function(chosen), program.args(mesh, kind == "one"), mesh,
-                    target=target, mesh_kind=kind, implementation=str(chosen)))
+                    target=target, mesh_kind=kind, implementation=str(chosen))
+                if chosen is not None and report.compiled and registry.get(chosen).is_kernel:
+                    explicit[chosen] = report
+                reports.append(report)
     return reports
