@@ -92,14 +92,20 @@ def _compiled(script: str) -> list[dict]:
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
 
-# matmul compiles its design cases and these for sm_90a (its other cases are the same kernels
-# at other sizes): a padded odd product, and a batched one with its transposed gradients.
-SM_90_CASES = {"matmul": ("7x5", "8x1000x1000")}
+# matmul and normalize compile their design cases and these for sm_90a (their other cases are
+# the same kernels at other sizes): matmul's padded odd product and a batched one with its
+# transposed gradients; normalize's streamed long rows (16-bit and float32), its columns
+# layouts and a cast output.
+SM_90_CASES = {"matmul": ("7x5", "8x1000x1000"),
+               "normalize": ("layer_norm 4096x16384 bfloat16", "layer_norm 4096x12000 float32",
+                             "normalize 10000x100", "normalize 8x64x4096",
+                             "rms_norm 8192x1024 float32 axis=-1, out_dtype",
+                             "layer_norm + residual 7x129")}
 
 
 def _cases(op: str, target: str) -> list:
-    """Every case for sm_90a (matmul: `SM_90_CASES`); for sm_100a, the same kernels at the
-    design shapes and an odd small one."""
+    """For sm_90a every case (matmul and normalize: `SM_90_CASES` beside the design shapes);
+    for sm_100a, the same kernels at the design shapes and an odd small one."""
     odd = (SM_100_CASES[op], *(SM_90_CASES.get(op, ()) if target == "sm_90" else ()))
     return [c for c in CASES[op] if target == "sm_90" and op not in SM_90_CASES or c.design
             or c.description.startswith(odd)]

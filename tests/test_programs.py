@@ -1,6 +1,6 @@
 """Whole programs compiled as users run them (docs/design.md, "Proof without hardware"): every op's
 forward and gradient, and the examples' training steps, compiled by XLA's GPU compiler for
-H100/A100 and by libtpu for multi-chip v5e/v6e/v4, on one device and on 4-device meshes with
+H100/A100 and by libtpu for multi-chip v5e/v6e, on one device and on 4-device meshes with
 Auto and Explicit axes (`TARGET_MESHES`), with the default implementation and with the
 target's kernel.
 
@@ -25,9 +25,10 @@ HERE = Path(__file__).parent
 # The mesh kinds each target's op programs compile on: every kind for the H100 and the v5e; on
 # the other chips of a family the partitioning is the same code and the kernels are compiled
 # alone by tests/test_compile.py, so one kind each: Auto for the A100 (Triton's kernels
-# partition there), Explicit for the v6e and v4 (Mosaic's kernels run there).
+# partition there), Explicit for the v6e (Mosaic's kernels run there); the v4's programs are
+# left to `python -m kernels.compile --programs`.
 TARGET_MESHES = {"sm_90": programs.MESHES, "sm_80": ("auto",), "v5e": programs.MESHES,
-                 "v6e": ("explicit",), "v4": ("explicit",)}
+                 "v6e": ("explicit",)}
 TARGETS = tuple(TARGET_MESHES)
 AUTO_MOSAIC = "Mosaic kernels cannot run on a TPU mesh with Auto axes"
 
