@@ -12,7 +12,6 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from kernels import registry
 from kernels._pallas import lowered_text
@@ -26,9 +25,10 @@ MARKER = {name: registry.get(name).call_marker for name in registry.kernel_names
 SUPPORTS_FLOAT64 = {name: registry.get(name).supports_float64 for name in IMPLEMENTATIONS}
 
 
-def needs(implementation: str) -> pytest.MarkDecorator:
+def needs(implementation: str) -> Any:  # a pytest.MarkDecorator
     """Skips a test where the installed jax lacks `implementation` (Mosaic GPU before jax
     0.12: its tests run on the other Python), naming why."""
+    import pytest  # here: `python -m bench` imports this module without the test extra
     missing = registry.unavailable(implementation)
     return pytest.mark.skipif(missing is not None, reason=f"{implementation}: {missing}")
 
