@@ -88,7 +88,7 @@ def test_bench_report_and_csv_and_plots(capsys, tmp_path):
     assert lines[3].startswith("ran on a device: ") and lines[5] == "gather"
     assert lines[6].startswith("  default on GPU: triton, then xla "
                                "(bench/records/nvidia_h100_80gb_hbm3.json: ")
-    assert any(line.startswith("  default here (cpu): xla") for line in lines[6:13])
+    assert any(line.startswith("  default here (cpu): xla") for line in lines[6:])
     assert any(line.startswith("  design H100: triton 3 launches; fewest waves ")
                for line in lines)
     assert any(line.startswith("  design TPU v5e: mosaic 2 launches; ") for line in lines)

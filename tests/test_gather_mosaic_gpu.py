@@ -52,6 +52,23 @@ def test_rows_of_several_pieces(mode, block_columns, plan):
     assert_exact(out, expected_gather(x, ids, 1, mode, -3.0))
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int8], ids=str)
+@pytest.mark.parametrize("columns", [1, 3, 8, 33, 100, 256, 300])
+def test_each_tile_row_starts_where_tma_can_write(dtype, columns):
+    """A tile's rows are loaded by one TMA copy each, at the row's offset in shared memory,
+    which TMA needs at a multiple of `TMA_SMEM_ALIGNMENT` bytes: rows of 16-byte multiples
+    (what the GMEM side needs) raised CUDA_ERROR_MISALIGNED_ADDRESS on an H100. A short row's
+    box is the row rounded up; the copy zero-fills the columns past it."""
+    from kernels._pallas.mosaic_gpu import PIECE, TMA_SMEM_ALIGNMENT
+    from kernels.gather.mosaic_gpu.config import forward_plan
+
+    itemsize = jnp.dtype(dtype).itemsize
+    plan = forward_plan(Problem(1, 1000, columns, 64, jnp.dtype(dtype), "clip", None), None)
+    assert plan.box * itemsize % TMA_SMEM_ALIGNMENT == 0
+    assert plan.box == PIECE or plan.box * itemsize - plan.aligned * itemsize < TMA_SMEM_ALIGNMENT
+    assert plan.num_pieces * plan.box >= plan.aligned
+
+
 @needs_mosaic_gpu
 def test_segments_longer_than_the_ring_over_row_blocks():
     """One id hit 40 times (more than the 16 cotangent rows in flight), its neighbours once or

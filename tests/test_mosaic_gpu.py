@@ -199,3 +199,48 @@ def test_whole_programs_and_an_export_carry_the_kernels(op):
         assert dict(r["collectives"])["all-gather"] == 0, r
     # The forward (normalize's: again in the gradient) and the backward.
     assert export["export_calls"] >= 2
+
+
+
+# Launches whose TMA stores are runs of GMEM (a window of one row, or of whole rows), which
+# Mosaic GPU stores by a linear copy clamped only at the array's end (`stored_shape`): per
+# case, the call, its operands, which launch, and that launch's output shape, which holds
+# whole windows. Before `stored_shape` each stored past its rows; on an H100 the first two lost
+# rows that their interpreter wrote (2026-11-26).
+def _linear_store_cases() -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    import kernels
+
+    bf16 = jnp.bfloat16
+    hot_ids = jnp.asarray([1] * 140 + [2])
+    return {
+        # One id per batch slice, rows of 3 float32: (1, 32) windows (TMA_SMEM_ALIGNMENT).
+        "gather one id": (
+            lambda x: kernels.gather(x, jnp.asarray([2]), axis=1, implementation="mosaic_gpu"),
+            [jnp.ones((3, 5, 3))], 0, (3, 1, 32)),
+        # A hot id's pieces, each a one-row (1, PIECE) partial sum (after the forward).
+        "scatter-add pieces": (
+            jax.grad(lambda t: kernels.gather(t, hot_ids, implementation="mosaic_gpu").sum()),
+            [jnp.ones((4, 8))], 1, (1, 2, 256)),
+        # Blocks of one row of 300 columns: (1, PIECE) windows.
+        "layer norm blocks of a row": (
+            lambda x: kernels.layer_norm(x, implementation="mosaic_gpu",
+                                         config=kernels.NormalizeConfig(block_groups=1)),
+            [jnp.ones((3, 300))], 0, (3, 512)),
+        # Split-K partials of N = 64, one epilogue window wide: whole (block_m, 64) tiles.
+        "matmul split-K, N = 64": (
+            lambda a, b: kernels.matmul(a, b, implementation="mosaic_gpu"),
+            [jnp.ones((16, 8192), bf16), jnp.ones((8192, 64), bf16)], 0, (32, 128, 64)),
+    }
+
+
+@pytest.mark.parametrize("case", ["gather one id", "scatter-add pieces",
+                                  "layer norm blocks of a row", "matmul split-K, N = 64"])
+def test_a_store_that_is_a_run_of_gmem_stays_in_its_rows(case):
+    from kernels.compile import launches
+
+    fn, args, launch, shape = _linear_store_cases()[case]
+    calls = launches(fn, *args, target=TARGETS["sm_90"])
+    assert calls[launch].outvars[0].aval.shape == shape

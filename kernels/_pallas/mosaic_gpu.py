@@ -19,6 +19,7 @@ it). A GMEM row must be a multiple of 16 bytes (TMA's stride rule).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -30,13 +31,17 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels import _targets
 
-__all__ = ["WARPS", "LANES", "PIECE", "TMA_ALIGNMENT", "RESERVED_SMEM", "smem_budget",
-           "aligned_columns", "pad_columns", "mosaic_gpu_call", "row_layout", "load", "store",
+__all__ = ["WARPS", "LANES", "PIECE", "TMA_ALIGNMENT", "TMA_SMEM_ALIGNMENT", "RESERVED_SMEM",
+           "smem_budget", "aligned_columns", "stored_shape", "pad_columns", "mosaic_gpu_call", "row_layout", "load", "store",
            "per_row", "per_column", "smem", "piece_columns", "StagedRows", "RowWriter"]
 
 WARPS, LANES = 4, 32  # one warpgroup per CTA
 PIECE = 256  # columns one TMA copy moves: Mosaic GPU's limit of 256 elements per dimension
 TMA_ALIGNMENT = 16  # bytes: TMA needs every GMEM stride but the last a multiple of 16 bytes
+# Bytes: a TMA copy's shared-memory address must be a multiple of this. Nothing checks it before
+# the device: Mosaic GPU's compiler and interpreter both took the gather's rows at 16-byte
+# offsets, and an H100 raised CUDA_ERROR_MISALIGNED_ADDRESS on them (2026-11-26).
+TMA_SMEM_ALIGNMENT = 128
 # Shared memory a CTA holds beyond a kernel's planned buffers: Pallas' 2 KiB cross-warp
 # reduction scratch, up to 32 barriers of 8 bytes, and the 1 KiB the hardware reserves per CTA.
 RESERVED_SMEM = 2048 + 32 * 8 + 1024
@@ -53,6 +58,26 @@ def aligned_columns(columns: int, itemsize: int) -> int:
     """`columns` rounded up to a GMEM row TMA can address (`TMA_ALIGNMENT` bytes)."""
     step = TMA_ALIGNMENT // itemsize
     return -(-columns // step) * step
+
+
+def stored_shape(shape: tuple[int, ...], window: tuple[int, int]) -> tuple[int, ...]:
+    """The shape to allocate for a GMEM output of `shape` (..., rows, columns) that TMA stores
+    in `window`s of (rows, columns): `shape` itself, or where Mosaic GPU would store a ragged
+    window past the rows it belongs to, padded to whole windows (the caller slices the result).
+
+    Why: Mosaic GPU (jax 0.12.0.1) stores a window that is one run of GMEM (a single row, or
+    whole rows) by a linear bulk copy (`cp.async.bulk`), clamped only at the array's end, where
+    TMA's tensor copy drops what falls outside each dimension. A ragged such window overwrites
+    the rows after it: on an H100 (2026-11-26) a gather of one id per batch slice and a
+    scatter-add's one-row partial sums lost their neighbours' rows, which its interpreter wrote
+    correctly. Rows past the last are harmless where nothing follows them (one matrix)."""
+    *outer, rows, columns = shape
+    block_rows, block_columns = window
+    if block_rows > 1 and block_columns != columns:  # a tensor copy
+        return tuple(shape)
+    if math.prod(outer) > 1:
+        rows = pl.cdiv(rows, block_rows) * block_rows
+    return (*outer, rows, pl.cdiv(columns, block_columns) * block_columns)
 
 
 def pad_columns(a: jax.Array, aligned: int) -> jax.Array:

@@ -20,9 +20,11 @@ size the tiles. The loop nests, per CTA (one warpgroup):
 
 A gather never moves values through registers (bits, not arithmetic: NaN payloads survive);
 the scatter-add sums in float32 registers in the stable sort's order (the same bits every
-run), and no CTA's walk grows with how often one id repeats. Nothing here has run on a GPU:
-numerics are proven in Mosaic GPU's interpreter, the resources by compiling for sm_90a and
-sm_100a (`python -m kernels.compile`).
+run), and no CTA's walk grows with how often one id repeats. Numerics are proven in Mosaic
+GPU's interpreter, the resources by compiling for sm_90a and sm_100a (`python -m
+kernels.compile`). On an H100 (docs/design.md, section 6) the tests found two faults that
+neither shows, since fixed: rows landing in shared memory off `TMA_SMEM_ALIGNMENT`, and
+one-row stores running into the next rows (`stored_shape`); the second fix has not run there.
 """
 
 from kernels.gather.mosaic_gpu.backward import scatter_add

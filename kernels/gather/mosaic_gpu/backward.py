@@ -45,7 +45,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels._pallas import pl
 from kernels._pallas.mosaic_gpu import (PIECE, load, mosaic_gpu_call, pad_columns,
-                                        piece_columns, row_layout, smem, store)
+                                        piece_columns, row_layout, smem, store, stored_shape)
 from kernels.gather.common import (GatherConfig, Problem, ScatterPlan, accumulator_dtype,
                                    piece_table)
 from kernels.gather.mosaic_gpu.config import BackwardPlan, backward_plan
@@ -185,10 +185,11 @@ def _ring_scratch(plan: BackwardPlan, dtype) -> list:
 
 def _sum_pieces(g, plan: ScatterPlan, bounds, p: Problem, schedule: BackwardPlan,
                 interpret) -> jax.Array:
-    """The pieces' float32 partial rows, (batch, count, aligned)."""
+    """The pieces' float32 partial rows, (batch, count, aligned) (whole pieces of columns:
+    each is stored as one run of GMEM, `stored_shape`)."""
     slots, barriers = _ring_scratch(schedule, g.dtype)
     dtype = accumulator_dtype(p.dtype)
-    shape = (p.batch, schedule.pieces.count, schedule.aligned)
+    shape = stored_shape((p.batch, schedule.pieces.count, schedule.aligned), (1, PIECE))
     return mosaic_gpu_call(
         functools.partial(_pieces_body, plan=schedule),
         out_shape=[jax.ShapeDtypeStruct(shape, dtype)],
@@ -213,13 +214,14 @@ def scatter_add(g: jax.Array, plan: ScatterPlan, p: Problem, *, config: GatherCo
         scratch += _ring_scratch(schedule, partials.dtype)
     else:  # every position is its row owner's
         operands = [plan.order, plan.row_starts, g]
+    shape = stored_shape((p.batch, p.n, schedule.aligned), (schedule.tile_rows, PIECE))
     dx = mosaic_gpu_call(
         functools.partial(_rows_body, p=p, plan=schedule),
-        out_shape=[jax.ShapeDtypeStruct((p.batch, p.n, schedule.aligned), g.dtype)],
+        out_shape=[jax.ShapeDtypeStruct(shape, g.dtype)],
         grid=(schedule.programs,), grid_names=("blocks",), interpret=interpret,
         name="scatter_add_mosaic_gpu", scratch=scratch,
         flops_and_bytes=_rows_cost(p, schedule))(*operands)[0]
-    return dx[..., :p.columns]
+    return dx[:, :p.n, :p.columns]
 
 
 # Each cotangent row is read once, by its row's owner or by one piece, which the ids decide:

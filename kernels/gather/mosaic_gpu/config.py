@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from kernels import _targets
 from kernels._blocks import is_positive_int, next_power_of_2
 from kernels._pallas import pl
-from kernels._pallas.mosaic_gpu import PIECE, aligned_columns, smem_budget
+from kernels._pallas.mosaic_gpu import PIECE, TMA_SMEM_ALIGNMENT, aligned_columns, smem_budget
 from kernels.gather.common import GatherConfig, Pieces, Problem, gather_bytes
 
 __all__ = ["ForwardPlan", "BackwardPlan", "forward_plan", "backward_plan", "backward_smem",
@@ -49,7 +49,9 @@ _SMALL_PADDING_BYTES = 1 << 20
 class ForwardPlan(NamedTuple):
     """The gather of one call on the `(batch, n, columns)` view: rows of `aligned` columns in
     GMEM (padded to TMA's 16 bytes where `columns` is not), each `num_pieces` pieces of `box`
-    columns (one TMA copy: `PIECE`, or the whole row where it is shorter). CTA (b, tile,
+    columns (one TMA copy: `PIECE`, or where the row is shorter, the row rounded up to
+    `TMA_SMEM_ALIGNMENT` bytes, so that each row of a tile starts at an address TMA can write;
+    TMA zero-fills the columns past the row and drops them from the store). CTA (b, tile,
     group) gathers `tile_rows` indices' pieces `group · pieces_per_group ...`, through a ring of
     `slots` (tile_rows, box) tiles in shared memory."""
 
@@ -93,7 +95,8 @@ def forward_plan(p: Problem, config: GatherConfig | None) -> ForwardPlan:
     SMs), and up to `_FORWARD_SLOTS` tiles in shared memory."""
     config = config or GatherConfig()
     aligned, m = _aligned(p), max(p.num_indices, 1)
-    box = min(PIECE, aligned)
+    box = min(PIECE, -(-aligned * p.itemsize // TMA_SMEM_ALIGNMENT) * TMA_SMEM_ALIGNMENT
+              // p.itemsize)
     num_pieces = pl.cdiv(aligned, box)
     piece_bytes = box * p.itemsize
     rows = min(config.block_indices or min(_MAX_TILE_ROWS, _TILE_BYTES // piece_bytes), m)

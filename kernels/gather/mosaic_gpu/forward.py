@@ -23,7 +23,8 @@ registers, so NaN payloads and -0.0 survive, and up to `slots - 1` tiles load wh
 stored. Every copy arrives on its slot's barrier: an out-of-range row under "fill" copies a
 one-row array of the fill value (built by XLA), and the tile's positions past the last id
 repeat it. Each row is in [0, n) before its copy, so every read is inside the table whatever
-the ids; the store of a ragged last tile runs past the output's rows, which TMA drops.
+the ids; the store of a ragged last tile runs past the output's rows, which TMA drops (or,
+where Mosaic GPU stores it as one run of GMEM, into the padding of `stored_shape`).
 
 Memory traffic: each gathered row read once and written once, the ids read once per piece
 (`_cost`; 4 bytes against the piece's 16 to 1024, from L1 after the first). Rows that are not
@@ -41,7 +42,8 @@ import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels._pallas import pl
-from kernels._pallas.mosaic_gpu import mosaic_gpu_call, pad_columns, piece_columns, smem
+from kernels._pallas.mosaic_gpu import (mosaic_gpu_call, pad_columns, piece_columns, smem,
+                                        stored_shape)
 from kernels.gather.common import GatherConfig, Problem, row_of_index
 from kernels.gather.mosaic_gpu.config import ForwardPlan, forward_plan
 
@@ -114,14 +116,15 @@ def gather(x: jax.Array, indices: jax.Array, p: Problem, *, config: GatherConfig
     if p.mode == "fill":
         operands.append(jnp.full((1, plan.aligned), p.fill_value, x.dtype))
     body = functools.partial(_body, p=p, plan=plan, has_fill=p.mode == "fill")
+    shape = stored_shape((p.batch, p.num_indices, plan.aligned), (plan.tile_rows, plan.box))
     out = mosaic_gpu_call(
-        body, out_shape=[jax.ShapeDtypeStruct((p.batch, p.num_indices, plan.aligned), x.dtype)],
+        body, out_shape=[jax.ShapeDtypeStruct(shape, x.dtype)],
         grid=(plan.programs,), grid_names=("tiles",), interpret=interpret,
         name="gather_mosaic_gpu",
         scratch=[smem((plan.slots, plan.tile_rows, plan.box), x.dtype),
                  plgpu.Barrier(num_arrivals=plan.tile_rows, num_barriers=plan.slots)],
         flops_and_bytes=(0, _cost(p, plan)))(*operands)[0]
-    return out[..., :p.columns]
+    return out[:, :p.num_indices, :p.columns]
 
 
 def _body(*refs, p: Problem, plan: ForwardPlan, has_fill: bool) -> None:

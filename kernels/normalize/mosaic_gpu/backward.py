@@ -34,8 +34,8 @@ from kernels._pallas.mosaic_gpu import (PIECE, RowWriter, StagedRows, load, mosa
 from kernels.normalize import common
 from kernels.normalize.common import NormalizeConfig, Problem
 from kernels.normalize.mosaic_gpu.config import Plan, plan_of
-from kernels.normalize.mosaic_gpu.rows import (fold, from_rows_view, layout_of, padded_rows,
-                                               params_view, rows_view)
+from kernels.normalize.mosaic_gpu.rows import (fold, from_rows_view, layout_of, output_matrix,
+                                               padded_rows, params_view, rows_view)
 
 __all__ = ["backward"]
 
@@ -136,7 +136,7 @@ def backward(x, scale, mean, rstd, gy, gmean, grstd, gsum, p: Problem, *,
     inputs.update((name, padded_rows(v, plan)) for name, v in per_row_inputs.items()
                   if v is not None)
     partial_rows = plan.programs if plan.accumulate else plan.num_blocks
-    outputs = {"dx": jax.ShapeDtypeStruct((plan.rows, plan.aligned), p.dtype)}
+    outputs = {"dx": jax.ShapeDtypeStruct(output_matrix(plan), p.dtype)}
     for name, present in zip(_PARTIALS, (p.has_scale, p.has_offset)):
         if present:
             outputs[name] = jax.ShapeDtypeStruct((partial_rows, plan.width), jnp.float32)

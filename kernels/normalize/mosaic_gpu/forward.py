@@ -42,8 +42,8 @@ from kernels._pallas.mosaic_gpu import (PIECE, RowWriter, StagedRows, load, mosa
 from kernels.normalize import common
 from kernels.normalize.common import NormalizeConfig, Problem
 from kernels.normalize.mosaic_gpu.config import Plan, plan_of
-from kernels.normalize.mosaic_gpu.rows import (fold, from_rows_view, layout_of, params_view,
-                                               rows_view)
+from kernels.normalize.mosaic_gpu.rows import (fold, from_rows_view, layout_of, output_matrix,
+                                               params_view, rows_view)
 
 __all__ = ["forward"]
 
@@ -119,7 +119,7 @@ def forward(x: jax.Array, residual: jax.Array | None, scale: jax.Array | None,
     if residual is not None:
         inputs["residual"] = rows_view(residual, p, plan)
     params = params_view(scale, offset, plan)
-    matrix = (plan.rows, plan.aligned)
+    matrix = output_matrix(plan)
     outputs = {"y": jax.ShapeDtypeStruct(matrix, p.y_dtype)}
     if residual is not None:
         outputs["sum"] = jax.ShapeDtypeStruct(matrix, p.dtype)

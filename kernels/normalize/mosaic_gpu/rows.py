@@ -1,5 +1,6 @@
 """The views both Mosaic GPU normalize kernels (`forward.py`, `backward.py`) take of their
-operands and pieces: the (rows, aligned) matrix of the 3-D view (`rows_view`, and back), per-row
+operands and pieces: the (rows, aligned) matrix of the 3-D view (`rows_view`, and back; an
+output's matrix, `output_matrix`), per-row
 statistics padded to whole blocks (`padded_rows`), scale and offset padded to whole pieces
 (`params_view`), a piece's register layout (`layout_of`) and the loop over a row's pieces
 (`fold`)."""
@@ -9,11 +10,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kernels._pallas.mosaic_gpu import PIECE, pad_columns, row_layout
+from kernels._pallas.mosaic_gpu import PIECE, pad_columns, row_layout, stored_shape
 from kernels.normalize.common import Problem
 from kernels.normalize.mosaic_gpu.config import Plan
 
-__all__ = ["layout_of", "fold", "rows_view", "from_rows_view", "padded_rows", "params_view"]
+__all__ = ["layout_of", "fold", "rows_view", "output_matrix", "from_rows_view", "padded_rows",
+           "params_view"]
 
 
 def layout_of(plan: Plan) -> object:
@@ -37,8 +39,14 @@ def rows_view(a: jax.Array | None, p: Problem, plan: Plan) -> jax.Array | None:
     return pad_columns(a.reshape(plan.rows, plan.reduced), plan.aligned)
 
 
+def output_matrix(plan: Plan) -> tuple[int, int]:
+    """The (rows, columns) of an output the `RowWriter` stores in (block_rows, PIECE) pieces:
+    (rows, aligned), or with blocks of one row, whole pieces (`stored_shape`)."""
+    return stored_shape((plan.rows, plan.aligned), (plan.block_rows, PIECE))
+
+
 def from_rows_view(a: jax.Array, p: Problem, plan: Plan) -> jax.Array:
-    a = a[:, :plan.reduced] if plan.aligned != plan.reduced else a
+    a = a[:, :plan.reduced] if a.shape[1] != plan.reduced else a
     if p.rows:
         return a.reshape(p.view_shape)
     return jnp.swapaxes(a.reshape(p.outer, p.groups, p.reduced), 1, 2)
