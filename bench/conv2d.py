@@ -16,7 +16,7 @@ from reference.conv2d import geometry as make_geometry
 from bench.harness import WITH_BACKWARD, Case, backward
 from kernels.conv2d import OP, conv2d, mosaic
 from kernels.conv2d.common import flops_and_bytes, make_problem
-from tests.support import random
+from kernels._cases import random
 
 SHAPES = OP.cases.BENCH  # per shape set, in kernels/conv2d/cases.py
 # The denoise example's image, whole or (strict: the simulator is slow) a corner of it.

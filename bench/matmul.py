@@ -9,7 +9,7 @@ from kernels.matmul import OP
 import reference
 from bench.harness import WITH_BACKWARD, Case, backward
 from kernels.matmul.common import flops_and_bytes, make_problem
-from tests.support import random
+from kernels._cases import random
 
 SHAPES = OP.cases.BENCH  # per shape set, in kernels/matmul/cases.py
 

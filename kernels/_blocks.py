@@ -205,6 +205,12 @@ def split_reduction(programs: int, num_steps: int, *, min_steps: int = 1,
     return Split(-(-num_steps // per_split), per_split)
 
 
+def nonempty_splits(num_steps: int, wanted: int) -> int:
+    """`wanted` splits of `num_steps` steps (each cdiv(num_steps, wanted) of them), less any that
+    would get none: what an asked split-K runs."""
+    return -(-num_steps // -(-num_steps // max(1, wanted)))
+
+
 def int32_loop(num: Any, body: Callable[[Any, Any], Any], init: Any) -> Any:
     """`lax.fori_loop` over range(num) with int32 bounds: under x64, Python-int bounds make the
     loop index 64-bit, which Mosaic's verifier rejects and which costs registers on a GPU."""

@@ -1,8 +1,8 @@
 """The kinds of case an op's `cases.py` lists (`kernels/<op>/cases.py`, `Op.cases`): shapes its
 kernels are compiled at (`Case`, run by `kernels.compile`) and whole programs (`Program`, by
 `kernels.compile.programs`). Bench shapes and sharded cases are plain data read by `bench` and
-`tests/sharded_run.py`. A leaf module: an op's cases import it without importing the compile
-package that reads them."""
+`tests/sharded_run.py`; `random` draws the values that the bench and the tests run them on. A
+leaf module: an op's cases import it without importing the compile package that reads them."""
 
 from __future__ import annotations
 
@@ -12,10 +12,18 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["Case", "Program", "spec", "shape_text"]
+__all__ = ["Case", "Program", "spec", "shape_text", "random"]
+
+
+def random(shape: tuple[int, ...], dtype: Any, seed: int = 0, scale: float = 1.0) -> jax.Array:
+    """Standard normal values rounded to `dtype`, drawn in NumPy so they are the same on every
+    jax version."""
+    values = np.random.default_rng(seed).standard_normal(shape) * scale
+    return jnp.asarray(values.astype(np.dtype(jnp.dtype(dtype))))
 
 
 @dataclasses.dataclass(frozen=True)

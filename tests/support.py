@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels import registry
+from kernels import _cases, registry
 from kernels._pallas import lowered_text
 
 # The registered implementations (kernels.registry) the installed jax runs.
@@ -111,11 +111,7 @@ def x64() -> Iterator[None]:
         yield
 
 
-def random(shape: tuple[int, ...], dtype: Any, seed: int = 0, scale: float = 1.0) -> jax.Array:
-    """Standard normal values rounded to `dtype`, drawn in NumPy so they are the same on every
-    jax version."""
-    values = np.random.default_rng(seed).standard_normal(shape) * scale
-    return jnp.asarray(values.astype(np.dtype(jnp.dtype(dtype))))
+random = _cases.random  # the tests' inputs, drawn as the bench draws its own
 
 
 def as_f64(x: jax.Array) -> np.ndarray:

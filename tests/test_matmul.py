@@ -477,15 +477,19 @@ def test_precision_high_compiles_for_tpu(precision):
 
 
 @needs("mosaic_gpu")
-@pytest.mark.parametrize("shape,dtype,stages,splits", [
-    ((4096, 4096, 4096), jnp.bfloat16, 4, 1), ((8192, 1024, 4096), jnp.float32, 3, 1),
-    ((16, 4096, 4096), jnp.bfloat16, 4, 4)], ids=["square", "float32", "decode"])
-def test_mosaic_gpu_plan_on_an_h100(shape, dtype, stages, splits):
+@pytest.mark.parametrize("shape,dtype,tile,stages,splits", [
+    ((4096, 4096, 4096), jnp.bfloat16, (256, 128), 4, 1),
+    ((8192, 1024, 4096), jnp.float32, (256, 128), 3, 1),
+    ((1024, 1024, 1024), jnp.bfloat16, (128, 64), 4, 1),
+    ((16, 4096, 4096), jnp.bfloat16, (128, 64), 4, 2)],
+    ids=["square", "float32", "small", "decode"])
+def test_mosaic_gpu_plan_on_an_h100(shape, dtype, tile, stages, splits):
     """Design, no device: the Mosaic GPU kernel's persistent grid has at most one CTA per SM of
     an H100 (132), every one busy where there are tiles enough; its TMA ring is as deep as
     shared memory holds beside the epilogue's buffers (JAX's Hopper matmul's 4 stages at
-    256x128x64 bfloat16); a decode product (one row of output tiles) splits K into one round
-    of work items."""
+    256x128x64 bfloat16); a product whose 256x128 tiles would leave SMs idle takes smaller
+    tiles first (1024^3: 128 of 128x64, no split), and a decode product (one row of output
+    tiles) then splits K into one round of work items."""
     from kernels import _targets
     from kernels._pallas import on_target
     from kernels.matmul.common import make_problem
@@ -498,7 +502,7 @@ def test_mosaic_gpu_plan_on_an_h100(shape, dtype, stages, splits):
     with on_target(target):
         plan = plan_of(p, None)
     kernel = kernel_problem(p)
-    assert (plan.stages, plan.splits) == (stages, splits), plan
+    assert ((plan.block_m, plan.block_n), plan.stages, plan.splits) == (tile, stages, splits), plan
     items = plan.tiles(kernel) * plan.splits
     assert plan.num_ctas == min(target.num_sms, items), plan
     assert splits == 1 or items <= target.num_sms, plan

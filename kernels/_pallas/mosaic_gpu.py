@@ -32,7 +32,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from kernels import _targets
 
 __all__ = ["WARPS", "LANES", "PIECE", "TMA_ALIGNMENT", "TMA_SMEM_ALIGNMENT", "RESERVED_SMEM",
-           "smem_budget", "aligned_columns", "stored_shape", "pad_columns", "mosaic_gpu_call", "row_layout", "load", "store",
+           "smem_budget", "aligned_columns", "stored_shape", "pad_to", "mosaic_gpu_call", "row_layout", "load", "store",
            "per_row", "per_column", "smem", "piece_columns", "StagedRows", "RowWriter"]
 
 WARPS, LANES = 4, 32  # one warpgroup per CTA
@@ -80,11 +80,13 @@ def stored_shape(shape: tuple[int, ...], window: tuple[int, int]) -> tuple[int, 
     return (*outer, rows, pl.cdiv(columns, block_columns) * block_columns)
 
 
-def pad_columns(a: jax.Array, aligned: int) -> jax.Array:
-    """`a` with its last dim padded with zeros to `aligned` (`aligned_columns`): a copy by XLA,
-    where it is not that long already."""
-    extra = aligned - a.shape[-1]
-    return a if not extra else jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, extra)])
+def pad_to(a: jax.Array, *sizes: int) -> jax.Array:
+    """`a` with its last `len(sizes)` dims padded with zeros to `sizes` (rows TMA can address,
+    `aligned_columns`; whole TMA tiles): a copy by XLA, where they are not that long already."""
+    pads = [size - dim for size, dim in zip(sizes, a.shape[a.ndim - len(sizes):])]
+    if not any(pads):
+        return a
+    return jnp.pad(a, [(0, 0)] * (a.ndim - len(sizes)) + [(0, pad) for pad in pads])
 
 
 def row_layout(block_rows: int, row: int, itemsize: int, warps_along_row: int = WARPS) -> Any:

@@ -124,6 +124,11 @@ def flops_and_bytes(p: Problem) -> tuple[int, int]:
     return 2 * p.num_batches * p.m * p.n * p.k, nbytes
 
 
+def num_tiles(p: Problem, block_m: int, block_n: int) -> int:
+    """The (block_m, block_n) output tiles of every batch."""
+    return p.num_batches * -(-p.m // block_m) * -(-p.n // block_n)
+
+
 def moved_bytes(p: Problem, block_m: int, block_n: int, partial_bytes: int) -> int:
     """What a tiled launch moves: each output tile of each batch streams its (block_m, K) panel
     of A and (K, block_n) panel of B (the grouped tile order serves most re-reads from L2) and

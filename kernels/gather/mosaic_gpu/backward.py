@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels._pallas import pl
-from kernels._pallas.mosaic_gpu import (PIECE, load, mosaic_gpu_call, pad_columns,
+from kernels._pallas.mosaic_gpu import (PIECE, load, mosaic_gpu_call, pad_to,
                                         piece_columns, row_layout, smem, store, stored_shape)
 from kernels.gather.common import (GatherConfig, Problem, ScatterPlan, accumulator_dtype,
                                    piece_table)
@@ -203,7 +203,7 @@ def scatter_add(g: jax.Array, plan: ScatterPlan, p: Problem, *, config: GatherCo
                 interpret: bool | str) -> jax.Array:
     """Cotangent `g` (batch, m, columns) summed into a zero (batch, n, columns) table."""
     schedule = backward_plan(p, config)
-    g = pad_columns(g, schedule.aligned)
+    g = pad_to(g, schedule.aligned)
     slots, barriers = _ring_scratch(schedule, g.dtype)
     scratch = [slots, smem((schedule.tile_rows, PIECE), g.dtype), barriers]
     if schedule.pieces.count:

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels._pallas import pl
-from kernels._pallas.mosaic_gpu import (mosaic_gpu_call, pad_columns, piece_columns, smem,
+from kernels._pallas.mosaic_gpu import (mosaic_gpu_call, pad_to, piece_columns, smem,
                                         stored_shape)
 from kernels.gather.common import GatherConfig, Problem, row_of_index
 from kernels.gather.mosaic_gpu.config import ForwardPlan, forward_plan
@@ -112,7 +112,7 @@ def gather(x: jax.Array, indices: jax.Array, p: Problem, *, config: GatherConfig
            interpret: bool | str) -> jax.Array:
     """`x` viewed (batch, n, columns), int32 `indices` (m,) -> (batch, m, columns)."""
     plan = forward_plan(p, config)
-    operands = [indices, pad_columns(x, plan.aligned)]
+    operands = [indices, pad_to(x, plan.aligned)]
     if p.mode == "fill":
         operands.append(jnp.full((1, plan.aligned), p.fill_value, x.dtype))
     body = functools.partial(_body, p=p, plan=plan, has_fill=p.mode == "fill")

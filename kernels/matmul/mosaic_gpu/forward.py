@@ -36,7 +36,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels import _epilogue
 from kernels._pallas import pl
-from kernels._pallas.mosaic_gpu import mosaic_gpu_call, stored_shape
+from kernels._pallas.mosaic_gpu import mosaic_gpu_call, pad_to, stored_shape
 from kernels.matmul.common import (MatmulConfig, Problem, batch_index, flops_and_bytes,
                                    moved_bytes)
 from kernels.matmul.mosaic_gpu.config import (CONSUMERS, EPILOGUE_COLUMNS, PRODUCER_REGISTERS,
@@ -163,15 +163,6 @@ def _kernel(*refs, p: Problem, plan: Plan):
         plgpu.wait_smem_to_gmem(0)
 
 
-def _padded(x: jax.Array, rows: int, cols: int) -> jax.Array:
-    """`x` with its last two dims padded with zeros to `rows` and `cols` (a copy by XLA, where
-    they are not that long already)."""
-    pads = (rows - x.shape[-2], cols - x.shape[-1])
-    if not any(pads):
-        return x
-    return jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, pad) for pad in pads])
-
-
 def _operands(a: jax.Array, b: jax.Array, p: Problem) -> tuple[jax.Array, jax.Array, Problem]:
     """The operands laid out as `kernel_problem(p)` takes them, and that problem: cast to
     float32 and copied K-major where the product runs as TF32 (one fused XLA pass), padded
@@ -182,8 +173,8 @@ def _operands(a: jax.Array, b: jax.Array, p: Problem) -> tuple[jax.Array, jax.Ar
     b = jnp.swapaxes(b, -1, -2) if kernel.transpose_b != p.transpose_b else b
     a, b = a.astype(kernel.a_dtype), b.astype(kernel.b_dtype)
     m, k, n = kernel.m, kernel.k, kernel.n
-    a = _padded(a, *((k, m) if kernel.transpose_a else (m, k)))
-    b = _padded(b, *((n, k) if kernel.transpose_b else (k, n)))
+    a = pad_to(a, *((k, m) if kernel.transpose_a else (m, k)))
+    b = pad_to(b, *((n, k) if kernel.transpose_b else (k, n)))
     return a, b, kernel
 
 
@@ -223,7 +214,7 @@ def matmul(a: jax.Array, b: jax.Array, bias: jax.Array | None, residual: jax.Arr
                            (0, pl.cdiv(p.n, plan.block_n) * plan.block_n - n))
         if residual is not None:  # its values are the output dtype's (its dtype is in the
             # result's promotion; a broadcast one was widened for its gradient's sum only)
-            residual = _padded(residual.astype(p.out_dtype), p.m, p.n)
+            residual = pad_to(residual.astype(p.out_dtype), p.m, p.n)
         outs = _launch(a, b, _epilogue.operands(bias, residual), p, plan,
                        _epilogue.out_shapes(shape, p.out_dtype, p.epilogue), flops, interpret,
                        "matmul_mosaic_gpu")

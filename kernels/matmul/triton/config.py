@@ -11,12 +11,12 @@ import math
 import jax.numpy as jnp
 
 from kernels._blocks import (K_MAJOR_MIN_REUSE, MIN_PIPELINED_STEPS, Split, check_triton_config,
-                             fill_sms, is_positive_int, is_power_of_2, max_splits,
+                             fill_sms, is_positive_int, is_power_of_2, max_splits, nonempty_splits,
                              require_floating, require_shared_memory, split_reduction,
                              tensor_float32, triton_block, triton_dot_shared_bytes)
 from kernels._epilogue import require_supported
 from kernels._pallas import pl
-from kernels.matmul.common import MatmulConfig, Problem, flops_and_bytes
+from kernels.matmul.common import MatmulConfig, Problem, flops_and_bytes, num_tiles
 
 __all__ = ["resolve_config", "check", "k_split", "k_major_copies"]
 
@@ -30,18 +30,14 @@ def _largest_blocks(p: Problem) -> tuple[int, int]:
     return 128, 64 if itemsize <= 2 else 32
 
 
-def _num_tiles(p: Problem, block_m: int, block_n: int) -> int:
-    return pl.cdiv(p.m, block_m) * pl.cdiv(p.n, block_n) * p.num_batches
-
-
 def _split_k(p: Problem, block_m: int, block_n: int, block_k: int, asked: int | None) -> int:
     """Programs per output tile: `asked`, less any split that would get no K block, or, when
     None, from the shape ("Configs by shape")."""
     num_k_blocks = pl.cdiv(p.k, block_k)
     if asked is not None:
-        return pl.cdiv(num_k_blocks, pl.cdiv(num_k_blocks, asked))
+        return nonempty_splits(num_k_blocks, asked)
     partial_bytes = p.num_batches * p.m * p.n * 4
-    return split_reduction(_num_tiles(p, block_m, block_n), num_k_blocks,
+    return split_reduction(num_tiles(p, block_m, block_n), num_k_blocks,
                            min_steps=MIN_PIPELINED_STEPS,
                            max_splits=max_splits(flops_and_bytes(p)[1], partial_bytes)).splits
 
@@ -51,7 +47,7 @@ def resolve_config(p: Problem, config: MatmulConfig | None) -> MatmulConfig:
     config = config or MatmulConfig()
     max_block, max_k = _largest_blocks(p)
     block_m, block_n = fill_sms(triton_block(p.m, max_block), triton_block(p.n, max_block),
-                                lambda rows, cols: _num_tiles(p, rows, cols))
+                                lambda rows, cols: num_tiles(p, rows, cols))
     block_m = block_m if config.block_m is None else config.block_m
     block_n = block_n if config.block_n is None else config.block_n
     block_k = triton_block(p.k, max_k) if config.block_k is None else config.block_k

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kernels._pallas.mosaic_gpu import PIECE, pad_columns, row_layout, stored_shape
+from kernels._pallas.mosaic_gpu import PIECE, pad_to, row_layout, stored_shape
 from kernels.normalize.common import Problem
 from kernels.normalize.mosaic_gpu.config import Plan
 
@@ -36,7 +36,7 @@ def rows_view(a: jax.Array | None, p: Problem, plan: Plan) -> jax.Array | None:
         return None
     if not p.rows:
         a = jnp.swapaxes(a, 1, 2)
-    return pad_columns(a.reshape(plan.rows, plan.reduced), plan.aligned)
+    return pad_to(a.reshape(plan.rows, plan.reduced), plan.aligned)
 
 
 def output_matrix(plan: Plan) -> tuple[int, int]:
