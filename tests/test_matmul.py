@@ -270,6 +270,8 @@ def test_bad_input(implementation, a, b, error, match):
     ("triton", MatmulConfig(block_k=8), "block_k must be a power of 2 >= 16"),
     ("triton", MatmulConfig(num_warps=3), "num_warps"),
     ("triton", MatmulConfig(split_k=0), "split_k must be a positive int"),
+    pytest.param("mosaic_gpu", MatmulConfig(split_k=0), "split_k must be a positive int",
+                 marks=needs("mosaic_gpu")),
     ("mosaic", MatmulConfig(block_n=100), "block_n=100 breaks TPU tiling"),
     ("mosaic", MatmulConfig(block_m=12), "block_m=12 breaks TPU tiling"),
 ])

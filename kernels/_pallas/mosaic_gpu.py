@@ -65,9 +65,10 @@ def stored_shape(shape: tuple[int, ...], window: tuple[int, int]) -> tuple[int, 
     in `window`s of (rows, columns): `shape` itself, or where Mosaic GPU would store a ragged
     window past the rows it belongs to, padded to whole windows (the caller slices the result).
 
-    Why: Mosaic GPU (jax 0.12.0.1) stores a window that is one run of GMEM (a single row, or
-    whole rows) by a linear bulk copy (`cp.async.bulk`), clamped only at the array's end, where
-    TMA's tensor copy drops what falls outside each dimension. A ragged such window overwrites
+    Why: Mosaic GPU (jax 0.12.0.1) stores an unswizzled window that is one run of GMEM (a
+    single row, or whole rows) by a linear bulk copy (`cp.async.bulk`), clamped only at the
+    array's end, where TMA's tensor copy drops what falls outside each dimension (a swizzled
+    window, as the matmul's epilogue stores, is always a tensor copy). A ragged such window overwrites
     the rows after it: on an H100 (2026-11-26) a gather of one id per batch slice and a
     scatter-add's one-row partial sums lost their neighbours' rows, which its interpreter wrote
     correctly. Rows past the last are harmless where nothing follows them (one matrix)."""

@@ -180,6 +180,8 @@ def check(p: Problem, config: MatmulConfig | None) -> None:
     if p.highest and jnp.dtype(p.compute_dtype).itemsize > 2:
         raise NotImplementedError("Mosaic GPU multiplies float32 as TF32 (wgmma); "
                                   "precision=HIGHEST runs in xla or triton")
+    if config is not None and config.split_k is not None and not is_positive_int(config.split_k):
+        raise ValueError(f"config.split_k must be a positive int, got {config.split_k!r}")
     config = resolve_config(p, config)
     consumer_rows = config.block_m // CONSUMERS
     columns = min(EPILOGUE_COLUMNS, config.block_n)
@@ -192,7 +194,7 @@ def check(p: Problem, config: MatmulConfig | None) -> None:
             f"slices), a consumer's (block_m / {CONSUMERS}) x block_n at most "
             f"{MAX_ACCUMULATOR} (its float32 accumulator in registers) and a K slice of a "
             f"multiple of 32 bytes, got {config}")
-    if not is_positive_int(config.split_k) or config.num_stages < 2:
+    if config.num_stages < 2:
         raise NotImplementedError(
             f"Mosaic GPU matmul: tiles {config.block_m}x{config.block_n}x{config.block_k} "
             f"leave room for {config.num_stages} pipeline stages in shared memory; need 2")

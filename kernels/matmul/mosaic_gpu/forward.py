@@ -36,7 +36,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels import _epilogue
 from kernels._pallas import pl
-from kernels._pallas.mosaic_gpu import mosaic_gpu_call, pad_to, stored_shape
+from kernels._pallas.mosaic_gpu import mosaic_gpu_call, pad_to
 from kernels.matmul.common import (MatmulConfig, Problem, batch_index, flops_and_bytes,
                                    moved_bytes)
 from kernels.matmul.mosaic_gpu.config import (CONSUMERS, EPILOGUE_COLUMNS, PRODUCER_REGISTERS,
@@ -195,17 +195,16 @@ def matmul(a: jax.Array, b: jax.Array, bias: jax.Array | None, residual: jax.Arr
     plan = plan_of(p, config)
     a = a.reshape(math.prod(p.a_batch), *a.shape[-2:])
     b = b.reshape(math.prod(p.b_batch), *b.shape[-2:])
-    # Each consumer stores (block_m / CONSUMERS, EPILOGUE_COLUMNS) windows; where N is one such
-    # window, they are runs of GMEM that a ragged last tile would store into the next matrix.
-    stored = stored_shape((plan.splits * p.num_batches, p.m, p.n),
-                          (plan.block_m, EPILOGUE_COLUMNS))
-    shape = (p.num_batches, *stored[1:])
+    # The epilogue's windows are swizzled in shared memory: TMA's tensor copy stores them, which
+    # drops what falls past the rows (`stored_shape` needs no padding here).
+    shape = (p.num_batches, p.m, p.n)
     if residual is not None:
         residual = residual.reshape(p.num_batches, m, n)
     if plan.splits > 1:  # float32 partials; the epilogue runs in XLA's reduction
         partials = p._replace(epilogue=_epilogue.Epilogue())
-        out = _launch(a, b, [], partials, plan, jax.ShapeDtypeStruct(stored, jnp.float32),
-                      flops, interpret, "matmul_split_k_mosaic_gpu")
+        out = _launch(a, b, [], partials, plan, jax.ShapeDtypeStruct(
+            (plan.splits * p.num_batches, p.m, p.n), jnp.float32), flops, interpret,
+            "matmul_split_k_mosaic_gpu")
         summed = out.reshape(plan.splits, *shape).sum(axis=0)[:, :m, :n]
         outs = _epilogue.apply_after_sum(summed, bias, residual, p.epilogue, p.out_dtype)
     else:
