@@ -201,7 +201,6 @@ def test_whole_programs_and_an_export_carry_the_kernels(op):
     assert export["export_calls"] >= 2
 
 
-
 # Launches whose TMA stores are runs of GMEM (a window of one row, or of whole rows), which
 # Mosaic GPU stores by a linear copy clamped only at the array's end (`stored_shape`): per
 # case, the call, its operands, which launch, and that launch's output shape, which holds

@@ -32,8 +32,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from kernels import _targets
 
 __all__ = ["WARPS", "LANES", "PIECE", "TMA_ALIGNMENT", "TMA_SMEM_ALIGNMENT", "RESERVED_SMEM",
-           "smem_budget", "aligned_columns", "stored_shape", "pad_to", "mosaic_gpu_call", "row_layout", "load", "store",
-           "per_row", "per_column", "smem", "piece_columns", "StagedRows", "RowWriter"]
+           "smem_budget", "aligned_columns", "stored_shape", "pad_to", "mosaic_gpu_call",
+           "row_layout", "load", "store", "per_row", "per_column", "smem", "piece_columns",
+           "StagedRows", "RowWriter"]
 
 WARPS, LANES = 4, 32  # one warpgroup per CTA
 PIECE = 256  # columns one TMA copy moves: Mosaic GPU's limit of 256 elements per dimension
@@ -54,9 +55,10 @@ def smem_budget(whole: bool = False) -> int:
     return (limit if whole else limit // 2) - RESERVED_SMEM
 
 
-def aligned_columns(columns: int, itemsize: int) -> int:
-    """`columns` rounded up to a GMEM row TMA can address (`TMA_ALIGNMENT` bytes)."""
-    step = TMA_ALIGNMENT // itemsize
+def aligned_columns(columns: int, itemsize: int, alignment: int = TMA_ALIGNMENT) -> int:
+    """`columns` rounded up to a multiple of `alignment` bytes: by default a GMEM row TMA can
+    address; with `TMA_SMEM_ALIGNMENT`, a shared-memory row TMA can write."""
+    step = alignment // itemsize
     return -(-columns // step) * step
 
 
@@ -68,10 +70,10 @@ def stored_shape(shape: tuple[int, ...], window: tuple[int, int]) -> tuple[int, 
     Why: Mosaic GPU (jax 0.12.0.1) stores an unswizzled window that is one run of GMEM (a
     single row, or whole rows) by a linear bulk copy (`cp.async.bulk`), clamped only at the
     array's end, where TMA's tensor copy drops what falls outside each dimension (a swizzled
-    window, as the matmul's epilogue stores, is always a tensor copy). A ragged such window overwrites
-    the rows after it: on an H100 (2026-11-26) a gather of one id per batch slice and a
-    scatter-add's one-row partial sums lost their neighbours' rows, which its interpreter wrote
-    correctly. Rows past the last are harmless where nothing follows them (one matrix)."""
+    window, as the matmul's epilogue stores, is always a tensor copy). A ragged such window
+    overwrites the rows after it: on an H100 (2026-11-26) a gather of one id per batch slice
+    and a scatter-add's one-row partial sums lost their neighbours' rows, which its
+    interpreter wrote correctly. Rows past the last are harmless where nothing follows them (one matrix)."""
     *outer, rows, columns = shape
     block_rows, block_columns = window
     if block_rows > 1 and block_columns != columns:  # a tensor copy

@@ -95,8 +95,7 @@ def forward_plan(p: Problem, config: GatherConfig | None) -> ForwardPlan:
     SMs), and up to `_FORWARD_SLOTS` tiles in shared memory."""
     config = config or GatherConfig()
     aligned, m = _aligned(p), max(p.num_indices, 1)
-    box = min(PIECE, -(-aligned * p.itemsize // TMA_SMEM_ALIGNMENT) * TMA_SMEM_ALIGNMENT
-              // p.itemsize)
+    box = min(PIECE, aligned_columns(aligned, p.itemsize, TMA_SMEM_ALIGNMENT))
     num_pieces = pl.cdiv(aligned, box)
     piece_bytes = box * p.itemsize
     rows = min(config.block_indices or min(_MAX_TILE_ROWS, _TILE_BYTES // piece_bytes), m)
