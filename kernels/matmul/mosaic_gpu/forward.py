@@ -22,12 +22,20 @@ L2). Per item:
     to shared memory and stores it by TMA, which drops what lies past the array's edges.
 Split-K (few output tiles, long K): each split's items write float32 partials; XLA adds them
 in a fixed order and applies the epilogue in the same pass.
+
+Shifted rows (`Shifts`, conv2d's implicit GEMM, `kernels.conv2d.mosaic_gpu`): A is not a
+matrix of the product's rows but windows of one, read at a row offset per K step (the forward:
+tap row kh of K step k) or per output batch (the weight gradient: one tap row per batch). Each
+offset is a multiple of TMA's 8-row tile, so a window is whole tiles of the shared-memory
+layout, as TMA copies them (an offset within a tile would read zeros past the tile's rows).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,7 +50,21 @@ from kernels.matmul.common import (MatmulConfig, Problem, batch_index, flops_and
 from kernels.matmul.mosaic_gpu.config import (CONSUMERS, EPILOGUE_COLUMNS, PRODUCER_REGISTERS,
                                               Plan, kernel_problem, plan_of)
 
-__all__ = ["matmul"]
+__all__ = ["matmul", "Shifts", "launch"]
+
+
+class Shifts(NamedTuple):
+    """A's rows read at offsets (a multiple of `config.TMA_ROWS` each, a Python or traced
+    int32 from `shift`): per K step (`per_step`, the forward of conv2d: K step k reads the rows
+    of its output tile shifted by `shift(k // steps_per_shift)`, its columns block
+    k % steps_per_shift of the view) or per output batch (the weight gradient: batch b's A is
+    the matrix starting `shift(b)` rows down). `max_shift`: the largest, which the caller's
+    array holds past the last tile."""
+
+    shift: Callable[[jax.Array], jax.Array]
+    max_shift: int
+    per_step: bool
+    steps_per_shift: int = 1
 
 
 def _transforms(shape: tuple[int, int], dtype) -> tuple:
@@ -58,6 +80,15 @@ def _operand_spec(block: tuple[int, int], k_axis: int, dtype) -> plgpu.BlockSpec
     return plgpu.BlockSpec(block, index, transforms=_transforms(block, dtype))
 
 
+def _shifted_spec(block: tuple[int, int], shifts: Shifts, dtype) -> plgpu.BlockSpec:
+    """K step k's tile of A's rows shifted as `shifts` says: rows at an element offset."""
+    def index(k):
+        return shifts.shift(k // shifts.steps_per_shift), k % shifts.steps_per_shift
+
+    return plgpu.BlockSpec((pl.Element(block[0]), block[1]), index,
+                           transforms=_transforms(block, dtype))
+
+
 def _epilogue_slice(acc, column: int, ctx: dict, p: Problem) -> None:
     """Bias, activation and residual on columns [column, column + width) of a consumer's
     accumulator, written through shared memory by TMA (and z beside it where saved)."""
@@ -67,7 +98,9 @@ def _epilogue_slice(acc, column: int, ctx: dict, p: Problem) -> None:
     values = acc[:, column:column + width]
     bias = residual = None
     if ctx["bias"] is not None:  # padded to whole tiles by the wrapper
-        vector = plgpu.load(ctx["bias"].at[cols], layout=plgpu.Layout.WGMMA.reduce(0))
+        bias_row = ctx["batch"] if ctx["bias"].shape[0] > 1 else 0  # per batch, or shared
+        vector = plgpu.load(ctx["bias"].at[bias_row, cols],
+                            layout=plgpu.Layout.WGMMA.reduce(0))
         bias = lax.broadcast_in_dim(vector.astype(jnp.float32), values.shape, [1])
     if ctx["residual"] is not None:
         plgpu.commit_smem()  # every thread has read the previous slice: the slot may refill
@@ -87,7 +120,7 @@ def _epilogue_slice(acc, column: int, ctx: dict, p: Problem) -> None:
         plgpu.copy_smem_to_gmem(smem.at[wg], gmem.at[ctx["out_index"], rows, cols])
 
 
-def _kernel(*refs, p: Problem, plan: Plan):
+def _kernel(*refs, p: Problem, plan: Plan, shifts: Shifts | None):
     (a_gmem, b_gmem), bias, residual, out_gmem, z_gmem = _epilogue.split_refs(refs, p.epilogue, 2)
     block_m, block_n, block_k = plan.block_m, plan.block_n, plan.block_k
     consumer_rows = block_m // CONSUMERS
@@ -96,11 +129,15 @@ def _kernel(*refs, p: Problem, plan: Plan):
     a_block = (block_k, block_m) if p.transpose_a else (block_m, block_k)
     b_block = (block_n, block_k) if p.transpose_b else (block_k, block_n)
 
+    if shifts is not None and shifts.per_step:
+        a_spec = _shifted_spec(a_block, shifts, a_gmem.dtype)
+    else:
+        a_spec = _operand_spec(a_block, 0 if p.transpose_a else 1, a_gmem.dtype)
+
     def pipeline(body, context):
         return plgpu.emit_pipeline_warp_specialized(
             body, grid=(per_split,), memory_registers=PRODUCER_REGISTERS,
-            in_specs=[_operand_spec(a_block, 0 if p.transpose_a else 1, a_gmem.dtype),
-                      _operand_spec(b_block, 1 if p.transpose_b else 0, b_gmem.dtype)],
+            in_specs=[a_spec, _operand_spec(b_block, 1 if p.transpose_b else 0, b_gmem.dtype)],
             wg_axis="wg", num_compute_wgs=CONSUMERS, max_concurrent_steps=plan.stages,
             compute_context=context)
 
@@ -133,7 +170,13 @@ def _kernel(*refs, p: Problem, plan: Plan):
             ks = pl.ds(split * per_split * block_k, per_split * block_k)
             a = a_gmem.at[batch_index(batch, p.out_batch, p.a_batch)]
             b = b_gmem.at[batch_index(batch, p.out_batch, p.b_batch)]
-            a = a.at[ks, rows] if p.transpose_a else a.at[rows, ks]
+            if shifts is not None and shifts.per_step:  # the tile's rows and the shifts'
+                a = a.at[pl.ds(m_tile * block_m, block_m + shifts.max_shift)]
+            else:
+                if shifts is not None:  # this batch's matrix
+                    a = a.at[pl.ds(shifts.shift(batch),
+                                   a.shape[0] - shifts.max_shift)]
+                a = a.at[ks, rows] if p.transpose_a else a.at[rows, ks]
             b = b.at[cols, ks] if p.transpose_b else b.at[ks, cols]
 
             def mma(_, a_smem, b_smem, acc_ref):
@@ -185,11 +228,6 @@ def matmul(a: jax.Array, b: jax.Array, bias: jax.Array | None, residual: jax.Arr
     of one): out_batch + (M, N), and the pre-activation beside it where the epilogue saves it.
     16-bit products are exact in float32; float32 runs as TF32 (`check` declines HIGHEST)."""
     del precision  # `p.highest`: declined by `check`
-    if interpret and jax.config.jax_enable_x64:
-        raise NotImplementedError(
-            "Mosaic GPU's interpreter (jax 0.12.0.1) fails MLIR verification on a "
-            "warp-specialized pipeline under jax_enable_x64 (JAX's own Hopper matmul too); "
-            "the compiled kernel is traced with 32-bit defaults and is unaffected")
     flops, (m, n) = flops_and_bytes(p)[0], (p.m, p.n)
     a, b, p = _operands(a, b, p)
     plan = plan_of(p, config)
@@ -197,45 +235,67 @@ def matmul(a: jax.Array, b: jax.Array, bias: jax.Array | None, residual: jax.Arr
     b = b.reshape(math.prod(p.b_batch), *b.shape[-2:])
     # The epilogue's windows are swizzled in shared memory: TMA's tensor copy stores them, which
     # drops what falls past the rows (`stored_shape` needs no padding here).
-    shape = (p.num_batches, p.m, p.n)
     if residual is not None:
         residual = residual.reshape(p.num_batches, m, n)
+    outs = launch(a, b, bias, residual, p, plan, flops, interpret)
+    outs = jax.tree.map(lambda out: out[:, :m, :n], outs)
+    return jax.tree.map(lambda out: out.reshape(*p.out_batch, m, n), outs)
+
+
+def launch(a: jax.Array, b: jax.Array, bias: jax.Array | None, residual: jax.Array | None,
+           p: Problem, plan: Plan, flops: int, interpret: bool | str,
+           shifts: Shifts | None = None, name: str = "matmul"
+           ) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """The kernel on operands laid out as `kernel_problem(p)` takes them (`p` is that problem):
+    (num_batches, M, N) outputs, the epilogue applied (by XLA after the partials' sum where
+    `plan` splits K). `bias` is (N,), or (num_batches, N) where each batch has its own
+    (unsplit plans)."""
+    if interpret and jax.config.jax_enable_x64:
+        raise NotImplementedError(
+            "Mosaic GPU's interpreter (jax 0.12.0.1) fails MLIR verification on a "
+            "warp-specialized pipeline under jax_enable_x64 (JAX's own Hopper matmul too); "
+            "the compiled kernel is traced with 32-bit defaults and is unaffected")
+    shape = (p.num_batches, p.m, p.n)
+    bias = None if bias is None else bias.reshape(-1, bias.shape[-1])
     if plan.splits > 1:  # float32 partials; the epilogue runs in XLA's reduction
         partials = p._replace(epilogue=_epilogue.Epilogue())
         out = _launch(a, b, [], partials, plan, jax.ShapeDtypeStruct(
             (plan.splits * p.num_batches, p.m, p.n), jnp.float32), flops, interpret,
-            "matmul_split_k_mosaic_gpu")
-        summed = out.reshape(plan.splits, *shape).sum(axis=0)[:, :m, :n]
-        outs = _epilogue.apply_after_sum(summed, bias, residual, p.epilogue, p.out_dtype)
-    else:
-        if bias is not None:  # float32 whole tiles: the epilogue's vector loads stay in bounds
-            bias = jnp.pad(bias.astype(jnp.float32),
-                           (0, pl.cdiv(p.n, plan.block_n) * plan.block_n - n))
-        if residual is not None:  # its values are the output dtype's (its dtype is in the
-            # result's promotion; a broadcast one was widened for its gradient's sum only)
-            residual = pad_to(residual.astype(p.out_dtype), p.m, p.n)
-        outs = _launch(a, b, _epilogue.operands(bias, residual), p, plan,
-                       _epilogue.out_shapes(shape, p.out_dtype, p.epilogue), flops, interpret,
-                       "matmul_mosaic_gpu")
-        outs = jax.tree.map(lambda out: out[:, :m, :n], outs)
-    return jax.tree.map(lambda out: out.reshape(*p.out_batch, m, n), outs)
+            f"{name}_split_k_mosaic_gpu", shifts)
+        summed = out.reshape(plan.splits, *shape).sum(axis=0)
+        if bias is not None:  # zeros past N, as the caller cuts the output back
+            if bias.shape[0] > 1:
+                raise AssertionError("a bias per batch is applied by unsplit plans only")
+            bias = pad_to(bias[0], p.n)
+        if residual is not None:
+            residual = pad_to(residual, p.m, p.n)
+        return _epilogue.apply_after_sum(summed, bias, residual, p.epilogue, p.out_dtype)
+    if bias is not None:  # float32 whole tiles: the epilogue's vector loads stay in bounds
+        bias = pad_to(bias.astype(jnp.float32), pl.cdiv(p.n, plan.block_n) * plan.block_n)
+    if residual is not None:  # its values are the output dtype's (its dtype is in the
+        # result's promotion; a broadcast one was widened for its gradient's sum only)
+        residual = pad_to(residual.astype(p.out_dtype), p.m, p.n)
+    return _launch(a, b, _epilogue.operands(bias, residual), p, plan,
+                   _epilogue.out_shapes(shape, p.out_dtype, p.epilogue), flops, interpret,
+                   f"{name}_mosaic_gpu", shifts)
 
 
 def _launch(a, b, epilogue_operands, p: Problem, plan: Plan, out_shape, flops: int,
-            interpret: bool | str, name: str):
+            interpret: bool | str, name: str, shifts: Shifts | None):
     shapes = jax.tree.leaves(out_shape)
     partial_bytes = 2 * math.prod(shapes[0].shape) * 4 if plan.splits > 1 else 0
     # Traced with 32-bit defaults: under x64, the warp-specialized pipeline's loops (jax
     # 0.12.0.1) would carry int64 steps beside its int32 indices.
     with jax.enable_x64(False):
         outs = _call(a, b, epilogue_operands, p, plan, shapes, flops, partial_bytes, interpret,
-                     name)
+                     name, shifts)
     return outs[0] if len(shapes) == 1 else tuple(outs)
 
 
-def _call(a, b, epilogue_operands, p, plan, shapes, flops, partial_bytes, interpret, name):
+def _call(a, b, epilogue_operands, p, plan, shapes, flops, partial_bytes, interpret, name,
+          shifts):
     return mosaic_gpu_call(
-        functools.partial(_kernel, p=p, plan=plan), out_shape=shapes,
+        functools.partial(_kernel, p=p, plan=plan, shifts=shifts), out_shape=shapes,
         grid=(plan.num_ctas,), grid_names=("sm",), interpret=interpret, name=name,
         flops_and_bytes=(flops, moved_bytes(p, plan.block_m, plan.block_n, partial_bytes)),
         warpgroups=CONSUMERS + 1)(a, b, *epilogue_operands)
