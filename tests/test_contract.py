@@ -133,7 +133,7 @@ def check_strict_settings_with_x64(name: str, implementation: str) -> None:
     with x64():
         inputs = contract.repeated(0)
         op = contract.call(implementation)
-        if name == "matmul" and implementation == "mosaic_gpu":
+        if name in ("matmul", "conv2d") and implementation == "mosaic_gpu":
             # Its interpreter cannot run the warp-specialized pipeline under x64: declined,
             # naming why (the compiled kernel is traced in 32 bits: test_mosaic_gpu).
             with pytest.raises(NotImplementedError, match="jax_enable_x64"):

@@ -24,16 +24,20 @@ pytestmark = needs("mosaic_gpu")
 # The ops with Mosaic GPU kernels.
 OPS = [op for op in CASES if "mosaic_gpu" in kernels_of(op)]
 # Compiled for sm_100a besides the design cases: an odd small case per op.
-SM_100_CASES = {"normalize": "layer_norm 7x129", "gather": "table 129x257", "matmul": "7x5"}
+SM_100_CASES = {"normalize": "layer_norm 7x129", "gather": "table 129x257", "matmul": "7x5",
+                "conv2d": "1x9x17x8"}
 # What an op's kernels decline by design: gather, rows whose padding copy would move too much
-# (`_MAX_PADDING`, as 257 float32 columns of a 1000-row table for 64 ids); matmul, every
-# Blackwell case (its kernel is Hopper's wgmma).
+# (`_MAX_PADDING`, as 257 float32 columns of a 1000-row table for 64 ids); matmul and conv2d
+# (on the matmul's kernel), every Blackwell case (the kernel is Hopper's wgmma).
 DECLINES = {"gather": (1, "not a multiple of 16 bytes"),
-            "matmul": (0, "a tcgen05 kernel for Blackwell is not written")}
+            "matmul": (0, "a tcgen05 kernel for Blackwell is not written"),
+            "conv2d": (0, "a tcgen05 kernel for Blackwell is not written")}
+# The ops whose products run on the matmul's persistent, warp-specialized kernel.
+WGMMA_OPS = ("matmul", "conv2d")
 # Per op: its programs compiled on 1 and 4 GPUs, and a call exported for cuda (forward and
 # gradient).
 PROGRAMS = {"normalize": ["layer_norm", "rms_norm"], "gather": ["gather", "gather_vocab"],
-            "matmul": ["matmul", "matmul_k"]}
+            "matmul": ["matmul", "matmul_k"], "conv2d": ["conv2d"]}
 EXPORTS = {
     "matmul": ("jax.ShapeDtypeStruct((128, 256), jnp.bfloat16), "
                "jax.ShapeDtypeStruct((256, 64), jnp.bfloat16)",
@@ -43,6 +47,9 @@ EXPORTS = {
     "gather": ("jax.ShapeDtypeStruct((64, 256), jnp.bfloat16), "
                "jax.ShapeDtypeStruct((16,), jnp.int32)",
                "lambda x, i: kernels.gather(x, i, implementation='mosaic_gpu')"),
+    "conv2d": ("jax.ShapeDtypeStruct((4, 16, 16, 64), jnp.bfloat16), "
+               "jax.ShapeDtypeStruct((3, 3, 64, 64), jnp.bfloat16)",
+               "lambda x, w: kernels.conv2d(x, w, implementation='mosaic_gpu')"),
 }
 
 
@@ -92,11 +99,13 @@ def _compiled(script: str) -> list[dict]:
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
 
-# matmul and normalize compile their design cases and these for sm_90a (their other cases are
-# the same kernels at other sizes): matmul's padded odd product and a batched one with its
-# transposed gradients; normalize's streamed long rows (16-bit and float32), its columns
+# matmul, conv2d and normalize compile their design cases and these for sm_90a (their other
+# cases are the same kernels at other sizes): matmul's padded odd product and a batched one
+# with its transposed gradients; conv2d's 7x7 depthwise (its weight gradient holds the most
+# registers); normalize's streamed long rows (16-bit and float32), its columns
 # layouts and a cast output.
 SM_90_CASES = {"matmul": ("7x5", "8x1000x1000"),
+               "conv2d": ("8x56x56x96 * 7x7x1x96",),
                "normalize": ("layer_norm 4096x16384 bfloat16", "layer_norm 4096x12000 float32",
                              "normalize 10000x100", "normalize 8x64x4096",
                              "rms_norm 8192x1024 float32 axis=-1, out_dtype",
@@ -104,8 +113,8 @@ SM_90_CASES = {"matmul": ("7x5", "8x1000x1000"),
 
 
 def _cases(op: str, target: str) -> list:
-    """For sm_90a every case (matmul and normalize: `SM_90_CASES` beside the design shapes);
-    for sm_100a, the same kernels at the design shapes and an odd small one."""
+    """For sm_90a every case (matmul, conv2d and normalize: `SM_90_CASES` beside the design
+    shapes); for sm_100a, the same kernels at the design shapes and an odd small one."""
     odd = (SM_100_CASES[op], *(SM_90_CASES.get(op, ()) if target == "sm_90" else ()))
     return [c for c in CASES[op] if target == "sm_90" and op not in SM_90_CASES or c.design
             or c.description.startswith(odd)]
@@ -137,7 +146,7 @@ def test_every_kernel_compiles_without_spills(op, target):
     assert len(cases) == len(_cases(op, target)) >= 2
     declined = [c for c in cases if c["declined"]]
     most, reason = DECLINES.get(op, (0, None))
-    if op == "matmul" and target == "sm_100":
+    if op in WGMMA_OPS and target == "sm_100":
         assert len(declined) == len(cases) and all(reason in c["declined"] for c in declined)
         return
     assert all(reason in c["declined"] for c in declined), declined
@@ -154,9 +163,10 @@ def test_every_kernel_compiles_without_spills(op, target):
         # Over 1 KiB: the dynamic shared memory was read (ptxas alone reports 1 byte); at most
         # half an SM's, with the 2 KiB Pallas takes beside the plan for cross-warp reductions
         # (matmul's persistent CTAs take a whole SM each, `test_matmul_mosaic_gpu`).
-        limit = r["shared_limit"] if op == "matmul" else r["shared_limit"] // 2 + 4096
+        persistent = op in WGMMA_OPS and "depthwise" not in r["name"]
+        limit = r["shared_limit"] if persistent else r["shared_limit"] // 2 + 4096
         assert 1024 < r["shared_bytes"] <= limit, r
-        if op == "matmul":  # persistent, warp-specialized, on the tensor cores
+        if persistent:  # warp-specialized, on the tensor cores
             from kernels.matmul.mosaic_gpu.config import CONSUMERS, PRODUCER_REGISTERS
 
             assert r["mma"] and all(i.startswith("wgmma.mma_async") for i in r["mma"]), r
@@ -199,6 +209,38 @@ def test_whole_programs_and_an_export_carry_the_kernels(op):
         assert dict(r["collectives"])["all-gather"] == 0, r
     # The forward (normalize's: again in the gradient) and the backward.
     assert export["export_calls"] >= 2
+
+
+@pytest.mark.timeout(600)
+def test_a_model_training_step_carries_every_ops_kernels():
+    """One training step (loss, gradients, update) of examples/train_digits.py's CNN, its Flax
+    layers given `implementation="mosaic_gpu"`: every op's Mosaic GPU kernels are in it, forward
+    and backward (the two 3x3 convolutions, whose float32 weight gradients run on the matmul's
+    kernel; the row embedding's gather and its scatter-add; layer and RMS norm; the dense
+    layers), and it compiles for 1 and 4 H100s (the batch sharded, Auto axes)."""
+    reports = _compiled(
+        "import dataclasses, json\n"
+        "from kernels.compile import use_compile_only_devices; use_compile_only_devices()\n"
+        "from kernels.compile import launches, programs\n"
+        "from kernels._targets import TARGETS\n"
+        "from tests.programs_run import _digits_step\n"
+        "for count in (1, 4):\n"
+        "    mesh = programs.mesh_for('sm_90', count, 'auto', shape=(1, count))\n"
+        "    step, args = _digits_step('mosaic_gpu', mesh)\n"
+        "    if count == 1:\n"
+        "        calls = launches(step, *args, target=TARGETS['sm_90'])\n"
+        "        print(json.dumps({'names': sorted({e.params['name'] for e in calls})}))\n"
+        "    print(json.dumps(dataclasses.asdict(programs.compile_program(\n"
+        "        'train_digits', step, args, mesh, target='sm_90', mesh_kind='auto',\n"
+        "        implementation='mosaic_gpu'))))\n")
+    (names,), programs = reports[:1], reports[1:]
+    assert {"conv2d_mosaic_gpu", "gather_mosaic_gpu", "scatter_add_mosaic_gpu",
+            "normalize_forward_mosaic_gpu", "normalize_backward_mosaic_gpu",
+            "matmul_mosaic_gpu"} <= set(names["names"]), names
+    assert [r["devices"] for r in programs] == [1, 4]
+    for r in programs:
+        assert r["compiled"], r["error"]
+        assert r["kernel_calls"] >= 15, r  # every kernel above, some several times
 
 
 # Launches whose TMA stores are runs of GMEM (a window of one row, or of whole rows), which

@@ -97,7 +97,7 @@ def _matmul(a: jax.Array, b: jax.Array, transpose_a: bool, static: _Static,
 def _run_whole(x: jax.Array, w: jax.Array, bias: jax.Array | None,
                static: _Static) -> jax.Array | tuple[jax.Array, jax.Array]:
     p = make_problem(x.shape, w.shape, x.dtype, w.dtype, static.geometry, static.out_dtype,
-                     static.epilogue)
+                     static.epilogue, static.precision)
     if p.is_empty:  # a strided input gradient's phase that no tap reaches (`subpixel_phases`)
         return jnp.zeros((p.n, p.oh, p.ow, p.o), p.out_dtype)
     if _is_pointwise(p, static.config):
@@ -217,7 +217,7 @@ def _weight_gradient_whole(x, dy, statics: tuple[_Static, tuple[int, int]]) -> j
     static, (kh, kw) = statics
     # The weight-gradient kernels multiply x by dy: dy's dtype takes w's place in the problem.
     p = make_problem(x.shape, (kh, kw, x.shape[3] // static.geometry.groups, dy.shape[3]), x.dtype,
-                     dy.dtype, static.geometry, dy.dtype)
+                     dy.dtype, static.geometry, dy.dtype, precision=static.precision)
     shape = (kh, kw, p.cg, p.o)
     if p.is_empty:
         return jnp.zeros(shape, static.out_dtype)
@@ -311,7 +311,7 @@ def conv2d(
         preferred_element_type or jnp.result_type(x, w), bias, None)
     epilogue = Epilogue(activation, has_bias=bias is not None)
     problem = make_problem(tuple(x.shape[d] for d in nhwc), w_hwio, x.dtype, w.dtype, geometry,
-                           out_dtype, epilogue)
+                           out_dtype, epilogue, precision)
     checks = OP.checks(problem, config)
     out_sharding = partition.out_sharding(out_sharding, "conv2d", 4)
 

@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 
+from kernels._blocks import tensor_float32
 from kernels._dtypes import promoted
 from kernels._epilogue import Epilogue
 from reference.conv2d import Geometry, output_size
@@ -62,6 +63,7 @@ class Problem(NamedTuple):
     w_dtype: jnp.dtype
     out_dtype: jnp.dtype
     epilogue: Epilogue = Epilogue()
+    highest: bool = False  # float32 asked at HIGHEST precision (IEEE float32, no TF32)
 
     @property
     def groups(self) -> int:
@@ -118,13 +120,13 @@ class Problem(NamedTuple):
 
 
 def make_problem(x_shape, w_shape, x_dtype, w_dtype, geometry: Geometry, out_dtype,
-                 epilogue: Epilogue = Epilogue()) -> Problem:
+                 epilogue: Epilogue = Epilogue(), precision=None) -> Problem:
     if geometry.lhs_dilation != (1, 1):  # the input gradient runs as phases (`subpixel_phases`)
         raise AssertionError(f"conv2d kernels take no lhs dilation, got {geometry}")
     n, h, w, c = x_shape
     kh, kw, _, o = w_shape
     return Problem(n, h, w, c, kh, kw, o, geometry, jnp.dtype(x_dtype), jnp.dtype(w_dtype),
-                   jnp.dtype(out_dtype), epilogue)
+                   jnp.dtype(out_dtype), epilogue, not tensor_float32(jnp.float32, precision))
 
 
 def flops_and_bytes(p: Problem) -> tuple[int, int]:

@@ -1,0 +1,166 @@
+"""How the Mosaic GPU conv2d lays its operands out for the matmul kernel's shifted rows (the
+kernels are in `forward.py` beside it): the tap-row layout of the input (`TapRows`), the GEMM
+each pass runs (`forward_problem`, `weight_grad_problem`) and the checks that decline a
+problem (`check`)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from kernels._blocks import require_floating
+from kernels._pallas import pl
+from kernels._pallas.mosaic_gpu import pad_to
+from kernels.conv2d.common import Conv2dConfig, Problem
+from kernels.matmul.common import MatmulConfig, Problem as MatmulProblem
+from kernels.matmul.mosaic_gpu import config as matmul_config
+
+__all__ = ["TapRows", "tap_rows", "tap_rows_matrix", "is_depthwise", "summed_depthwise",
+           "forward_problem", "forward_config",
+           "weight_grad_problem", "shifted_weight_grad", "check", "resolve_config"]
+
+
+class TapRows(NamedTuple):
+    """The input as a matrix whose row shifts are the kernel's taps along H.
+
+    Row (n, i, j) of stride phase a holds, for every tap column kw, the input pixel that output
+    column j reads at kw: input row i·stride_h + a, column j·stride_w + kw·dilation_w (zero in
+    the padding), its group's channels, kw-major; a row is `width` wide (KW·C/G padded to
+    `matmul_config.TMA_COLUMNS`). The W axis of the window is thus folded into K by XLA's copy
+    (KW times the input), and the H axis is a row shift: output (n, oh, ow) at tap row kh reads
+    row q + `shift(kh)` of the matrix, q = (n·rows + oh)·cols + ow its row in the output grid,
+    the shift `(kh·dh mod sh)·phase_rows + (kh·dh div sh)·cols`. `cols` (OW rounded up to
+    `matmul_config.TMA_ROWS`) makes every shift whole 8-row TMA tiles; the output grid's rows
+    past OH and columns past OW are computed and cut off by XLA."""
+
+    rows: int  # OH plus the rows the taps reach below it, per stride phase
+    cols: int
+    images: int
+    width: int
+    kh: int
+    dilation: int
+    stride: int
+
+    @property
+    def phase_rows(self) -> int:
+        """Rows of one stride phase: every image's output grid."""
+        return self.images * self.rows * self.cols
+
+    def shift(self, kh):
+        """The row offset of tap row `kh` (a Python int or a traced int32)."""
+        offset = kh * self.dilation
+        return offset % self.stride * self.phase_rows + offset // self.stride * self.cols
+
+    @property
+    def max_shift(self) -> int:
+        return max(self.shift(kh) for kh in range(self.kh))
+
+
+def tap_rows(p: Problem) -> TapRows:
+    g = p.geometry
+    rows = p.oh + (p.kh - 1) * g.rhs_dilation[0] // g.stride[0]
+    return TapRows(rows, _round_up(p.ow, matmul_config.TMA_ROWS), p.n,
+                   _round_up(p.kw * p.cg, matmul_config.TMA_COLUMNS), p.kh, g.rhs_dilation[0],
+                   g.stride[0])
+
+
+def tap_rows_matrix(x: jax.Array, p: Problem, layout: TapRows, num_rows: int,
+                    dtype) -> jax.Array:
+    """(G, rows, width): the input laid out as `layout` says (one fused XLA copy: padding,
+    the KW column windows, the stride phases, the groups), then zero rows to `num_rows`."""
+    g = p.geometry
+    (stride_h, stride_w), dilation_w = g.stride, g.rhs_dilation[1]
+    (top, _), (left, _) = g.padding
+    height = layout.rows * stride_h
+    span = (layout.cols - 1) * stride_w + 1
+    width = span + (p.kw - 1) * dilation_w
+    x = lax.pad(x, jnp.zeros((), x.dtype), ((0, 0, 0), (top, height - p.h - top, 0),
+                                            (left, width - p.w - left, 0), (0, 0, 0)))
+    x = jnp.stack([lax.slice_in_dim(x, kw * dilation_w, kw * dilation_w + span,
+                                    stride=stride_w, axis=2) for kw in range(p.kw)], axis=3)
+    x = x.reshape(p.n, layout.rows, stride_h, layout.cols, p.kw, p.groups, p.cg)
+    x = x.transpose(5, 2, 0, 1, 3, 4, 6).reshape(p.groups, stride_h * layout.phase_rows,
+                                                  p.kw * p.cg)
+    return pad_to(x.astype(dtype), max(num_rows, x.shape[1]), layout.width)
+
+
+def _round_up(size: int, step: int) -> int:
+    return pl.cdiv(size, step) * step
+
+
+def forward_problem(p: Problem) -> MatmulProblem:
+    """The forward as the matmul kernel's problem (`matmul_config.kernel_problem`: 16-bit
+    operands of one dtype as they are, others as float32), one batch per group: A the tap rows
+    (output grid rows x `width`, shifted per K step), B the weights K-major (O/G padded,
+    KH·width), out (output grid rows, O/G padded)."""
+    layout = tap_rows(p)
+    return matmul_config.kernel_problem(MatmulProblem(
+        (p.groups,), (p.groups,), (p.groups,), layout.phase_rows, p.og, p.kh * layout.width,
+        False, True, p.x_dtype, p.w_dtype, p.out_dtype, p.epilogue, p.highest))
+
+
+def forward_config(config: Conv2dConfig | None) -> MatmulConfig:
+    """The matmul kernel's config of a forward: the conv config's tile, one K split (a split's
+    K steps would need their own shifts)."""
+    config = config or Conv2dConfig()
+    return MatmulConfig(config.block_m, config.block_n, None, num_stages=config.num_stages,
+                        split_k=1)
+
+
+def weight_grad_problem(p: Problem, dy_dtype, dw_dtype) -> MatmulProblem:
+    """The weight gradient as the matmul kernel's problem, one batch per (group, tap row):
+    dW[g, kh] (width, O/G) = A[g, kh]ᵀ @ dY[g] over the output grid's pixels, A[g, kh] the tap
+    rows shifted by tap row kh (stored (pixels, width): transposed)."""
+    layout = tap_rows(p)
+    return matmul_config.kernel_problem(MatmulProblem(
+        (p.groups, 1), (p.groups, 1), (p.groups, p.kh), layout.width, p.og, layout.phase_rows,
+        True, False, p.x_dtype, dy_dtype, dw_dtype, highest=p.highest))
+
+
+def shifted_weight_grad(p: Problem, dy_dtype) -> bool:
+    """Whether the weight gradient reads the tap rows shifted in the kernel: where the kernel
+    takes A transposed (16-bit operands: pixels along K are rows of both). TF32 takes K-major
+    tiles only, so float32 gets each tap row's windows copied pixel-major by XLA instead."""
+    return weight_grad_problem(p, dy_dtype, dy_dtype).transpose_a
+
+
+def resolve_config(p: Problem, config: Conv2dConfig | None) -> Conv2dConfig:
+    """The forward's tiles as the matmul kernel resolves them for `forward_problem`."""
+    resolved = matmul_config.resolve_config(forward_problem(p), forward_config(config))
+    return Conv2dConfig(resolved.block_m, resolved.block_n, resolved.block_k, None, None,
+                        resolved.num_stages)
+
+
+# Input channels a group below which a grouped convolution of one output channel a group runs
+# as a depthwise one (`summed_depthwise`): wgmma's K is 16 (its tile pads a group's tap row
+# to 64 columns, and its one output channel to 64).
+MIN_GEMM_CHANNELS = 16
+
+
+def is_depthwise(p: Problem) -> bool:
+    """One input channel a group, several groups: the depthwise kernels (no product for
+    wgmma)."""
+    return p.depthwise and p.groups > 1
+
+
+def summed_depthwise(p: Problem) -> bool:
+    """A few input channels and one output channel a group (the input gradient of a depthwise
+    convolution with a channel multiplier): a depthwise convolution of every input channel,
+    each group's channels then summed by XLA."""
+    return p.groups > 1 and p.og == 1 and 1 < p.cg < MIN_GEMM_CHANNELS
+
+
+def check(p: Problem, config: Conv2dConfig | None) -> None:
+    """Declines what the matmul kernel declines for the forward's GEMM (Blackwell, float64,
+    HIGHEST) and integer data, the depthwise path alike (its FMAs keep the GEMM path's
+    contract); rejects a config that is not a valid tiling of the GEMM (the depthwise path
+    takes none)."""
+    require_floating(x=p.x_dtype, w=p.w_dtype)
+    if config is not None and (config.block_k, config.block_rows, config.num_warps) != (
+            None, None, None):
+        raise ValueError(f"Mosaic GPU conv2d takes block_m, block_n and num_stages (its K slice "
+                         f"is TMA's swizzle span), got {config}")
+    matmul_config.check(forward_problem(p), forward_config(config))

@@ -1,0 +1,97 @@
+"""conv2d's forward (and, run on the output gradient, its input gradient) and weight gradient
+on the Mosaic GPU matmul kernel with shifted rows (the package's docstring has the loop nests).
+
+Block schedules
+---------------
+Both passes are launches of `kernels.matmul.mosaic_gpu` (persistent, warp-specialized: a TMA
+producer warpgroup and two wgmma consumers; its docstring has the CTA's schedule) on the tap
+rows of the input (`config.TapRows`, one XLA copy of KW times the input):
+  - forward: one batch per group; the CTA tile is block_m output-grid rows x block_n output
+    channels; K step k = (tap row kh, block_k of the KW·C/G row) loads the (block_m, block_k)
+    tile of the tap rows shifted by `shift(kh)` and the (block_n, block_k) weight tile, and the
+    epilogue (bias per group, activation; z where saved) is fused. One K split.
+  - weight gradient: one batch per (group, tap row kh): the (width, O/G) product of the tap rows
+    shifted by `shift(kh)`, transposed, with the output gradient on the same grid (zeros past
+    OH and OW), over the grid's pixels, split along them where the tiles leave SMs idle
+    (float32 partials that XLA sums).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from kernels._pallas import pl
+from kernels._pallas.mosaic_gpu import pad_to
+from kernels.conv2d.common import Conv2dConfig, Problem, flops_and_bytes
+from kernels.conv2d.mosaic_gpu import depthwise
+from kernels.conv2d.mosaic_gpu.config import (forward_config, forward_problem, is_depthwise,
+                                              shifted_weight_grad, summed_depthwise, tap_rows,
+                                              tap_rows_matrix, weight_grad_problem)
+from kernels.matmul.common import make_problem as matmul_problem
+from kernels.matmul.mosaic_gpu.config import plan_of
+from kernels.matmul.mosaic_gpu.forward import Shifts, launch, matmul
+
+__all__ = ["conv", "weight_grad"]
+
+
+def conv(x: jax.Array, w: jax.Array, bias: jax.Array | None, p: Problem, *,
+         config: Conv2dConfig | None, precision,
+         interpret: bool | str) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """The convolution of a problem that `check` accepted, with `p.epilogue`: (N, OH, OW, O)
+    in p.out_dtype, and the pre-activation beside it where the epilogue saves it."""
+    del precision  # `p.highest`: declined by `check`
+    if is_depthwise(p):
+        return depthwise.conv(x, w, bias, p, interpret=interpret)
+    if summed_depthwise(p):
+        return depthwise.summed_conv(x, w, bias, p, interpret=interpret)
+    layout, gemm = tap_rows(p), forward_problem(p)
+    plan = plan_of(gemm, forward_config(config))
+    rows = pl.cdiv(gemm.m, plan.block_m) * plan.block_m  # the last tile's, whole
+    a = tap_rows_matrix(x, p, layout, rows + layout.max_shift, gemm.a_dtype)
+    b = w.reshape(p.kh, p.kw * p.cg, p.groups, p.og).transpose(2, 3, 0, 1)
+    b = pad_to(b.astype(gemm.b_dtype), gemm.n, p.kh, layout.width).reshape(
+        p.groups, gemm.n, gemm.k)
+    shifts = Shifts(layout.shift, layout.max_shift, per_step=True,
+                    steps_per_shift=layout.width // plan.block_k)
+    outs = launch(a, b, None if bias is None else bias.reshape(p.groups, p.og), None, gemm,
+                  plan, flops_and_bytes(p)[0], interpret, shifts, name="conv2d")
+
+    def to_nhwc(out):
+        out = out.reshape(p.groups, p.n, layout.rows, layout.cols, gemm.n)
+        out = out[:, :, :p.oh, :p.ow, :p.og].transpose(1, 2, 3, 0, 4)
+        return out.reshape(p.n, p.oh, p.ow, p.o)
+
+    return jax.tree.map(to_nhwc, outs)
+
+
+def weight_grad(x: jax.Array, dy: jax.Array, p: Problem, *, precision, interpret: bool | str,
+                dtype) -> jax.Array:
+    """dW (KH, KW, C/G, O) in `dtype` of the convolution `p` for its output gradient dy."""
+    if is_depthwise(p):
+        return depthwise.weight_grad(x, dy, p, interpret=interpret, dtype=dtype)
+    layout, gemm = tap_rows(p), weight_grad_problem(p, dy.dtype, dtype)
+    dy = dy.reshape(p.n, p.oh, p.ow, p.groups, p.og)
+    dy = jnp.pad(dy, ((0, 0), (0, layout.rows - p.oh), (0, layout.cols - p.ow), (0, 0), (0, 0)))
+    dy = dy.transpose(3, 0, 1, 2, 4).reshape(p.groups, layout.phase_rows, p.og)
+    flops = flops_and_bytes(p)[0]
+    if shifted_weight_grad(p, dy.dtype):
+        plan = plan_of(gemm, None)
+        pixels = plan.splits * plan.k_blocks_per_split(gemm) * plan.block_k
+        a = tap_rows_matrix(x, p, layout, pixels + layout.max_shift, gemm.a_dtype)
+        b = pad_to(dy.astype(gemm.b_dtype), gemm.k, gemm.n)
+        shifts = Shifts(lambda batch: layout.shift(batch % p.kh), layout.max_shift,
+                        per_step=False)
+        dw = launch(a, b, None, None, gemm, plan, flops, interpret, shifts,
+                    name="conv2d_weight_grad")
+    else:  # TF32: each tap row's windows copied by XLA, then K-major by the matmul
+        a = tap_rows_matrix(x, p, layout, layout.phase_rows + layout.max_shift, x.dtype)
+        windows = jnp.stack([lax.slice_in_dim(a, shift, shift + layout.phase_rows, axis=1)
+                             for shift in map(layout.shift, range(p.kh))], axis=1)
+        dy = dy[:, None]
+        dw = matmul(windows, dy, None, None, matmul_problem(windows, dy, True, False, dtype),
+                    config=None, precision=precision, interpret=interpret)
+    dw = dw.reshape(p.groups, p.kh, layout.width, -1)[:, :, :p.kw * p.cg, :p.og]
+    dw = dw.reshape(p.groups, p.kh, p.kw, p.cg, p.og).transpose(1, 2, 3, 0, 4)
+    return dw.reshape(p.kh, p.kw, p.cg, p.o).astype(dtype)
