@@ -23,6 +23,11 @@ __all__ = ["TapRows", "tap_rows", "tap_rows_matrix", "is_depthwise", "summed_dep
            "weight_grad_problem", "shifted_weight_grad", "check", "resolve_config"]
 
 
+# The tap rows are padded to whole blocks of this many rows: the matmul's largest tile
+# (`CONSUMERS` x 128) and a multiple of its K step.
+ROW_BLOCK = 256
+
+
 class TapRows(NamedTuple):
     """The input as a matrix whose row shifts are the kernel's taps along H.
 
@@ -58,6 +63,15 @@ class TapRows(NamedTuple):
     def max_shift(self) -> int:
         return max(self.shift(kh) for kh in range(self.kh))
 
+    @property
+    def num_rows(self) -> int:
+        """Rows of the matrix: the stride phases, then zeros to a whole `ROW_BLOCK` and the
+        largest shift, so that every window either pass reads lies in it (the forward's last
+        tile of up to `ROW_BLOCK` rows, the weight gradient's pixels padded to its K steps).
+        One count for both passes: XLA computes the forward's and the weight gradient's
+        matrix of the same input once."""
+        return _round_up(self.stride * self.phase_rows, ROW_BLOCK) + self.max_shift
+
 
 def tap_rows(p: Problem) -> TapRows:
     g = p.geometry
@@ -67,10 +81,9 @@ def tap_rows(p: Problem) -> TapRows:
                    g.stride[0])
 
 
-def tap_rows_matrix(x: jax.Array, p: Problem, layout: TapRows, num_rows: int,
-                    dtype) -> jax.Array:
-    """(G, rows, width): the input laid out as `layout` says (one fused XLA copy: padding,
-    the KW column windows, the stride phases, the groups), then zero rows to `num_rows`."""
+def tap_rows_matrix(x: jax.Array, p: Problem, layout: TapRows, dtype) -> jax.Array:
+    """(G, `layout.num_rows`, width): the input laid out as `layout` says (XLA's copy:
+    padding, the KW column windows, the stride phases, the groups), then zero rows."""
     g = p.geometry
     (stride_h, stride_w), dilation_w = g.stride, g.rhs_dilation[1]
     (top, _), (left, _) = g.padding
@@ -84,7 +97,7 @@ def tap_rows_matrix(x: jax.Array, p: Problem, layout: TapRows, num_rows: int,
     x = x.reshape(p.n, layout.rows, stride_h, layout.cols, p.kw, p.groups, p.cg)
     x = x.transpose(5, 2, 0, 1, 3, 4, 6).reshape(p.groups, stride_h * layout.phase_rows,
                                                   p.kw * p.cg)
-    return pad_to(x.astype(dtype), max(num_rows, x.shape[1]), layout.width)
+    return pad_to(x.astype(dtype), layout.num_rows, layout.width)
 
 
 def _round_up(size: int, step: int) -> int:

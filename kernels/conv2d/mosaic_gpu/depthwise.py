@@ -78,9 +78,9 @@ def _layout_problem(p: Problem) -> Problem:
 def _windows(x: jax.Array, p: Problem, plan: Plan, num_rows: int) -> jax.Array:
     """(rows, KW, C padded): the tap rows with each tap column's channels apart."""
     whole = _layout_problem(p)
-    a = tap_rows_matrix(x, whole, tap_rows(whole), num_rows, x.dtype)[0]
+    a = tap_rows_matrix(x, whole, tap_rows(whole), x.dtype)[0]
     a = a[:, :p.kw * p.c].reshape(a.shape[0], p.kw, p.c)
-    return jnp.pad(a, ((0, 0), (0, 0), (0, plan.channels - p.c)))
+    return jnp.pad(a, ((0, max(0, num_rows - a.shape[0])), (0, 0), (0, plan.channels - p.c)))
 
 
 UNTILED = (plgpu.TilingTransform((1,)),)  # dense rows in shared memory: no wgmma reads them

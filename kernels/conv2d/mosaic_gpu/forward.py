@@ -48,8 +48,10 @@ def conv(x: jax.Array, w: jax.Array, bias: jax.Array | None, p: Problem, *,
         return depthwise.summed_conv(x, w, bias, p, interpret=interpret)
     layout, gemm = tap_rows(p), forward_problem(p)
     plan = plan_of(gemm, forward_config(config))
-    rows = pl.cdiv(gemm.m, plan.block_m) * plan.block_m  # the last tile's, whole
-    a = tap_rows_matrix(x, p, layout, rows + layout.max_shift, gemm.a_dtype)
+    a = tap_rows_matrix(x, p, layout, gemm.a_dtype)
+    # A config's tile of more than `ROW_BLOCK` rows reads past them: its last window whole.
+    last_window = pl.cdiv(gemm.m, plan.block_m) * plan.block_m + layout.max_shift
+    a = pad_to(a, max(a.shape[1], last_window), layout.width)
     b = w.reshape(p.kh, p.kw * p.cg, p.groups, p.og).transpose(2, 3, 0, 1)
     b = pad_to(b.astype(gemm.b_dtype), gemm.n, p.kh, layout.width).reshape(
         p.groups, gemm.n, gemm.k)
@@ -78,15 +80,14 @@ def weight_grad(x: jax.Array, dy: jax.Array, p: Problem, *, precision, interpret
     flops = flops_and_bytes(p)[0]
     if shifted_weight_grad(p, dy.dtype):
         plan = plan_of(gemm, None)
-        pixels = plan.splits * plan.k_blocks_per_split(gemm) * plan.block_k
-        a = tap_rows_matrix(x, p, layout, pixels + layout.max_shift, gemm.a_dtype)
+        a = tap_rows_matrix(x, p, layout, gemm.a_dtype)
         b = pad_to(dy.astype(gemm.b_dtype), gemm.k, gemm.n)
         shifts = Shifts(lambda batch: layout.shift(batch % p.kh), layout.max_shift,
                         per_step=False)
         dw = launch(a, b, None, None, gemm, plan, flops, interpret, shifts,
                     name="conv2d_weight_grad")
     else:  # TF32: each tap row's windows copied by XLA, then K-major by the matmul
-        a = tap_rows_matrix(x, p, layout, layout.phase_rows + layout.max_shift, x.dtype)
+        a = tap_rows_matrix(x, p, layout, x.dtype)
         windows = jnp.stack([lax.slice_in_dim(a, shift, shift + layout.phase_rows, axis=1)
                              for shift in map(layout.shift, range(p.kh))], axis=1)
         dy = dy[:, None]
