@@ -123,6 +123,25 @@ def test_depthwise_plan(channels, multiplier, splits):
     assert plan.splits * 9 * plan.channel_blocks * multiplier >= 2 * 132
 
 
+def test_depthwise_row_blocks_are_on_the_uncapped_grid_axis():
+    """CUDA caps a grid's y and z at 65,535 CTAs, and Mosaic GPU maps a grid's axes onto z, y,
+    x: the depthwise kernels put their row blocks last (x), so a batch of 512 at 112x112 (over
+    100,000 row blocks) launches; the multiplier and channel blocks are the capped axes."""
+    from kernels.compile.launches import grid_of
+
+    x = jnp.ones((512, 112, 112, 32), jnp.bfloat16)
+    w = jnp.ones((3, 3, 1, 32), jnp.bfloat16)
+
+    def layer(x, w):
+        return conv2d(x, w, feature_group_count=32, implementation="mosaic_gpu",
+                      interpret=False)
+
+    step = jax.grad(lambda x, w: jnp.sum(layer(x, w).astype(jnp.float32)), argnums=(0, 1))
+    grids = [grid_of(eqn) for eqn in _launches(step, x, w)]
+    assert grids[0][2] > 65535 and len(grids) == 3, grids  # forward, dX, dW
+    assert all(max(grid[:2]) <= 65535 for grid in grids), grids
+
+
 def test_depthwise_with_a_channel_multiplier_and_an_epilogue():
     """Output channel c·M + j reads input channel c: 40 channels (two blocks of 32, the second
     ragged), multiplier 2, a 3x2 kernel at stride (2, 1), bias and gelu: every gradient

@@ -28,15 +28,18 @@ from reference.conv2d import Geometry, output_size
 class Conv2dConfig:
     """Block sizes of the forward conv2d kernels; `None` fields are picked from the shapes.
 
-    block_m: Triton: output pixels (rows of the implicit GEMM) per program.
+    block_m: Triton: output pixels (rows of the implicit GEMM) per program; Mosaic GPU: output
+        grid rows per CTA tile, a multiple of 128 (its two consumer warpgroups' 64s).
     block_n: output channels per program (Triton, a power of 2) or grid step (Mosaic: all the
         group's output channels, or a multiple of 128 that divides them; on the depthwise path
-        input channels, the channel multiplier being a grid axis).
+        input channels, the channel multiplier being a grid axis; Mosaic GPU: per CTA tile, a
+        multiple of 8 up to 64 or of 64).
     block_k: Triton: slice of the KH·KW·C_in reduction loaded per loop step.
     block_rows: Mosaic: output rows per grid step (the input tile is these rows plus the
         kernel's halo).
-    num_warps, num_stages: Triton compiler params.
-    The backward kernels pick their own blocks.
+    num_warps, num_stages: Triton compiler params; Mosaic GPU takes num_stages (its TMA ring)
+        and rejects block_k (TMA's swizzle span), block_rows and num_warps.
+    The backward kernels pick their own blocks; Mosaic GPU's depthwise kernels too.
     """
 
     block_m: int | None = None

@@ -20,7 +20,7 @@ from kernels.matmul.mosaic_gpu import config as matmul_config
 
 __all__ = ["TapRows", "tap_rows", "tap_rows_matrix", "is_depthwise", "summed_depthwise",
            "forward_problem", "forward_config",
-           "weight_grad_problem", "shifted_weight_grad", "check", "resolve_config"]
+           "weight_grad_problem", "check", "resolve_config"]
 
 
 # The tap rows are padded to whole blocks of this many rows: the matmul's largest tile
@@ -45,9 +45,9 @@ class TapRows(NamedTuple):
     cols: int
     images: int
     width: int
-    kh: int
-    dilation: int
-    stride: int
+    num_tap_rows: int  # KH
+    dilation: int  # along H
+    stride: int  # along H
 
     @property
     def phase_rows(self) -> int:
@@ -61,19 +61,21 @@ class TapRows(NamedTuple):
 
     @property
     def max_shift(self) -> int:
-        return max(self.shift(kh) for kh in range(self.kh))
+        """The last tap row's shift: rows every window reads beyond its output rows."""
+        return max(self.shift(kh) for kh in range(self.num_tap_rows))
 
     @property
     def num_rows(self) -> int:
         """Rows of the matrix: the stride phases, then zeros to a whole `ROW_BLOCK` and the
-        largest shift, so that every window either pass reads lies in it (the forward's last
-        tile of up to `ROW_BLOCK` rows, the weight gradient's pixels padded to its K steps).
-        One count for both passes: XLA computes the forward's and the weight gradient's
-        matrix of the same input once."""
+        largest shift. The forward's windows (tiles of up to `ROW_BLOCK` rows) lie in it; the
+        weight gradient's last pixel split may read past it, where TMA reads zeros and dY is
+        zero anyway. One count for both passes: XLA computes the forward's and the weight
+        gradient's matrix of the same input once."""
         return _round_up(self.stride * self.phase_rows, ROW_BLOCK) + self.max_shift
 
 
 def tap_rows(p: Problem) -> TapRows:
+    """The layout of `p`'s input (per group), for its output grid of OW rounded up to 8."""
     g = p.geometry
     rows = p.oh + (p.kh - 1) * g.rhs_dilation[0] // g.stride[0]
     return TapRows(rows, _round_up(p.ow, matmul_config.TMA_ROWS), p.n,
@@ -126,25 +128,19 @@ def forward_config(config: Conv2dConfig | None) -> MatmulConfig:
 def weight_grad_problem(p: Problem, dy_dtype, dw_dtype) -> MatmulProblem:
     """The weight gradient as the matmul kernel's problem, one batch per (group, tap row):
     dW[g, kh] (width, O/G) = A[g, kh]ᵀ @ dY[g] over the output grid's pixels, A[g, kh] the tap
-    rows shifted by tap row kh (stored (pixels, width): transposed)."""
+    rows shifted by tap row kh (stored (pixels, width): transposed). Where the kernel keeps A
+    transposed (16-bit operands) it reads the tap rows shifted; TF32 takes K-major tiles only,
+    so float32 (`transpose_a` False) gets each tap row's windows copied by XLA instead."""
     layout = tap_rows(p)
     return matmul_config.kernel_problem(MatmulProblem(
         (p.groups, 1), (p.groups, 1), (p.groups, p.kh), layout.width, p.og, layout.phase_rows,
         True, False, p.x_dtype, dy_dtype, dw_dtype, highest=p.highest))
 
 
-def shifted_weight_grad(p: Problem, dy_dtype) -> bool:
-    """Whether the weight gradient reads the tap rows shifted in the kernel: where the kernel
-    takes A transposed (16-bit operands: pixels along K are rows of both). TF32 takes K-major
-    tiles only, so float32 gets each tap row's windows copied pixel-major by XLA instead."""
-    return weight_grad_problem(p, dy_dtype, dy_dtype).transpose_a
-
-
 def resolve_config(p: Problem, config: Conv2dConfig | None) -> Conv2dConfig:
     """The forward's tiles as the matmul kernel resolves them for `forward_problem`."""
     resolved = matmul_config.resolve_config(forward_problem(p), forward_config(config))
-    return Conv2dConfig(resolved.block_m, resolved.block_n, resolved.block_k, None, None,
-                        resolved.num_stages)
+    return Conv2dConfig(resolved.block_m, resolved.block_n, num_stages=resolved.num_stages)
 
 
 # Input channels a group below which a grouped convolution of one output channel a group runs

@@ -6,15 +6,15 @@ Block schedules
 The input is laid out as `config.TapRows` of the whole convolution (one group of all C
 channels), as (rows, KW, C) with C padded to whole channel blocks; output channel o = c·M + j
 of channel multiplier M reads input channel c.
-Forward (`conv`): grid = (row blocks, channel blocks, M), one warpgroup per CTA. CTA (i, c, j)
-owns `BLOCK_ROWS` output-grid rows x `block_channels` channels of multiplier j: a TMA
+Forward (`conv`): grid = (M, channel blocks, row blocks), one warpgroup per CTA (the row
+blocks on CUDA's x axis, `_grid`). CTA (j, c, i) owns `BLOCK_ROWS` output-grid rows x `block_channels` channels of multiplier j: a TMA
 pipeline of `STAGES` slots walks the KH·KW taps, each step loading the (rows, channels)
 window of tap (kh, kw) (its rows shifted by `shift(kh)`, column block kw) and FMA-ing it with
 the tap's weights (a plain load of `block_channels` values) into a float32 accumulator in
 registers. The epilogue (bias, activation; z where saved) runs on the accumulator, which is
 stored through shared memory by TMA to a (M, rows, C) output that XLA interleaves.
-Weight gradient (`weight_grad`): grid = (pixel splits x taps, channel blocks, M). CTA
-(s·T + t, c, j) walks the pixel blocks of split s, loading the window of tap t and the
+Weight gradient (`weight_grad`): grid = (M, channel blocks, pixel splits x taps). CTA
+(j, c, s·T + t) walks the pixel blocks of split s, loading the window of tap t and the
 output gradient's block by TMA, and accumulates their products; it then sums the rows
 (float32 partials (splits, T, M, C) that XLA adds). Each tap re-reads dY (from L2 where the
 split's range fits): the kernel moves about 2·KH·KW times the arrays' bytes.
@@ -147,8 +147,11 @@ def _by_multiplier(a: jax.Array, p: Problem, plan: Plan) -> jax.Array:
 
 
 def _grid(p: Problem, plan: Plan, rows: int) -> dict:
-    return dict(grid=(rows, plan.channel_blocks, p.og),
-                grid_names=("rows", "channels", "multiplier"))
+    """(multiplier, channel blocks, `rows`). Mosaic GPU puts a grid's axes on CUDA's z, y and
+    x in that order, and z and y take at most 65,535 CTAs: the long axis, the rows (6,384 at
+    32x112x112 and 3x3; a batch of 512 would be past the cap), goes last, on x."""
+    return dict(grid=(p.og, plan.channel_blocks, rows),
+                grid_names=("multiplier", "channels", "rows"))
 
 
 def conv(x: jax.Array, w: jax.Array, bias: jax.Array | None, p: Problem, *,

@@ -27,8 +27,8 @@ from kernels._pallas.mosaic_gpu import pad_to
 from kernels.conv2d.common import Conv2dConfig, Problem, flops_and_bytes
 from kernels.conv2d.mosaic_gpu import depthwise
 from kernels.conv2d.mosaic_gpu.config import (forward_config, forward_problem, is_depthwise,
-                                              shifted_weight_grad, summed_depthwise, tap_rows,
-                                              tap_rows_matrix, weight_grad_problem)
+                                              summed_depthwise, tap_rows, tap_rows_matrix,
+                                              weight_grad_problem)
 from kernels.matmul.common import make_problem as matmul_problem
 from kernels.matmul.mosaic_gpu.config import plan_of
 from kernels.matmul.mosaic_gpu.forward import Shifts, launch, matmul
@@ -55,6 +55,8 @@ def conv(x: jax.Array, w: jax.Array, bias: jax.Array | None, p: Problem, *,
     b = w.reshape(p.kh, p.kw * p.cg, p.groups, p.og).transpose(2, 3, 0, 1)
     b = pad_to(b.astype(gemm.b_dtype), gemm.n, p.kh, layout.width).reshape(
         p.groups, gemm.n, gemm.k)
+    if layout.width % plan.block_k or plan.splits != 1:
+        raise AssertionError(f"tap rows of {layout.width} in K steps of {plan}")
     shifts = Shifts(layout.shift, layout.max_shift, per_step=True,
                     steps_per_shift=layout.width // plan.block_k)
     outs = launch(a, b, None if bias is None else bias.reshape(p.groups, p.og), None, gemm,
@@ -78,7 +80,7 @@ def weight_grad(x: jax.Array, dy: jax.Array, p: Problem, *, precision, interpret
     dy = jnp.pad(dy, ((0, 0), (0, layout.rows - p.oh), (0, layout.cols - p.ow), (0, 0), (0, 0)))
     dy = dy.transpose(3, 0, 1, 2, 4).reshape(p.groups, layout.phase_rows, p.og)
     flops = flops_and_bytes(p)[0]
-    if shifted_weight_grad(p, dy.dtype):
+    if gemm.transpose_a:  # 16-bit: the tap rows read shifted, transposed
         plan = plan_of(gemm, None)
         a = tap_rows_matrix(x, p, layout, gemm.a_dtype)
         b = pad_to(dy.astype(gemm.b_dtype), gemm.k, gemm.n)

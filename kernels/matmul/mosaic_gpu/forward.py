@@ -59,7 +59,12 @@ class Shifts(NamedTuple):
     of its output tile shifted by `shift(k // steps_per_shift)`, its columns block
     k % steps_per_shift of the view) or per output batch (the weight gradient: batch b's A is
     the matrix starting `shift(b)` rows down). `max_shift`: the largest, which the caller's
-    array holds past the last tile."""
+    array holds past the last tile.
+
+    Rows past M (the forward) or K (the weight gradient) are then the matrix's next rows, not
+    TMA's zeros: the caller cuts the output rows past M off, and its B is zero past K (so an
+    Inf or NaN in those rows of A would make NaN there). Per-step shifts take one K split and
+    A as stored (M, K)."""
 
     shift: Callable[[jax.Array], jax.Array]
     max_shift: int
@@ -130,6 +135,8 @@ def _kernel(*refs, p: Problem, plan: Plan, shifts: Shifts | None):
     b_block = (block_n, block_k) if p.transpose_b else (block_k, block_n)
 
     if shifts is not None and shifts.per_step:
+        if plan.splits != 1 or p.transpose_a:
+            raise AssertionError("per-step shifts take one K split of A as stored (M, K)")
         a_spec = _shifted_spec(a_block, shifts, a_gmem.dtype)
     else:
         a_spec = _operand_spec(a_block, 0 if p.transpose_a else 1, a_gmem.dtype)
@@ -249,7 +256,7 @@ def launch(a: jax.Array, b: jax.Array, bias: jax.Array | None, residual: jax.Arr
     """The kernel on operands laid out as `kernel_problem(p)` takes them (`p` is that problem):
     (num_batches, M, N) outputs, the epilogue applied (by XLA after the partials' sum where
     `plan` splits K). `bias` is (N,), or (num_batches, N) where each batch has its own
-    (unsplit plans)."""
+    (unsplit plans); at most N columns, zero-padded to whole tiles."""
     if interpret and jax.config.jax_enable_x64:
         raise NotImplementedError(
             "Mosaic GPU's interpreter (jax 0.12.0.1) fails MLIR verification on a "
