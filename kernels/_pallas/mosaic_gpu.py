@@ -32,6 +32,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from kernels import _targets
 
 __all__ = ["WARPS", "LANES", "PIECE", "TMA_ALIGNMENT", "TMA_SMEM_ALIGNMENT", "RESERVED_SMEM",
+           "UNTILED",
            "smem_budget", "aligned_columns", "stored_shape", "pad_to", "mosaic_gpu_call",
            "row_layout", "load", "store", "per_row", "per_column", "smem", "piece_columns",
            "StagedRows", "RowWriter"]
@@ -136,12 +137,16 @@ def per_column(value: jax.Array, shape: tuple[int, int]) -> jax.Array:
     return jax.lax.broadcast_in_dim(value, shape, (1,))
 
 
+# Shared-memory tiles of dense row-major rows: untiled, so their TMA copies take a GMEM row of
+# any multiple of 16 bytes (Mosaic GPU's layout inference would otherwise tile them in 128-byte
+# columns where a block has several rows, and demand rows of such multiples). For buffers no
+# wgmma reads.
+UNTILED = (plgpu.TilingTransform((1,)),)
+
+
 def smem(shape: tuple[int, ...], dtype: Any) -> Any:
-    """A shared-memory scratch buffer of dense row-major tiles: untiled, so its TMA copies take
-    a GMEM row of any multiple of 16 bytes (Mosaic GPU's layout inference would otherwise
-    tile it in 128-byte columns where a block has several rows, and demand rows of such
-    multiples)."""
-    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((1,)),))
+    """A shared-memory scratch buffer of dense row-major tiles (`UNTILED`)."""
+    return plgpu.SMEM(shape, dtype, transforms=UNTILED)
 
 
 def piece_columns(piece: jax.Array, width: int = PIECE) -> Any:

@@ -7,7 +7,8 @@ The input is laid out as `config.TapRows` of the whole convolution (one group of
 channels), as (rows, KW, C) with C padded to whole channel blocks; output channel o = c·M + j
 of channel multiplier M reads input channel c.
 Forward (`conv`): grid = (M, channel blocks, row blocks), one warpgroup per CTA (the row
-blocks on CUDA's x axis, `_grid`). CTA (j, c, i) owns `BLOCK_ROWS` output-grid rows x `block_channels` channels of multiplier j: a TMA
+blocks on CUDA's x axis, `_grid`). CTA (j, c, i) owns `BLOCK_ROWS` output-grid rows x
+`block_channels` channels of multiplier j: a TMA
 pipeline of `STAGES` slots walks the KH·KW taps, each step loading the (rows, channels)
 window of tap (kh, kw) (its rows shifted by `shift(kh)`, column block kw) and FMA-ing it with
 the tap's weights (a plain load of `block_channels` values) into a float32 accumulator in
@@ -33,8 +34,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from kernels import _epilogue, _targets
 from kernels._blocks import next_power_of_2
 from kernels._pallas import pl
-from kernels._pallas.mosaic_gpu import (load, mosaic_gpu_call, per_column, row_layout, smem,
-                                        store)
+from kernels._pallas.mosaic_gpu import (UNTILED, load, mosaic_gpu_call, per_column, row_layout,
+                                        smem, store)
 from kernels.conv2d.common import Problem, flops_and_bytes
 from kernels.conv2d.mosaic_gpu.config import TapRows, tap_rows, tap_rows_matrix
 
@@ -81,9 +82,6 @@ def _windows(x: jax.Array, p: Problem, plan: Plan, num_rows: int) -> jax.Array:
     a = tap_rows_matrix(x, whole, tap_rows(whole), x.dtype)[0]
     a = a[:, :p.kw * p.c].reshape(a.shape[0], p.kw, p.c)
     return jnp.pad(a, ((0, max(0, num_rows - a.shape[0])), (0, 0), (0, plan.channels - p.c)))
-
-
-UNTILED = (plgpu.TilingTransform((1,)),)  # dense rows in shared memory: no wgmma reads them
 
 
 def _tap_spec(layout: TapRows, p: Problem, plan: Plan) -> plgpu.BlockSpec:
