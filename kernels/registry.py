@@ -109,8 +109,8 @@ _ENTRIES = (
         call_marker=MOSAIC_CALL_MARKER, compile_backend="libtpu",
         auto_axes=False, supports_float64=False),
     # Pallas' Mosaic GPU backend, the GPU backend JAX keeps (Triton's is deprecated): sm_90a
-    # and sm_100a only, cuda only. Work in progress: normalize's, gather's and matmul's (Hopper)
-    # kernels so far, which have run on an H100 (docs/design.md, section 6).
+    # and sm_100a only, cuda only. normalize's, gather's and matmul's Hopper kernels have run on
+    # an H100 (docs/design.md, section 6); conv2d's and the Blackwell matmul's are compiled only.
     # Its interpreter is no fast interpreter: a 256x1024 layer norm took 250-280 ms there against
     # XLA's 0.1-0.3 ms (900-2000x), a gather of 64 rows of 128 from 1000 about 100 ms forward and
     # 1.4 s backward against XLA's 0.01 and 0.05 ms (`python -m bench --interpret strict`, this

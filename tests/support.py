@@ -58,7 +58,8 @@ FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 DOT_FLOAT32_EPS = {"gpu": 2.0 ** -10, "tpu": 2.0 ** -7}
 
 
-def tolerance(dtype: Any, reduction_length: int = 1, dot: bool = False) -> dict[str, float]:
+def tolerance(dtype: Any, reduction_length: int = 1, dot: bool = False,
+              platform: str | None = None) -> dict[str, float]:
     """The one tolerance rule, for a result in `dtype` against float64 ground truth.
 
     Relative: a few roundings of `dtype` (the output's own rounding). Absolute: the rounding of
@@ -70,21 +71,23 @@ def tolerance(dtype: Any, reduction_length: int = 1, dot: bool = False) -> dict[
     jax's default precision rounds float32 operands before they are multiplied, in XLA's own
     dots and in the kernels alike: to TF32 on a GPU, to bfloat16 on a TPU
     (`DOT_FLOAT32_EPS`), so float32 gets that unit in both terms. On a CPU (and in the
-    interpreters) float32 dots are exact float32: the rule is unchanged there.
+    interpreters) float32 dots are exact float32: the rule is unchanged there. `platform`:
+    the platform whose dots are compared where it is not this process's (an interpreted
+    kernel that rounds float32 operands as its device does).
     """
     eps = float(jnp.finfo(dtype).eps)
     accumulator = jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
     accumulator_eps = float(jnp.finfo(accumulator).eps)
     if dot and jnp.dtype(dtype) == jnp.float32:
-        eps = accumulator_eps = DOT_FLOAT32_EPS.get(jax.default_backend(), eps)
+        eps = accumulator_eps = DOT_FLOAT32_EPS.get(platform or jax.default_backend(), eps)
     return {"rtol": 4 * eps, "atol": 4 * accumulator_eps * max(1, reduction_length)}
 
 
 def assert_close(actual: jax.Array, expected: Any, dtype: Any, reduction_length: int = 1,
-                 dot: bool = False) -> None:
+                 dot: bool = False, platform: str | None = None) -> None:
     """`actual` (computed in `dtype`) equals float64 `expected` within `tolerance`."""
     chex.assert_trees_all_close(np.asarray(actual, np.float64), np.asarray(expected, np.float64),
-                                **tolerance(dtype, reduction_length, dot))
+                                **tolerance(dtype, reduction_length, dot, platform))
 
 
 def weighted_sum(y: jax.Array) -> jax.Array:

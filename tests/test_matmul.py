@@ -479,35 +479,41 @@ def test_precision_high_compiles_for_tpu(precision):
 
 
 @needs("mosaic_gpu")
-@pytest.mark.parametrize("shape,dtype,tile,stages,splits", [
-    ((4096, 4096, 4096), jnp.bfloat16, (256, 128), 4, 1),
-    ((8192, 1024, 4096), jnp.float32, (256, 128), 3, 1),
-    ((1024, 1024, 1024), jnp.bfloat16, (128, 64), 4, 1),
-    ((16, 4096, 4096), jnp.bfloat16, (128, 64), 4, 2)],
-    ids=["square", "float32", "small", "decode"])
-def test_mosaic_gpu_plan_on_an_h100(shape, dtype, tile, stages, splits):
-    """Design, no device: the Mosaic GPU kernel's persistent grid has at most one CTA per SM of
-    an H100 (132), every one busy where there are tiles enough; its TMA ring is as deep as
-    shared memory holds beside the epilogue's buffers (JAX's Hopper matmul's 4 stages at
-    256x128x64 bfloat16); a product whose 256x128 tiles would leave SMs idle takes smaller
-    tiles first (1024^3: 128 of 128x64, no split), and a decode product (one row of output
-    tiles) then splits K into one round of work items."""
+@pytest.mark.parametrize("target,shape,dtype,tile,stages,splits", [
+    ("sm_90", (4096, 4096, 4096), jnp.bfloat16, (256, 128), 4, 1),
+    ("sm_90", (8192, 1024, 4096), jnp.float32, (256, 128), 3, 1),
+    ("sm_90", (1024, 1024, 1024), jnp.bfloat16, (128, 64), 4, 1),
+    ("sm_90", (16, 4096, 4096), jnp.bfloat16, (128, 64), 4, 2),
+    ("sm_100", (4096, 4096, 4096), jnp.bfloat16, (128, 256), 4, 1),
+    ("sm_100", (1024, 1024, 1024), jnp.bfloat16, (128, 64), 4, 1),
+    ("sm_100", (16, 4096, 4096), jnp.bfloat16, (128, 64), 4, 2)],
+    ids=["square", "float32", "small", "decode", "b200-square", "b200-small", "b200-decode"])
+def test_mosaic_gpu_plan(target, shape, dtype, tile, stages, splits):
+    """Design, no device: the Mosaic GPU kernel's persistent grid has at most one CTA per SM
+    (an H100's 132, a B200's 148), every one busy where there are tiles enough; its TMA ring is
+    as deep as shared memory holds beside the epilogue's buffers (JAX's Hopper matmul's 4
+    stages at 256x128x64 bfloat16); a product whose largest tiles would leave SMs idle takes
+    smaller tiles first (1024^3: 128 of 128x64, no split), and a decode product (one row of
+    output tiles) then splits K into one round of work items. On a B200 the tile is tcgen05's
+    128 rows by up to 256 columns (two accumulators fill tensor memory's 512 columns)."""
     from kernels import _targets
     from kernels._pallas import on_target
     from kernels.matmul.common import make_problem
-    from kernels.matmul.mosaic_gpu.config import epilogue_bytes, kernel_problem, plan_of
+    from kernels.matmul.mosaic_gpu.config import (TCGEN05, WGMMA, epilogue_bytes,
+                                                  kernel_problem, plan_of)
 
     m, n, k = shape
-    target = _targets.TARGETS["sm_90"]
+    target = _targets.TARGETS[target]
     p = make_problem(jax.ShapeDtypeStruct((m, k), dtype), jax.ShapeDtypeStruct((k, n), dtype),
                      False, False, dtype)
     with on_target(target):
         plan = plan_of(p, None)
     kernel = kernel_problem(p)
     assert ((plan.block_m, plan.block_n), plan.stages, plan.splits) == (tile, stages, splits), plan
+    assert plan.mma == (TCGEN05 if target.compute_capability == 100 else WGMMA)
     items = plan.tiles(kernel) * plan.splits
     assert plan.num_ctas == min(target.num_sms, items), plan
     assert splits == 1 or items <= target.num_sms, plan
     stage = (plan.block_m + plan.block_n) * plan.block_k * kernel.a_dtype.itemsize
-    assert (plan.stages * stage + epilogue_bytes(kernel, plan.block_m, plan.block_n, plan.splits)
-            <= target.shared_memory), plan
+    assert (plan.stages * stage + epilogue_bytes(kernel, plan.block_m, plan.block_n, plan.splits,
+                                                 plan.mma) <= target.shared_memory), plan

@@ -1,5 +1,5 @@
 """conv2d on the Mosaic GPU matmul kernel (`implementation="mosaic_gpu"`, jax >= 0.12, Hopper
-sm_90a): implicit GEMM by shifted TMA windows, the epilogue fused.
+sm_90a and Blackwell sm_100a): implicit GEMM by shifted TMA windows, the epilogue fused.
 
 The loop nests, per work item of the persistent matmul kernel (`kernels.matmul.mosaic_gpu`)
 and per CTA of the depthwise kernels (the layout: `config.TapRows`; the launches:
@@ -28,12 +28,14 @@ extra pixels are computed and cut off by XLA (at 56x56 with a 3x3 kernel, 3.6% m
 input gradient is this forward on the output gradient (sub-pixel phases where strided,
 `kernels.conv2d`); a 1x1 convolution runs on the matmul kernel itself.
 
-Depthwise convolutions run on their own kernels (`depthwise.py`: no product for wgmma), and so
-does a grouped one of a few input channels and one output channel a group (a depthwise
-gradient with a channel multiplier), as summed depthwise convolutions. Declined: what the
-matmul kernel declines (Blackwell, float64, float32 at HIGHEST). float32 runs as TF32; its
-weight gradient, whose pixels are K, gets each tap row's windows copied pixel-major by XLA
-(TF32 takes K-major tiles only). Nothing here has run on a device.
+Depthwise convolutions run on their own kernels (`depthwise.py`: no product for the tensor
+cores), and so does a grouped one of a few input channels and one output channel a group (a
+depthwise gradient with a channel multiplier), as summed depthwise convolutions. Declined: what
+the matmul kernel declines (float64, float32 at HIGHEST). float32 and mixed data run as TF32 on
+Hopper and as split bfloat16 on Blackwell (the parts' tap rows side by side in each tap row's
+K: `config.forward_terms`); their weight gradient, whose pixels are K, gets each tap row's
+windows copied pixel-major by XLA for the matmul (TF32 takes K-major tiles only, and the split
+parts lie along K). Nothing here has run on a device.
 """
 
 from kernels.conv2d.mosaic_gpu.config import check, resolve_config

@@ -19,8 +19,8 @@ from kernels.matmul.common import MatmulConfig, Problem as MatmulProblem
 from kernels.matmul.mosaic_gpu import config as matmul_config
 
 __all__ = ["TapRows", "tap_rows", "tap_rows_matrix", "is_depthwise", "summed_depthwise",
-           "forward_problem", "forward_config",
-           "weight_grad_problem", "check", "resolve_config"]
+           "forward_problem", "forward_terms", "forward_config", "weight_grad_problem",
+           "weight_grad_reads_shifted", "check", "resolve_config"]
 
 
 # The tap rows are padded to whole blocks of this many rows: the matmul's largest tile
@@ -106,15 +106,28 @@ def _round_up(size: int, step: int) -> int:
     return pl.cdiv(size, step) * step
 
 
+def _forward_gemm(p: Problem) -> MatmulProblem:
+    layout = tap_rows(p)
+    return MatmulProblem(
+        (p.groups,), (p.groups,), (p.groups,), layout.phase_rows, p.og, p.kh * layout.width,
+        False, True, p.x_dtype, p.w_dtype, p.out_dtype, p.epilogue, p.highest)
+
+
 def forward_problem(p: Problem) -> MatmulProblem:
     """The forward as the matmul kernel's problem (`matmul_config.kernel_problem`: 16-bit
-    operands of one dtype as they are, others as float32), one batch per group: A the tap rows
-    (output grid rows x `width`, shifted per K step), B the weights K-major (O/G padded,
-    KH·width), out (output grid rows, O/G padded)."""
-    layout = tap_rows(p)
-    return matmul_config.kernel_problem(MatmulProblem(
-        (p.groups,), (p.groups,), (p.groups,), layout.phase_rows, p.og, p.kh * layout.width,
-        False, True, p.x_dtype, p.w_dtype, p.out_dtype, p.epilogue, p.highest))
+    operands of one dtype as they are, others as float32 on Hopper and as split bfloat16 on
+    Blackwell), one batch per group: A the tap rows (output grid rows x `width` a term of
+    `forward_terms`, shifted per K step), B the weights K-major (O/G padded, KH·terms·width),
+    out (output grid rows, O/G padded)."""
+    return matmul_config.kernel_problem(_forward_gemm(p))
+
+
+def forward_terms(p: Problem) -> tuple[tuple[int, int], ...]:
+    """The (part of x, part of w) products the forward sums along each tap row's K: on
+    Blackwell, float32 and mixed data as the matmul's split bfloat16 parts
+    (`matmul_config.split_terms`), the parts' tap rows side by side in a row; else one."""
+    gemm = _forward_gemm(p)
+    return matmul_config.split_terms(gemm) if matmul_config.is_split(gemm) else ((0, 0),)
 
 
 def forward_config(config: Conv2dConfig | None) -> MatmulConfig:
@@ -125,16 +138,27 @@ def forward_config(config: Conv2dConfig | None) -> MatmulConfig:
                         split_k=1)
 
 
+def _weight_grad_gemm(p: Problem, dy_dtype, dw_dtype) -> MatmulProblem:
+    layout = tap_rows(p)
+    return MatmulProblem(
+        (p.groups, 1), (p.groups, 1), (p.groups, p.kh), layout.width, p.og, layout.phase_rows,
+        True, False, p.x_dtype, dy_dtype, dw_dtype, highest=p.highest)
+
+
 def weight_grad_problem(p: Problem, dy_dtype, dw_dtype) -> MatmulProblem:
     """The weight gradient as the matmul kernel's problem, one batch per (group, tap row):
     dW[g, kh] (width, O/G) = A[g, kh]ᵀ @ dY[g] over the output grid's pixels, A[g, kh] the tap
-    rows shifted by tap row kh (stored (pixels, width): transposed). Where the kernel keeps A
-    transposed (16-bit operands) it reads the tap rows shifted; TF32 takes K-major tiles only,
-    so float32 (`transpose_a` False) gets each tap row's windows copied by XLA instead."""
-    layout = tap_rows(p)
-    return matmul_config.kernel_problem(MatmulProblem(
-        (p.groups, 1), (p.groups, 1), (p.groups, p.kh), layout.width, p.og, layout.phase_rows,
-        True, False, p.x_dtype, dy_dtype, dw_dtype, highest=p.highest))
+    rows shifted by tap row kh (stored (pixels, width): transposed)."""
+    return matmul_config.kernel_problem(_weight_grad_gemm(p, dy_dtype, dw_dtype))
+
+
+def weight_grad_reads_shifted(p: Problem, dy_dtype, dw_dtype) -> bool:
+    """Whether the weight gradient's kernel reads the tap rows shifted, as they are (16-bit
+    operands of one dtype, which the MMA takes transposed). Else (TF32 takes K-major tiles
+    only; Blackwell's split bfloat16 parts lie along K, the pixels, which the shifts walk)
+    XLA copies each tap row's windows for the matmul (`forward.weight_grad`)."""
+    gemm = _weight_grad_gemm(p, dy_dtype, dw_dtype)
+    return matmul_config.kernel_problem(gemm).transpose_a and not matmul_config.is_split(gemm)
 
 
 def resolve_config(p: Problem, config: Conv2dConfig | None) -> Conv2dConfig:
@@ -163,13 +187,14 @@ def summed_depthwise(p: Problem) -> bool:
 
 
 def check(p: Problem, config: Conv2dConfig | None) -> None:
-    """Declines what the matmul kernel declines for the forward's GEMM (Blackwell, float64,
-    HIGHEST) and integer data, the depthwise path alike (its FMAs keep the GEMM path's
-    contract); rejects a config that is not a valid tiling of the GEMM (the depthwise path
-    takes none)."""
+    """Declines what the matmul kernel declines for the forward's GEMM (float64, HIGHEST) and
+    integer data, the depthwise path alike (its FMAs keep the GEMM path's contract); rejects a
+    config that is not a valid tiling of the GEMM (the depthwise path takes none)."""
     require_floating(x=p.x_dtype, w=p.w_dtype)
     if config is not None and (config.block_k, config.block_rows, config.num_warps) != (
             None, None, None):
         raise ValueError(f"Mosaic GPU conv2d takes block_m, block_n and num_stages (its K slice "
                          f"is TMA's swizzle span), got {config}")
-    matmul_config.check(forward_problem(p), forward_config(config))
+    # The problem as given, not as laid out (`forward_problem`): Blackwell's split parts are
+    # bfloat16, which would hide float32 at HIGHEST from the matmul's check.
+    matmul_config.check(_forward_gemm(p), forward_config(config))

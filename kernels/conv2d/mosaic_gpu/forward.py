@@ -4,8 +4,8 @@ on the Mosaic GPU matmul kernel with shifted rows (the package's docstring has t
 Block schedules
 ---------------
 Both passes are launches of `kernels.matmul.mosaic_gpu` (persistent, warp-specialized: a TMA
-producer warpgroup and two wgmma consumers; its docstring has the CTA's schedule) on the tap
-rows of the input (`config.TapRows`, one XLA copy of KW times the input):
+producer and wgmma consumers on Hopper, tcgen05 on Blackwell; its docstring has the CTA's
+schedule) on the tap rows of the input (`config.TapRows`, one XLA copy of KW times the input):
   - forward: one batch per group; the CTA tile is block_m output-grid rows x block_n output
     channels; K step k = (tap row kh, block_k of the KW·C/G row) loads the (block_m, block_k)
     tile of the tap rows shifted by `shift(kh)` and the (block_n, block_k) weight tile, and the
@@ -26,12 +26,13 @@ from kernels._pallas import pl
 from kernels._pallas.mosaic_gpu import pad_to
 from kernels.conv2d.common import Conv2dConfig, Problem, flops_and_bytes
 from kernels.conv2d.mosaic_gpu import depthwise
-from kernels.conv2d.mosaic_gpu.config import (forward_config, forward_problem, is_depthwise,
-                                              summed_depthwise, tap_rows, tap_rows_matrix,
-                                              weight_grad_problem)
+from kernels.conv2d.mosaic_gpu.config import (forward_config, forward_problem, forward_terms,
+                                              is_depthwise, summed_depthwise, tap_rows,
+                                              tap_rows_matrix, weight_grad_problem,
+                                              weight_grad_reads_shifted)
 from kernels.matmul.common import make_problem as matmul_problem
 from kernels.matmul.mosaic_gpu.config import plan_of
-from kernels.matmul.mosaic_gpu.forward import Shifts, launch, matmul
+from kernels.matmul.mosaic_gpu.forward import Shifts, launch, matmul, term_parts
 
 __all__ = ["conv", "weight_grad"]
 
@@ -46,19 +47,25 @@ def conv(x: jax.Array, w: jax.Array, bias: jax.Array | None, p: Problem, *,
         return depthwise.conv(x, w, bias, p, interpret=interpret)
     if summed_depthwise(p):
         return depthwise.summed_conv(x, w, bias, p, interpret=interpret)
-    layout, gemm = tap_rows(p), forward_problem(p)
+    layout, gemm, terms = tap_rows(p), forward_problem(p), forward_terms(p)
     plan = plan_of(gemm, forward_config(config))
-    a = tap_rows_matrix(x, p, layout, gemm.a_dtype)
+    x_terms, w_terms = term_parts(x, w, terms) if len(terms) > 1 else ([x], [w])
     # A config's tile of more than `ROW_BLOCK` rows reads past them: its last window whole.
     last_window = pl.cdiv(gemm.m, plan.block_m) * plan.block_m + layout.max_shift
-    a = pad_to(a, max(a.shape[1], last_window), layout.width)
-    b = w.reshape(p.kh, p.kw * p.cg, p.groups, p.og).transpose(2, 3, 0, 1)
-    b = pad_to(b.astype(gemm.b_dtype), gemm.n, p.kh, layout.width).reshape(
+    rows = max(layout.num_rows, last_window)
+    a = jnp.concatenate([pad_to(tap_rows_matrix(part, p, layout, gemm.a_dtype), rows,
+                                layout.width) for part in x_terms], axis=-1)
+
+    def weights(part):  # (G, O/G padded, KH, width)
+        b = part.reshape(p.kh, p.kw * p.cg, p.groups, p.og).transpose(2, 3, 0, 1)
+        return pad_to(b.astype(gemm.b_dtype), gemm.n, p.kh, layout.width)
+
+    b = jnp.stack([weights(part) for part in w_terms], axis=3).reshape(
         p.groups, gemm.n, gemm.k)
     if layout.width % plan.block_k or plan.splits != 1:
         raise AssertionError(f"tap rows of {layout.width} in K steps of {plan}")
     shifts = Shifts(layout.shift, layout.max_shift, per_step=True,
-                    steps_per_shift=layout.width // plan.block_k)
+                    steps_per_shift=len(terms) * layout.width // plan.block_k)
     outs = launch(a, b, None if bias is None else bias.reshape(p.groups, p.og), None, gemm,
                   plan, flops_and_bytes(p)[0], interpret, shifts, name="conv2d")
 
@@ -80,7 +87,7 @@ def weight_grad(x: jax.Array, dy: jax.Array, p: Problem, *, precision, interpret
     dy = jnp.pad(dy, ((0, 0), (0, layout.rows - p.oh), (0, layout.cols - p.ow), (0, 0), (0, 0)))
     dy = dy.transpose(3, 0, 1, 2, 4).reshape(p.groups, layout.phase_rows, p.og)
     flops = flops_and_bytes(p)[0]
-    if gemm.transpose_a:  # 16-bit: the tap rows read shifted, transposed
+    if weight_grad_reads_shifted(p, dy.dtype, dtype):  # 16-bit: transposed, shifted
         plan = plan_of(gemm, None)
         a = tap_rows_matrix(x, p, layout, gemm.a_dtype)
         b = pad_to(dy.astype(gemm.b_dtype), gemm.k, gemm.n)
@@ -88,7 +95,7 @@ def weight_grad(x: jax.Array, dy: jax.Array, p: Problem, *, precision, interpret
                         per_step=False)
         dw = launch(a, b, None, None, gemm, plan, flops, interpret, shifts,
                     name="conv2d_weight_grad")
-    else:  # TF32: each tap row's windows copied by XLA, then K-major by the matmul
+    else:  # each tap row's windows copied by XLA, then K-major (TF32) or split by the matmul
         a = tap_rows_matrix(x, p, layout, x.dtype)
         windows = jnp.stack([lax.slice_in_dim(a, shift, shift + layout.phase_rows, axis=1)
                              for shift in map(layout.shift, range(p.kh))], axis=1)

@@ -1,7 +1,8 @@
-"""How big the Mosaic GPU matmul kernel's tiles are (the kernel is in `forward.py` beside it):
-the plan of one launch (`plan_of`: CTA tile, K slice, pipeline stages within shared memory,
-split-K, the persistent grid) and the checks that decline a problem (`check`); the bytes a
-launch moves are `common.moved_bytes`."""
+"""How big the Mosaic GPU matmul kernels' tiles are (Hopper's in `forward.py`, Blackwell's in
+`blackwell.py`, which kernel by `mma_of`): the problem a kernel runs (`kernel_problem`:
+padding, TF32 or split bfloat16), the plan of one launch (`plan_of`: CTA tile, K slice,
+pipeline stages within shared memory, split-K, the persistent grid) and the checks that
+decline a problem (`check`); the bytes a launch moves are `common.moved_bytes`."""
 
 from __future__ import annotations
 
@@ -17,9 +18,19 @@ from kernels._pallas import pl
 from kernels.matmul.common import MatmulConfig, Problem, flops_and_bytes, num_tiles
 
 __all__ = ["Plan", "plan_of", "kernel_problem", "resolve_config", "check", "epilogue_bytes",
-           "CONSUMERS", "WG_ROWS",
+           "epilogue_columns", "mma_of", "split_terms", "is_split", "WGMMA", "TCGEN05",
+           "TCGEN05_ROWS", "TCGEN05_COLUMNS", "TCGEN05_EPILOGUE_COLUMNS", "CONSUMERS", "WG_ROWS",
            "EPILOGUE_COLUMNS", "SWIZZLE", "TMA_ROWS", "TMA_COLUMNS"]
 
+# The tensor-core instructions a plan multiplies with: Hopper's wgmma (`forward._kernel`, the
+# accumulator in the consumers' registers) or Blackwell's tcgen05 (`blackwell.kernel`, the
+# accumulator in tensor memory).
+WGMMA, TCGEN05 = "wgmma", "tcgen05"
+# Blackwell's CTA tile: tcgen05's 128 rows (one CTA's MMA; 64 would take another tensor-memory
+# layout, and rows past M cost no more bytes, as TMA zero-fills them) by up to 256 columns,
+# two accumulators of which fill tensor memory's 512 float32 columns.
+TCGEN05_ROWS = 128
+TCGEN05_COLUMNS = (64, 128, 256)
 CONSUMERS = 2  # compute warpgroups per CTA, each owning block_m / 2 rows of the CTA tile
 WG_ROWS = 64  # wgmma's M: a consumer's rows are a multiple of it
 SWIZZLE = 128  # bytes: the widest TMA swizzle; a K slice of this many bytes a row
@@ -27,6 +38,11 @@ SWIZZLE = 128  # bytes: the widest TMA swizzle; a K slice of this many bytes a r
 # of the output, of z and of the residual per consumer), so the epilogue's buffers stay small
 # beside the pipeline's stages.
 EPILOGUE_COLUMNS = 64
+# Blackwell's slices are half as wide: its one epilogue warpgroup holds a slice's 128 rows, a
+# row a thread, so 32 columns are 32 float32 registers a thread, as a Hopper consumer's 64 x 64
+# slice is. At 64 columns the gelu epilogue with bias, residual and z took 243 registers
+# (jax 0.12.0.1, sm_100a).
+TCGEN05_EPILOGUE_COLUMNS = 32
 # TMA copies whole tiles of the shared-memory layout: rows in 8s, a row's minor dim in 128-byte
 # swizzle spans (64 16-bit elements; 32 float32). Mosaic GPU rejects a GMEM array whose last
 # two dims are not multiples of them (jax 0.12.0.1: "dimension 2 must have size smaller or a
@@ -49,7 +65,8 @@ PRODUCER_REGISTERS = 40
 
 class Plan(NamedTuple):
     """One launch: CTA tiles of (block_m, block_n) over K slices of block_k, `stages` of them
-    in flight, each output tile's K range in `splits` pieces, `num_ctas` persistent CTAs."""
+    in flight, each output tile's K range in `splits` pieces, `num_ctas` persistent CTAs, on
+    the tensor core's `mma` instructions (`WGMMA` or `TCGEN05`)."""
 
     block_m: int
     block_n: int
@@ -58,6 +75,7 @@ class Plan(NamedTuple):
     stages: int
     splits: int
     num_ctas: int
+    mma: str = WGMMA
 
     def tiles(self, p: Problem) -> int:
         return num_tiles(p, self.block_m, self.block_n)
@@ -66,38 +84,77 @@ class Plan(NamedTuple):
         return pl.cdiv(pl.cdiv(p.k, self.block_k), self.splits)
 
 
+def mma_of(capability: int | None) -> str:
+    """The kernel for a GPU of compute capability `capability`: tcgen05 on Blackwell (10.x),
+    else wgmma (Hopper; also the interpreter's, which has no capability)."""
+    return TCGEN05 if capability is not None and capability // 10 == 10 else WGMMA
+
+
 def _itemsize(dtype) -> int:
     return jnp.dtype(dtype).itemsize
 
 
-def epilogue_bytes(p: Problem, block_m: int, block_n: int, splits: int) -> int:
-    """Shared memory of the epilogue: per consumer one column slice of the output (float32
-    partials when split), of z and of the residual (in the output's dtype: `forward.matmul`)."""
+def epilogue_columns(mma: str, block_n: int) -> int:
+    """The width of the epilogue's column slices (`EPILOGUE_COLUMNS`, on Blackwell
+    `TCGEN05_EPILOGUE_COLUMNS`), at most the tile's."""
+    return min(TCGEN05_EPILOGUE_COLUMNS if mma == TCGEN05 else EPILOGUE_COLUMNS, block_n)
+
+
+def epilogue_bytes(p: Problem, block_m: int, block_n: int, splits: int, mma: str) -> int:
+    """Shared memory of the epilogue: for the tile's rows one column slice of the output
+    (float32 partials when split), of z and of the residual (in the output's dtype:
+    `forward.matmul`)."""
     if splits > 1:
         per_element = 4
     else:
         per_element = _itemsize(p.out_dtype) * (1 + p.epilogue.has_residual) + (
             _itemsize(p.epilogue.saved) if p.epilogue.saved is not None else 0)
-    return block_m * min(EPILOGUE_COLUMNS, block_n) * per_element
+    return block_m * epilogue_columns(mma, block_n) * per_element
 
 
-def _stages(p: Problem, block_m: int, block_n: int, block_k: int, splits: int) -> int:
+def _stages(p: Problem, block_m: int, block_n: int, block_k: int, splits: int, mma: str) -> int:
     budget = _targets.current("gpu").shared_memory - BARRIER_BYTES
     stage = (block_m + block_n) * block_k * _itemsize(p.compute_dtype)
-    return min(MAX_STAGES, (budget - epilogue_bytes(p, block_m, block_n, splits)) // stage)
+    return min(MAX_STAGES, (budget - epilogue_bytes(p, block_m, block_n, splits, mma)) // stage)
+
+
+def split_terms(p: Problem) -> tuple[tuple[int, int], ...]:
+    """Blackwell's float32: the bfloat16 products that stand for `p`'s, as (part of A, part of
+    B) pairs. Mosaic GPU's tcgen05 has no TF32 kind (jax 0.12.0.1 fails "Unsupported input
+    element type: tf32" when compiling), so an operand that is not bfloat16 is split into
+    bfloat16 parts hi + lo (hi = x rounded, lo = x - hi rounded: 16 significant bits, where
+    TF32 keeps 11), a bfloat16 one is its own single part, and the product is the sum of the
+    part products but lo·lo (XLA's BF16_BF16_F32_X3 for float32 · float32, two products for
+    float32 · bfloat16, such as the backward's float32 dZ with a bfloat16 weight). The kernel
+    reads them as one product along a K that many times longer (`forward._operands`); the
+    corrections take finite parts only, so Inf and NaN come from hi · hi as in float32
+    (`forward.term_parts`)."""
+    parts = [1 if jnp.dtype(dtype) == jnp.bfloat16 else 2 for dtype in (p.a_dtype, p.b_dtype)]
+    return tuple((i, j) for i in range(parts[0]) for j in range(parts[1]) if i + j < 2)
+
+
+def is_split(p: Problem) -> bool:
+    """Whether `kernel_problem(p)` runs `p` as `split_terms` (float32 or mixed on Blackwell)."""
+    return (not (p.a_dtype == p.b_dtype and _itemsize(p.a_dtype) == 2)
+            and mma_of(_targets.current("gpu").compute_capability) == TCGEN05)
 
 
 def kernel_problem(p: Problem) -> Problem:
     """The problem the kernel runs (`forward._operands` lays the arrays out so): 16-bit
-    operands of one dtype as they are; anything else as float32 (TF32), both K-major; M, K
-    and N padded to TMA's tiles (`TMA_ROWS`, `TMA_COLUMNS`; M to a row of `TMA_COLUMNS` where
-    A is stored (K, M))."""
-    if not (p.a_dtype == p.b_dtype and _itemsize(p.a_dtype) == 2):
+    operands of one dtype as they are; anything else as float32 (TF32), both K-major, on
+    Hopper, and as bfloat16 parts along a K `len(split_terms(p))` times the padded K on
+    Blackwell (`split_terms`); M, K and N padded to TMA's tiles (`TMA_ROWS`, `TMA_COLUMNS`; M
+    to a row of `TMA_COLUMNS` where A is stored (K, M))."""
+    terms = 1
+    if is_split(p):
+        bf16, terms = jnp.dtype(jnp.bfloat16), len(split_terms(p))
+        p = p._replace(a_dtype=bf16, b_dtype=bf16)
+    elif not (p.a_dtype == p.b_dtype and _itemsize(p.a_dtype) == 2):
         f32 = jnp.dtype(jnp.float32)
         p = p._replace(transpose_a=False, transpose_b=True, a_dtype=f32, b_dtype=f32)
     m_step = TMA_COLUMNS if p.transpose_a else TMA_ROWS
-    return p._replace(**{dim: pl.cdiv(size, step) * step for dim, size, step in
-                         (("m", p.m, m_step), ("k", p.k, TMA_COLUMNS), ("n", p.n, TMA_COLUMNS))})
+    return p._replace(m=pl.cdiv(p.m, m_step) * m_step, n=pl.cdiv(p.n, TMA_COLUMNS) * TMA_COLUMNS,
+                      k=terms * pl.cdiv(p.k, TMA_COLUMNS) * TMA_COLUMNS)
 
 
 def _splits(p: Problem, tiles: int, num_k_blocks: int, asked: int | None) -> int:
@@ -117,17 +174,20 @@ def _splits(p: Problem, tiles: int, num_k_blocks: int, asked: int | None) -> int
     return nonempty_splits(num_k_blocks, wanted)
 
 
-def resolve_config(p: Problem, config: MatmulConfig | None) -> MatmulConfig:
-    """Fills unset fields for the kernel's problem (`kernel_problem`): a CTA tile of 2 x 128
-    rows by 128 columns (64 rows a consumer where M fits in 128, 64 columns where N fits in
-    64), halved while its tiles leave SMs idle (`fill_sms`, down to 64 rows a consumer and 64
-    columns), with 64 rows a consumer where the epilogue's buffers leave no room for two
-    stages; a K slice of `SWIZZLE` bytes, as many stages as shared memory holds (up to
-    `MAX_STAGES`), split-K where the tiles still leave SMs idle (`_splits`). Smaller tiles
-    first: they cost no extra traffic, where split-K writes float32 partials that XLA sums
-    (the H100 record, `mosaic_gpu_runs`: at 1024^3 bfloat16, 32 tiles split 4 ways took 1.12x
-    cuBLAS's time, where Triton's smaller tiles took 0.75x)."""
-    config, p = config or MatmulConfig(), kernel_problem(p)
+def _tile(p: Problem, config: MatmulConfig, mma: str) -> tuple[int, int]:
+    """The CTA tile (block_m, block_n) where `config` leaves it unset. wgmma: 2 x 128 rows by
+    128 columns (64 rows a consumer where M fits in 128, 64 columns where N fits in 64),
+    halved while its tiles leave SMs idle (`fill_sms`, down to 64 rows a consumer and 64
+    columns). tcgen05: `TCGEN05_ROWS` by 256 columns (fewer where N is narrower), the
+    columns halved (to 64) while the tiles leave SMs idle."""
+    if mma == TCGEN05:
+        block_n = config.block_n or min(TCGEN05_COLUMNS[-1],
+                                        max(64, 1 << (p.n - 1).bit_length()))
+        if config.block_n is None:
+            num_sms = _targets.current("gpu").num_sms
+            while block_n > 64 and num_tiles(p, TCGEN05_ROWS, block_n) < num_sms:
+                block_n //= 2
+        return config.block_m or TCGEN05_ROWS, block_n
     block_m = config.block_m or (CONSUMERS * WG_ROWS if p.m <= CONSUMERS * WG_ROWS
                                  else CONSUMERS * 128)
     block_n = config.block_n or (64 if p.n <= 64 else 128)
@@ -136,15 +196,30 @@ def resolve_config(p: Problem, config: MatmulConfig | None) -> MatmulConfig:
             block_m // CONSUMERS, block_n,
             lambda rows, cols: num_tiles(p, CONSUMERS * rows, cols), min_block=WG_ROWS)
         block_m = CONSUMERS * consumer_rows
+    return block_m, block_n
+
+
+def resolve_config(p: Problem, config: MatmulConfig | None) -> MatmulConfig:
+    """Fills unset fields for the kernel's problem (`kernel_problem`) on the program's GPU
+    (`mma_of`): the CTA tile (`_tile`), with 64 rows a consumer where the epilogue's buffers
+    leave no room for two stages (wgmma); a K slice of `SWIZZLE` bytes, as many stages as
+    shared memory holds (up to `MAX_STAGES`), split-K where the tiles still leave SMs idle
+    (`_splits`). Smaller tiles first: they cost no extra traffic, where split-K writes float32
+    partials that XLA sums (the H100 record, `mosaic_gpu_runs`: at 1024^3 bfloat16, 32 tiles
+    split 4 ways took 1.12x cuBLAS's time, where Triton's smaller tiles took 0.75x)."""
+    config, p = config or MatmulConfig(), kernel_problem(p)
+    mma = mma_of(_targets.current("gpu").compute_capability)
+    block_m, block_n = _tile(p, config, mma)
     block_k = config.block_k or SWIZZLE // _itemsize(p.compute_dtype)
 
     def plan(block_m):
         splits = _splits(p, num_tiles(p, block_m, block_n), pl.cdiv(p.k, block_k),
                          config.split_k)
-        return splits, config.num_stages or _stages(p, block_m, block_n, block_k, splits)
+        return splits, config.num_stages or _stages(p, block_m, block_n, block_k, splits, mma)
 
     splits, stages = plan(block_m)
-    if stages < 2 and config.block_m is None and block_m > CONSUMERS * WG_ROWS:
+    if (stages < 2 and mma == WGMMA and config.block_m is None
+            and block_m > CONSUMERS * WG_ROWS):
         block_m = CONSUMERS * WG_ROWS  # a float32 output with z and a residual
         splits, stages = plan(block_m)
     return MatmulConfig(block_m, block_n, block_k, config.group_m, None, stages, splits)
@@ -155,45 +230,59 @@ def plan_of(p: Problem, config: MatmulConfig | None) -> Plan:
     config = resolve_config(p, config)
     kernel = kernel_problem(p)
     plan = Plan(config.block_m, config.block_n, config.block_k, config.group_m,
-                config.num_stages, config.split_k, 1)
+                config.num_stages, config.split_k, 1,
+                mma_of(_targets.current("gpu").compute_capability))
     num_ctas = min(_targets.current("gpu").num_sms, plan.tiles(kernel) * plan.splits)
     return plan._replace(num_ctas=num_ctas)
 
 
 def check(p: Problem, config: MatmulConfig | None) -> None:
-    """Declines a GPU without wgmma (Blackwell), what wgmma cannot take (operands other than
-    16-bit floats and float32, which runs as TF32: not at HIGHEST precision) and an epilogue
-    the kernels cannot apply; rejects a config that is not a
-    valid tiling or leaves no room for two pipeline stages."""
+    """Declines a GPU with neither wgmma (Hopper) nor tcgen05 (Blackwell), what they cannot
+    take (operands other than 16-bit floats and float32, which runs as TF32 on Hopper and as
+    split bfloat16 on Blackwell: not at HIGHEST precision) and an epilogue the kernels cannot
+    apply; rejects a config that is not a valid tiling of the GPU's kernel or leaves no room
+    for two pipeline stages."""
     require_supported(p.epilogue, p.a_dtype, p.b_dtype, p.out_dtype)
     if jnp.float64 in (p.a_dtype, p.b_dtype, p.out_dtype):
-        raise NotImplementedError("float64: Mosaic GPU's wgmma takes 16-bit floats and float32")
+        raise NotImplementedError("float64: Mosaic GPU's MMAs take 16-bit floats and float32")
     capability = _targets.current("gpu").compute_capability
-    if capability is not None and capability // 10 != 9:
-        raise NotImplementedError(f"Mosaic GPU's matmul multiplies with Hopper's wgmma (sm_90a); "
-                                  f"this GPU is sm_{capability} (a tcgen05 kernel for "
-                                  "Blackwell is not written)")
+    if capability is not None and capability // 10 not in (9, 10):
+        raise NotImplementedError(f"Mosaic GPU's matmul multiplies with Hopper's wgmma (sm_90a) "
+                                  f"or Blackwell's tcgen05 (sm_100a); this GPU is "
+                                  f"sm_{capability}")
     for name, dtype in (("a", p.a_dtype), ("b", p.b_dtype)):
         if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16, jnp.float32):
-            raise NotImplementedError(f"Mosaic GPU's wgmma takes 16-bit floats and float32 "
+            raise NotImplementedError(f"Mosaic GPU's MMAs take 16-bit floats and float32 "
                                       f"(TF32); {name} is {jnp.dtype(dtype).name}")
     if p.highest and jnp.dtype(p.compute_dtype).itemsize > 2:
-        raise NotImplementedError("Mosaic GPU multiplies float32 as TF32 (wgmma); "
-                                  "precision=HIGHEST runs in xla or triton")
+        raise NotImplementedError("Mosaic GPU multiplies float32 as TF32 (Hopper) or split "
+                                  "bfloat16 (Blackwell); precision=HIGHEST runs in xla or "
+                                  "triton")
     if config is not None and config.split_k is not None and not is_positive_int(config.split_k):
         raise ValueError(f"config.split_k must be a positive int, got {config.split_k!r}")
     config = resolve_config(p, config)
-    consumer_rows = config.block_m // CONSUMERS
-    columns = min(EPILOGUE_COLUMNS, config.block_n)
-    if (config.block_m % CONSUMERS or consumer_rows % WG_ROWS or config.block_n % 8
-            or config.block_n % columns or consumer_rows * config.block_n > MAX_ACCUMULATOR
-            or config.block_k * _itemsize(kernel_problem(p).compute_dtype) % 32):
-        raise ValueError(
-            f"Mosaic GPU matmul tiles: block_m a multiple of {CONSUMERS * WG_ROWS}, block_n a "
-            f"multiple of 8 up to {EPILOGUE_COLUMNS} or of {EPILOGUE_COLUMNS} (the epilogue's "
-            f"slices), a consumer's (block_m / {CONSUMERS}) x block_n at most "
-            f"{MAX_ACCUMULATOR} (its float32 accumulator in registers) and a K slice of a "
-            f"multiple of 32 bytes, got {config}")
+    if config.block_k * _itemsize(kernel_problem(p).compute_dtype) % 32:
+        raise ValueError(f"Mosaic GPU matmul: a K slice of a multiple of 32 bytes, got {config}")
+    if mma_of(capability) == TCGEN05:
+        # A's (128, block_k) tile and B's (block_k, block_n) one must share their swizzle.
+        k_bytes = config.block_k * _itemsize(kernel_problem(p).compute_dtype)
+        if (config.block_m != TCGEN05_ROWS or config.block_n not in TCGEN05_COLUMNS
+                or k_bytes % SWIZZLE):
+            raise ValueError(
+                f"Mosaic GPU matmul tiles on Blackwell: block_m {TCGEN05_ROWS} (tcgen05's "
+                f"rows), block_n one of {TCGEN05_COLUMNS} (two accumulators in tensor "
+                f"memory's 512 columns) and a K slice of a multiple of {SWIZZLE} bytes (the "
+                f"operands' one swizzle), got {config}")
+    else:
+        consumer_rows = config.block_m // CONSUMERS
+        columns = min(EPILOGUE_COLUMNS, config.block_n)
+        if (config.block_m % CONSUMERS or consumer_rows % WG_ROWS or config.block_n % 8
+                or config.block_n % columns or consumer_rows * config.block_n > MAX_ACCUMULATOR):
+            raise ValueError(
+                f"Mosaic GPU matmul tiles: block_m a multiple of {CONSUMERS * WG_ROWS}, block_n "
+                f"a multiple of 8 up to {EPILOGUE_COLUMNS} or of {EPILOGUE_COLUMNS} (the "
+                f"epilogue's slices) and a consumer's (block_m / {CONSUMERS}) x block_n at most "
+                f"{MAX_ACCUMULATOR} (its float32 accumulator in registers), got {config}")
     if config.num_stages < 2:
         raise NotImplementedError(
             f"Mosaic GPU matmul: tiles {config.block_m}x{config.block_n}x{config.block_k} "

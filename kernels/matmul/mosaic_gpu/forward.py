@@ -1,5 +1,6 @@
-"""Matmul as a persistent, warp-specialized Pallas kernel lowered through Mosaic GPU (Hopper
-sm_90a; the package's docstring has the loop nest).
+"""The Mosaic GPU matmul's launch (`matmul`, `launch`: operands laid out, plan, split-K's sum)
+and its Hopper kernel, persistent and warp-specialized (sm_90a; the package's docstring has
+the loop nest; Blackwell's kernel is `blackwell.py`).
 
 Block schedule
 --------------
@@ -23,7 +24,7 @@ L2). Per item:
 Split-K (few output tiles, long K): each split's items write float32 partials; XLA adds them
 in a fixed order and applies the epilogue in the same pass.
 
-Shifted rows (`Shifts`, conv2d's implicit GEMM, `kernels.conv2d.mosaic_gpu`): A is not a
+Shifted rows (`tiles.Shifts`, conv2d's implicit GEMM, `kernels.conv2d.mosaic_gpu`): A is not a
 matrix of the product's rows but windows of one, read at a row offset per K step (the forward:
 tap row kh of K step k) or per output batch (the weight gradient: one tap row per batch). Each
 offset is a multiple of TMA's 8-row tile, so a window is whole tiles of the shared-memory
@@ -34,8 +35,6 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -45,122 +44,40 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from kernels import _epilogue
 from kernels._pallas import pl
 from kernels._pallas.mosaic_gpu import mosaic_gpu_call, pad_to
-from kernels.matmul.common import (MatmulConfig, Problem, batch_index, flops_and_bytes,
-                                   moved_bytes)
-from kernels.matmul.mosaic_gpu.config import (CONSUMERS, EPILOGUE_COLUMNS, PRODUCER_REGISTERS,
-                                              Plan, kernel_problem, plan_of)
+from kernels.matmul.common import MatmulConfig, Problem, flops_and_bytes, moved_bytes
+from kernels.matmul.mosaic_gpu import blackwell, tiles
+from kernels.matmul.mosaic_gpu.config import (CONSUMERS, PRODUCER_REGISTERS, TCGEN05, WGMMA,
+                                              Plan, epilogue_columns, is_split, kernel_problem,
+                                              plan_of, split_terms)
+from kernels.matmul.mosaic_gpu.tiles import Shifts
 
-__all__ = ["matmul", "Shifts", "launch"]
-
-
-class Shifts(NamedTuple):
-    """A's rows read at offsets (a multiple of `config.TMA_ROWS` each, a Python or traced
-    int32 from `shift`): per K step (`per_step`, the forward of conv2d: K step k reads the rows
-    of its output tile shifted by `shift(k // steps_per_shift)`, its columns block
-    k % steps_per_shift of the view) or per output batch (the weight gradient: batch b's A is
-    the matrix starting `shift(b)` rows down). `max_shift`: the largest, which the caller's
-    array holds past the last tile.
-
-    Rows past M (the forward) or K (the weight gradient) are then the matrix's next rows, not
-    TMA's zeros: the caller cuts the output rows past M off, and its B is zero past K (so an
-    Inf or NaN in those rows of A would make NaN there). Per-step shifts take one K split and
-    A as stored (M, K)."""
-
-    shift: Callable[[jax.Array], jax.Array]
-    max_shift: int
-    per_step: bool
-    steps_per_shift: int = 1
-
-
-def _transforms(shape: tuple[int, int], dtype) -> tuple:
-    """TMA's tiling and swizzle of a shared-memory tile, by the bytes of its minor dim."""
-    itemsize = jnp.dtype(dtype).itemsize
-    swizzle = plgpu.find_swizzle(shape[-1] * itemsize * 8)
-    return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
-
-
-def _operand_spec(block: tuple[int, int], k_axis: int, dtype) -> plgpu.BlockSpec:
-    """The pipeline's tile of an operand view: K step k is block k along `k_axis`."""
-    index = (lambda k: (k, 0)) if k_axis == 0 else (lambda k: (0, k))
-    return plgpu.BlockSpec(block, index, transforms=_transforms(block, dtype))
-
-
-def _shifted_spec(block: tuple[int, int], shifts: Shifts, dtype) -> plgpu.BlockSpec:
-    """K step k's tile of A's rows shifted as `shifts` says: rows at an element offset."""
-    def index(k):
-        return shifts.shift(k // shifts.steps_per_shift), k % shifts.steps_per_shift
-
-    return plgpu.BlockSpec((pl.Element(block[0]), block[1]), index,
-                           transforms=_transforms(block, dtype))
-
-
-def _epilogue_slice(acc, column: int, ctx: dict, p: Problem) -> None:
-    """Bias, activation and residual on columns [column, column + width) of a consumer's
-    accumulator, written through shared memory by TMA (and z beside it where saved)."""
-    width = ctx["out_smem"].shape[-1]
-    wg, rows = ctx["wg"], ctx["rows"]
-    cols = pl.ds(ctx["n_start"] + column, width)
-    values = acc[:, column:column + width]
-    bias = residual = None
-    if ctx["bias"] is not None:  # padded to whole tiles by the wrapper
-        bias_row = ctx["batch"] if ctx["bias"].shape[0] > 1 else 0  # per batch, or shared
-        vector = plgpu.load(ctx["bias"].at[bias_row, cols],
-                            layout=plgpu.Layout.WGMMA.reduce(0))
-        bias = lax.broadcast_in_dim(vector.astype(jnp.float32), values.shape, [1])
-    if ctx["residual"] is not None:
-        plgpu.commit_smem()  # every thread has read the previous slice: the slot may refill
-        plgpu.copy_gmem_to_smem(ctx["residual"].at[ctx["batch"], rows, cols],
-                                ctx["res_smem"].at[wg], ctx["barrier"].at[wg])
-        plgpu.barrier_wait(ctx["barrier"].at[wg])
-        residual = plgpu.load(ctx["res_smem"].at[wg], layout=plgpu.Layout.WGMMA)
-    y, z = _epilogue.on_accumulator(values, bias, residual, p.epilogue)
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last slice's stores have read
-    outputs = [(ctx["out_smem"], ctx["out"], y)]
-    if ctx["z"] is not None:
-        outputs.append((ctx["z_smem"], ctx["z"], z))
-    for smem, _, value in outputs:
-        smem[wg] = value.astype(smem.dtype)
-    plgpu.commit_smem()
-    for smem, gmem, _ in outputs:
-        plgpu.copy_smem_to_gmem(smem.at[wg], gmem.at[ctx["out_index"], rows, cols])
+__all__ = ["matmul", "Shifts", "launch", "term_parts"]
 
 
 def _kernel(*refs, p: Problem, plan: Plan, shifts: Shifts | None):
     (a_gmem, b_gmem), bias, residual, out_gmem, z_gmem = _epilogue.split_refs(refs, p.epilogue, 2)
-    block_m, block_n, block_k = plan.block_m, plan.block_n, plan.block_k
+    block_m, block_n = plan.block_m, plan.block_n
     consumer_rows = block_m // CONSUMERS
-    m_tiles, n_tiles = pl.cdiv(p.m, block_m), pl.cdiv(p.n, block_n)
-    per_split = plan.k_blocks_per_split(p)
-    a_block = (block_k, block_m) if p.transpose_a else (block_m, block_k)
-    b_block = (block_n, block_k) if p.transpose_b else (block_k, block_n)
-
+    a_block = (plan.block_k, block_m) if p.transpose_a else (block_m, plan.block_k)
+    b_block = (block_n, plan.block_k) if p.transpose_b else (plan.block_k, block_n)
     if shifts is not None and shifts.per_step:
-        if plan.splits != 1 or p.transpose_a:
-            raise AssertionError("per-step shifts take one K split of A as stored (M, K)")
-        a_spec = _shifted_spec(a_block, shifts, a_gmem.dtype)
+        a_spec = tiles.shifted_spec(a_block, shifts, a_gmem.dtype)
     else:
-        a_spec = _operand_spec(a_block, 0 if p.transpose_a else 1, a_gmem.dtype)
+        a_spec = tiles.operand_spec(a_block, 0 if p.transpose_a else 1, a_gmem.dtype)
 
     def pipeline(body, context):
         return plgpu.emit_pipeline_warp_specialized(
-            body, grid=(per_split,), memory_registers=PRODUCER_REGISTERS,
-            in_specs=[a_spec, _operand_spec(b_block, 1 if p.transpose_b else 0, b_gmem.dtype)],
+            body, grid=(plan.k_blocks_per_split(p),), memory_registers=PRODUCER_REGISTERS,
+            in_specs=[a_spec, tiles.operand_spec(b_block, 1 if p.transpose_b else 0,
+                                                 b_gmem.dtype)],
             wg_axis="wg", num_compute_wgs=CONSUMERS, max_concurrent_steps=plan.stages,
             compute_context=context)
 
-    width = min(EPILOGUE_COLUMNS, block_n)
-    slot = (CONSUMERS, consumer_rows, width)
+    width = epilogue_columns(WGMMA, block_n)
     scratch = dict(
         allocations=pipeline(lambda *_, **__: None, lambda *_, **__: None).get_allocations(
             a_gmem.at[0], b_gmem.at[0]),
-        out_smem=plgpu.SMEM(slot, out_gmem.dtype, transforms=_transforms(slot, out_gmem.dtype)))
-    if z_gmem is not None:
-        scratch["z_smem"] = plgpu.SMEM(slot, z_gmem.dtype,
-                                       transforms=_transforms(slot, z_gmem.dtype))
-    if residual is not None:
-        scratch["res_smem"] = plgpu.SMEM(slot, residual.dtype,
-                                         transforms=_transforms(slot, residual.dtype))
-        scratch["barrier"] = plgpu.Barrier(num_barriers=CONSUMERS)
+        **tiles.epilogue_scratch(CONSUMERS, consumer_rows, width, out_gmem, z_gmem, residual))
 
     @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
     def _scope(allocations, out_smem, z_smem=None, res_smem=None, barrier=None):
@@ -168,23 +85,7 @@ def _kernel(*refs, p: Problem, plan: Plan, shifts: Shifts | None):
 
         @plgpu.nd_loop((jnp.int32(plan.tiles(p) * plan.splits),), collective_axes="sm")
         def _item(info):
-            (index,) = info.index
-            out_index, tile = index // (m_tiles * n_tiles), index % (m_tiles * n_tiles)
-            split, batch = out_index // p.num_batches, out_index % p.num_batches
-            m_tile, n_tile = plgpu.planar_snake(tile, (m_tiles, n_tiles), 0,
-                                                min(plan.group, m_tiles))
-            rows, cols = pl.ds(m_tile * block_m, block_m), pl.ds(n_tile * block_n, block_n)
-            ks = pl.ds(split * per_split * block_k, per_split * block_k)
-            a = a_gmem.at[batch_index(batch, p.out_batch, p.a_batch)]
-            b = b_gmem.at[batch_index(batch, p.out_batch, p.b_batch)]
-            if shifts is not None and shifts.per_step:  # the tile's rows and the shifts'
-                a = a.at[pl.ds(m_tile * block_m, block_m + shifts.max_shift)]
-            else:
-                if shifts is not None:  # this batch's matrix
-                    a = a.at[pl.ds(shifts.shift(batch),
-                                   a.shape[0] - shifts.max_shift)]
-                a = a.at[ks, rows] if p.transpose_a else a.at[rows, ks]
-            b = b.at[cols, ks] if p.transpose_b else b.at[ks, cols]
+            item = tiles.item_of(info.index[0], a_gmem, b_gmem, p, plan, shifts)
 
             def mma(_, a_smem, b_smem, acc_ref):
                 own = pl.ds(wg * consumer_rows, consumer_rows)
@@ -200,25 +101,73 @@ def _kernel(*refs, p: Problem, plan: Plan, shifts: Shifts | None):
                 def _(acc_ref):
                     run_pipeline(acc_ref)
                     acc = acc_ref[...]
-                    ctx = dict(wg=wg, batch=batch, out_index=out_index,
-                               rows=pl.ds(m_tile * block_m + wg * consumer_rows, consumer_rows),
-                               n_start=n_tile * block_n, bias=bias, residual=residual,
+                    ctx = dict(slot=wg, layout=plgpu.Layout.WGMMA, batch=item.batch,
+                               out_index=item.out_index,
+                               rows=pl.ds(item.m_tile * block_m + wg * consumer_rows,
+                                          consumer_rows),
+                               n_start=item.n_tile * block_n, bias=bias, residual=residual,
                                out=out_gmem, z=z_gmem, out_smem=out_smem, z_smem=z_smem,
                                res_smem=res_smem, barrier=barrier)
                     for column in range(0, block_n, width):
-                        _epilogue_slice(acc, column, ctx, p)
+                        tiles.epilogue_slice(acc[:, column:column + width], column, ctx, p)
 
-            pipeline(mma, context)(a, b, allocations=allocations)
+            pipeline(mma, context)(item.a, item.b, allocations=allocations)
 
         plgpu.wait_smem_to_gmem(0)
 
 
+def bfloat16_parts(x: jax.Array) -> list[jax.Array]:
+    """`x` as bfloat16 parts that sum to it (`config.split_terms`): itself where it is
+    bfloat16, else hi and lo."""
+    if x.dtype == jnp.bfloat16:
+        return [x]
+    x = x.astype(jnp.float32)
+    hi = x.astype(jnp.bfloat16)
+    wide = hi.astype(jnp.float32)
+    # Where hi is infinite (x is, or rounds past bfloat16's largest), lo is 0, not inf - inf.
+    return [hi, jnp.where(jnp.isfinite(wide), x - wide, 0).astype(jnp.bfloat16)]
+
+
+def term_parts(a: jax.Array, b: jax.Array, terms) -> tuple[list, list]:
+    """Per term of `terms` (`config.split_terms`), the parts of a and of b it multiplies
+    (`bfloat16_parts`): the first term's (hi · hi) as they are, so Inf and NaN reach the output
+    as in a float32 product; the corrections' with non-finite values zeroed (Inf · lo would
+    make NaN where lo is 0 or of the other sign)."""
+    a_parts, b_parts = bfloat16_parts(a), bfloat16_parts(b)
+
+    def finite(x):
+        return jnp.where(jnp.isfinite(x), x, jnp.zeros((), x.dtype))
+
+    a_terms = [a_parts[i] if t == 0 else finite(a_parts[i]) for t, (i, _) in enumerate(terms)]
+    b_terms = [b_parts[j] if t == 0 else finite(b_parts[j]) for t, (_, j) in enumerate(terms)]
+    return a_terms, b_terms
+
+
+def _split_operands(a: jax.Array, b: jax.Array, p: Problem, kernel: Problem
+                    ) -> tuple[jax.Array, jax.Array]:
+    """Blackwell's float32 and mixed products as one bfloat16 product along a longer K: the
+    operands' parts (`term_parts`), each padded to TMA's tiles, laid side by side along K in
+    `split_terms` order (one fused XLA pass an operand)."""
+    terms = split_terms(p)
+    k = kernel.k // len(terms)
+    a_terms, b_terms = term_parts(a, b, terms)
+    a_shape = (k, kernel.m) if p.transpose_a else (kernel.m, k)
+    b_shape = (kernel.n, k) if p.transpose_b else (k, kernel.n)
+    a = jnp.concatenate([pad_to(part, *a_shape) for part in a_terms],
+                        axis=-2 if p.transpose_a else -1)
+    b = jnp.concatenate([pad_to(part, *b_shape) for part in b_terms],
+                        axis=-1 if p.transpose_b else -2)
+    return a, b
+
+
 def _operands(a: jax.Array, b: jax.Array, p: Problem) -> tuple[jax.Array, jax.Array, Problem]:
-    """The operands laid out as `kernel_problem(p)` takes them, and that problem: cast to
-    float32 and copied K-major where the product runs as TF32 (one fused XLA pass), padded
-    with zeros where M, K or N is odd (zeros along K add nothing; the caller cuts the output
-    back)."""
+    """The operands laid out as `kernel_problem(p)` takes them, and that problem: on Hopper
+    cast to float32 and copied K-major where the product runs as TF32 (one fused XLA pass), on
+    Blackwell split into bfloat16 parts (`_split_operands`); padded with zeros where M, K or N
+    is odd (zeros along K add nothing; the caller cuts the output back)."""
     kernel = kernel_problem(p)
+    if is_split(p):
+        return (*_split_operands(a, b, p, kernel), kernel)
     a = jnp.swapaxes(a, -1, -2) if kernel.transpose_a != p.transpose_a else a
     b = jnp.swapaxes(b, -1, -2) if kernel.transpose_b != p.transpose_b else b
     a, b = a.astype(kernel.a_dtype), b.astype(kernel.b_dtype)
@@ -233,9 +182,11 @@ def matmul(a: jax.Array, b: jax.Array, bias: jax.Array | None, residual: jax.Arr
            interpret: bool | str) -> jax.Array | tuple[jax.Array, jax.Array]:
     """`op(a) @ op(b)` with `p.epilogue`, for a problem that `check` accepted (or the backward
     of one): out_batch + (M, N), and the pre-activation beside it where the epilogue saves it.
-    16-bit products are exact in float32; float32 runs as TF32 (`check` declines HIGHEST)."""
+    16-bit products are exact in float32; float32 runs as TF32 on Hopper, as split bfloat16
+    on Blackwell (`check` declines HIGHEST)."""
     del precision  # `p.highest`: declined by `check`
-    flops, (m, n) = flops_and_bytes(p)[0], (p.m, p.n)
+    products = len(split_terms(p)) if is_split(p) else 1  # the MMAs the split parts take
+    flops, (m, n) = products * flops_and_bytes(p)[0], (p.m, p.n)
     a, b, p = _operands(a, b, p)
     plan = plan_of(p, config)
     a = a.reshape(math.prod(p.a_batch), *a.shape[-2:])
@@ -301,8 +252,12 @@ def _launch(a, b, epilogue_operands, p: Problem, plan: Plan, out_shape, flops: i
 
 def _call(a, b, epilogue_operands, p, plan, shapes, flops, partial_bytes, interpret, name,
           shifts):
+    if plan.mma == TCGEN05:
+        body, warpgroups = blackwell.kernel, blackwell.WARPGROUPS
+    else:
+        body, warpgroups = _kernel, CONSUMERS + 1
     return mosaic_gpu_call(
-        functools.partial(_kernel, p=p, plan=plan, shifts=shifts), out_shape=shapes,
+        functools.partial(body, p=p, plan=plan, shifts=shifts), out_shape=shapes,
         grid=(plan.num_ctas,), grid_names=("sm",), interpret=interpret, name=name,
         flops_and_bytes=(flops, moved_bytes(p, plan.block_m, plan.block_n, partial_bytes)),
-        warpgroups=CONSUMERS + 1)(a, b, *epilogue_operands)
+        warpgroups=warpgroups)(a, b, *epilogue_operands)

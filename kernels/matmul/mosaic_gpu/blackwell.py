@@ -1,0 +1,151 @@
+"""Matmul as a persistent, warp-specialized Pallas kernel for Blackwell (sm_100a): tcgen05
+MMAs into tensor memory, the epilogue on a warpgroup of its own (the package's docstring has
+the loop nest; `forward.launch` calls it where the plan is `TCGEN05`).
+
+Block schedule
+--------------
+grid = (num_ctas,): at most one CTA per SM (`Plan.num_ctas`), each of two warpgroups. CTA c
+walks the work items c, c + num_ctas, ... of (split, batch, output tile) as Hopper's kernel
+does (`tiles.item_of`); item i of the CTA is its local step i. Per item:
+  - warp 0 of warpgroup 0 (the producer) copies, by TMA, the (block_m, block_k) tile of A and
+    the (block_k, block_n) tile of B of each K step into a ring of `Plan.stages` shared-memory
+    slots: step s of the CTA (over all its items) fills slot s % stages once the MMA of step
+    s - stages has read it (`consumed`);
+  - warp 1 of warpgroup 0 (the MMA issuer) waits for each slot (`loaded`) and issues one
+    tcgen05 MMA of A's slot by B's slot into the item's accumulator, `block_n` float32 columns
+    of tensor memory of 128 lanes (rows); the tensor core arrives on `consumed` when the MMA
+    has read the slot. Accumulators alternate between two halves of block_n columns each, so
+    item i's MMAs run while the epilogue drains item i - 1's; before item i it waits for the
+    epilogue to have read item i - 2's (`stored`), and after its last MMA commits to `ready`;
+  - warpgroup 1 (the epilogue) waits for `ready`, loads the accumulator from tensor memory in
+    column slices of `TCGEN05_EPILOGUE_COLUMNS` (one row a thread), applies bias, activation and
+    residual (`tiles.epilogue_slice`) and stores each slice by TMA, then frees the half.
+There are no wgmma register accumulators, so no warpgroup needs `setmaxnreg`: the epilogue holds
+one 128 x `TCGEN05_EPILOGUE_COLUMNS` slice (32 float32 registers a thread).
+Ragged tiles are zero-filled by TMA on load and dropped on store, as in Hopper's kernel; A's
+rows may be read at shifts (`tiles.Shifts`: per K step, conv2d's forward; per output batch, its
+weight gradient).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from kernels import _epilogue
+from kernels._pallas import pl
+from kernels.matmul.common import Problem
+from kernels.matmul.mosaic_gpu import tiles
+from kernels.matmul.mosaic_gpu.config import TCGEN05, Plan, epilogue_columns
+from kernels.matmul.mosaic_gpu.tiles import Shifts
+
+__all__ = ["kernel", "WARPGROUPS"]
+
+WARPGROUPS = 2  # the producer and MMA warps' warpgroup, and the epilogue's
+_MMA_WG, _EPILOGUE_WG = 0, 1
+_PRODUCER_WARP, _MMA_WARP = 0, 1
+ACCUMULATORS = 2  # tensor-memory accumulators per CTA: one filling while one drains
+
+
+def _window(view, k, block: tuple[int, int], transposed: bool, shifts: Shifts | None):
+    """K step k's (rows, K) tile of an item's operand view ((K, rows) where `transposed`),
+    its rows shifted per step where `shifts` says (`tiles.Shifts`)."""
+    rows, block_k = block
+    if shifts is not None and shifts.per_step:
+        return view.at[pl.ds(shifts.shift(k // shifts.steps_per_shift), rows),
+                       pl.ds((k % shifts.steps_per_shift) * block_k, block_k)]
+    ks = pl.ds(k * block_k, block_k)
+    return view.at[ks, :] if transposed else view.at[:, ks]
+
+
+def _smem_tile(rows: int, block_k: int, transposed: bool, stages: int, dtype):
+    shape = (block_k, rows) if transposed else (rows, block_k)
+    return plgpu.SMEM((stages, *shape), dtype, transforms=tiles.transforms(shape, dtype))
+
+
+def kernel(*refs, p: Problem, plan: Plan, shifts: Shifts | None):
+    (a_gmem, b_gmem), bias, residual, out_gmem, z_gmem = _epilogue.split_refs(refs, p.epilogue, 2)
+    block_m, block_n, block_k, stages = plan.block_m, plan.block_n, plan.block_k, plan.stages
+    per_split = plan.k_blocks_per_split(p)
+    width = epilogue_columns(TCGEN05, block_n)
+    scratch = dict(
+        a_smem=_smem_tile(block_m, block_k, p.transpose_a, stages, a_gmem.dtype),
+        b_smem=_smem_tile(block_n, block_k, not p.transpose_b, stages, b_gmem.dtype),
+        acc_tmem=plgpu.TMEM((block_m, ACCUMULATORS * block_n), jnp.float32),
+        loaded=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        consumed=plgpu.Barrier(num_barriers=stages, orders_tensor_core=True),
+        ready=plgpu.Barrier(num_barriers=ACCUMULATORS, orders_tensor_core=True),
+        stored=plgpu.Barrier(num_barriers=ACCUMULATORS, orders_tensor_core=True),
+        **tiles.epilogue_scratch(1, block_m, width, out_gmem, z_gmem, residual))
+
+    @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
+    def _scope(a_smem, b_smem, acc_tmem, loaded, consumed, ready, stored, out_smem,
+               z_smem=None, res_smem=None, barrier=None):
+        wg = lax.axis_index("wg")
+
+        @plgpu.nd_loop((jnp.int32(plan.tiles(p) * plan.splits),), collective_axes="sm")
+        def _item(info):
+            item = tiles.item_of(info.index[0], a_gmem, b_gmem, p, plan, shifts)
+            local = info.local_index
+            half = lax.rem(local, ACCUMULATORS)
+            acc = acc_tmem.at[:, pl.ds(half * block_n, block_n)]
+
+            def produce(k, _):
+                step = local * per_split + k
+                slot = lax.rem(step, stages)
+
+                @pl.when(step >= stages)
+                def _():
+                    plgpu.barrier_wait(consumed.at[slot])
+
+                plgpu.copy_gmem_to_smem(_window(item.a, k, (block_m, block_k), p.transpose_a,
+                                                shifts), a_smem.at[slot], loaded.at[slot])
+                plgpu.copy_gmem_to_smem(_window(item.b, k, (block_n, block_k),
+                                                not p.transpose_b, None),
+                                        b_smem.at[slot], loaded.at[slot])
+
+            def multiply(k, _):
+                slot = lax.rem(local * per_split + k, stages)
+                plgpu.barrier_wait(loaded.at[slot])
+                a_tile, b_tile = a_smem.at[slot], b_smem.at[slot]
+                a_tile = a_tile.transpose((1, 0)) if p.transpose_a else a_tile
+                b_tile = b_tile.transpose((1, 0)) if p.transpose_b else b_tile
+                plgpu.tcgen05_mma(acc, a_tile, b_tile, consumed.at[slot], accumulate=k > 0)
+
+            @pl.when(wg == _MMA_WG)
+            def _():
+                @plgpu.warp_map
+                def _(warp):
+                    @pl.when(warp == _PRODUCER_WARP)
+                    def _():
+                        lax.fori_loop(0, per_split, produce, None)
+
+                    @pl.when(warp == _MMA_WARP)
+                    def _():
+                        @pl.when(local >= ACCUMULATORS)  # the epilogue has read this half
+                        def _():
+                            plgpu.barrier_wait(stored.at[half])
+
+                        lax.fori_loop(0, per_split, multiply, None)
+                        plgpu.tcgen05_commit_arrive(ready.at[half])
+
+            @pl.when(wg == _EPILOGUE_WG)
+            def _():
+                plgpu.barrier_wait(ready.at[half])
+                ctx = dict(slot=0, layout=plgpu.Layout.TCGEN05, batch=item.batch,
+                           out_index=item.out_index, rows=pl.ds(item.m_tile * block_m, block_m),
+                           n_start=item.n_tile * block_n, bias=bias, residual=residual,
+                           out=out_gmem, z=z_gmem, out_smem=out_smem, z_smem=z_smem,
+                           res_smem=res_smem, barrier=barrier)
+                for column in range(0, block_n, width):
+                    values = plgpu.async_load_tmem(acc.at[:, pl.ds(column, width)])
+                    tiles.epilogue_slice(values, column, ctx, p)
+                plgpu.wait_load_tmem()  # every slice has left tensor memory
+                plgpu.barrier_arrive(stored.at[half])
+
+        @pl.when(wg == _EPILOGUE_WG)
+        def _():
+            plgpu.wait_smem_to_gmem(0)
