@@ -183,7 +183,31 @@ def for_operands(operands: Sequence[Any]) -> Iterator[None]:
     v4): set by the dispatch from the op's own arguments, for the call it makes, and by
     `kernels.partition` for each kernel it traces (a backward's too). Operands whose type names
     no device (a shard's, say) keep the device of the enclosing scope."""
-    token = _OPERAND_DEVICE.set(_operand_device(operands) or _OPERAND_DEVICE.get())
+    with for_device(_operand_device(operands)):
+        yield
+
+
+def program_device() -> Any:
+    """The device a call made now is traced for (`_program_devices`' first), or None. An op
+    records it in its static options, so that its backward, traced later, is built for the same
+    device (`for_device`): jax 0.12 traces a custom_vjp's backward under a nested jit's
+    transpose with an abstract mesh that names no device, and a program compiled on a CPU host
+    for B200s would otherwise build its backward for the default target (Hopper's kernels)."""
+    return next(_program_devices(_OPERAND_DEVICE.get()), None)
+
+
+def mesh_device(mesh: Any) -> Any:
+    """The abstract device of `mesh` (concrete or abstract), if it names one."""
+    return getattr(getattr(mesh, "abstract_mesh", mesh), "abstract_device", None)
+
+
+@contextlib.contextmanager
+def for_device(device: Any) -> Iterator[None]:
+    """Within this scope `current` also sees `device` (an abstract device, or None: the
+    enclosing scope's stays), below the abstract mesh in scope: set by `kernels.partition` from
+    an op's recorded `program_device`, and from the mesh XLA's partitioner calls back with
+    (Auto axes, whose shards' types name no device)."""
+    token = _OPERAND_DEVICE.set(device or _OPERAND_DEVICE.get())
     try:
         yield
     finally:

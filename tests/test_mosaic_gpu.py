@@ -241,6 +241,28 @@ def test_a_model_training_step_carries_every_ops_kernels():
         assert r["kernel_calls"] >= 15, r  # every kernel above, some several times
 
 
+@pytest.mark.timeout(600)
+def test_a_model_training_step_compiles_for_b200s():
+    """The same training step compiled on a CPU host for 4 B200s (Auto axes): every kernel is
+    Blackwell's, which ptxas proves (Hopper's wgmma does not assemble for sm_100a). Two traces
+    that name no device are made for the program's GPU all the same: XLA's partitioner's
+    callbacks (the mesh it passes: `_targets.mesh_device`) and the backward of a custom_vjp
+    under a nested jit's transpose, where jax 0.12 drops the abstract mesh's device (the device
+    the op recorded: `_targets.program_device`)."""
+    (report,) = _compiled(
+        "import dataclasses, json\n"
+        "from kernels.compile import use_compile_only_devices; use_compile_only_devices()\n"
+        "from kernels.compile import programs\n"
+        "from tests.programs_run import _digits_step\n"
+        "mesh = programs.mesh_for('sm_100', 4, 'auto', shape=(1, 4))\n"
+        "step, args = _digits_step('mosaic_gpu', mesh)\n"
+        "print(json.dumps(dataclasses.asdict(programs.compile_program(\n"
+        "    'train_digits', step, args, mesh, target='sm_100', mesh_kind='auto',\n"
+        "    implementation='mosaic_gpu'))))\n")
+    assert report["compiled"], report["error"][-2000:]
+    assert report["devices"] == 4 and report["kernel_calls"] >= 15, report
+
+
 # Launches whose TMA stores are runs of GMEM (a window of one row, or of whole rows), which
 # Mosaic GPU stores by a linear copy clamped only at the array's end (`stored_shape`): per
 # case, the call, its operands, which launch, and that launch's output shape, which holds

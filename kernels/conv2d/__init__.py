@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from kernels import _dispatch, partition, registry
+from kernels import _dispatch, _targets, partition, registry
 from kernels._epilogue import Epilogue, gradients
 from kernels.registry import Op
 from kernels.conv2d import sharding
@@ -64,6 +64,9 @@ class _Static(NamedTuple):
     # .requested): sharded input channels then reduce-scatter into them. The forward's only.
     requested: tuple[partition.Dims | None] | None = None
     epilogue: Epilogue = Epilogue()  # the forward's only
+    # The device the program is traced for (`_targets.program_device`), so that the backward,
+    # traced later, is built for it too (`partition.partitioned`).
+    device: Any = None
 
 
 def _is_pointwise(p: Problem, config: Conv2dConfig | None) -> bool:
@@ -326,7 +329,8 @@ def conv2d(
             x, w = x.transpose(0, 2, 3, 1), w.transpose(2, 3, 1, 0)
         wanted = partition.requested(out_sharding, 4)
         static = _Static(name, interpret, config, precision, geometry, out_dtype,
-                         None if wanted is None else (tuple(wanted[d] for d in nhwc),), epilogue)
+                         None if wanted is None else (tuple(wanted[d] for d in nhwc),), epilogue,
+                         _targets.program_device())
         out = _jitted_conv(*partition.match_varying(x, w, bias), static)
         out = out.transpose(0, 3, 1, 2) if data_format == "NCHW" else out
         return partition.constrain(out, out_sharding)

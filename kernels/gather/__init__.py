@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from reference.gather import (bounded_indices, check_arguments, default_fill_value,
                               host_indices)
 from reference.gather import gather as reference_gather
-from kernels import _dispatch, partition, registry
+from kernels import _dispatch, _targets, partition, registry
 from kernels.registry import Op
 from kernels.gather import sharding
 from kernels.gather.common import (FORWARD_MODE, SCATTER_MODE, TRANSPOSED_MODE, GatherConfig,
@@ -45,6 +45,9 @@ class _Static(NamedTuple):
     # The mesh axes asked of the gather's (batch, m, columns) output on Explicit axes
     # (partition.Layout.requested): a vocab-parallel table's sum then reduce-scatters into them.
     requested: tuple[partition.Dims | None] | None = None
+    # The device the program is traced for (`_targets.program_device`), so that the backward,
+    # traced later, is built for it too (`partition.partitioned`).
+    device: Any = None
 
 
 def _gather_whole(x3: jax.Array, indices: jax.Array, static: _Static) -> jax.Array:
@@ -177,7 +180,8 @@ def gather(
         wanted = partition.requested(out_sharding, len(out_shape))
         static = _Static(name, interpret, config, problem, SCATTER_MODE[mode],
                          partition.dims_of(x)[axis],
-                         None if wanted is None else (_view_dims(wanted, groups),))
+                         None if wanted is None else (_view_dims(wanted, groups),),
+                         _targets.program_device())
         table = x.astype(kernel_dtype).reshape(batch, n, columns)
         out = _jitted_gather(*partition.match_varying(table, flat_indices), static)
         sizes = partition.axis_sizes(out)

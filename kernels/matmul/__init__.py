@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +23,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 import reference
-from kernels import _dispatch, partition, registry
+from kernels import _dispatch, _targets, partition, registry
 from kernels._dtypes import promoted
 from kernels._epilogue import Epilogue, gradients
 from reference.epilogue import accumulator_dtype
@@ -51,6 +51,9 @@ class _Static(NamedTuple):
     # a sharded K then reduce-scatters into them.
     requested: tuple[partition.Dims | None] | None = None
     epilogue: Epilogue = Epilogue()
+    # The device the program is traced for (`_targets.program_device`), so that the backward,
+    # traced later, is built for it too (`partition.partitioned`).
+    device: Any = None
 
 
 def _run_whole(a: jax.Array, b: jax.Array, bias: jax.Array | None, residual: jax.Array | None,
@@ -245,7 +248,8 @@ def matmul(
                 *problem.out_batch, problem.m, problem.n)
         dims = partition.requested(out_sharding, len(out_shape))
         static = _Static(name, interpret, config, precision, False, False, out_dtype,
-                         None if dims is None else (_requested_product(dims, a, b),), epilogue)
+                         None if dims is None else (_requested_product(dims, a, b),), epilogue,
+                         _targets.program_device())
         operands = partition.match_varying(a2, b2, bias, residual)
         out = _jitted_product(*operands, static).reshape(out_shape)
         return partition.constrain(out, out_sharding)

@@ -17,7 +17,7 @@ gradient.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +25,7 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 from jax.sharding import NamedSharding, PartitionSpec
 
-from kernels import _dispatch, partition, registry
+from kernels import _dispatch, _targets, partition, registry
 from kernels.registry import Op
 from kernels.normalize import common, sharding
 from kernels.normalize.common import NormalizeConfig, Problem
@@ -44,6 +44,9 @@ class _Static(NamedTuple):
     interpret: bool | str  # resolved by the dispatch: False, True or "strict"
     config: NormalizeConfig | None
     problem: Problem
+    # The device the program is traced for (`_targets.program_device`), so that the backward,
+    # traced later, is built for it too (`partition.partitioned`).
+    device: Any = None
 
 
 def _forward_whole(x, residual, scale, offset, static: _Static):
@@ -169,7 +172,7 @@ def _normalize(x, scale, offset, residual, axis, epsilon, subtract_mean, out_dty
 
         params = [None if v is None else v.astype(problem.stat_dtype).reshape(problem.param_shape)
                   for v in (scale, offset)]
-        static = _Static(name, interpret, config, problem)
+        static = _Static(name, interpret, config, problem, _targets.program_device())
         operands = partition.match_varying(view(x), view(residual), *params)
         y, summed, _, _ = _jitted_forward(*operands, static)
         return _with_sharding(unview(y) if residual is None else (unview(y), unview(summed)),

@@ -106,11 +106,13 @@ def check_partitionable(implementation: str, interpret: bool | str,
 def partitioned(fn: Callable[..., Any], rule: Rule, factors: Factors) -> Callable[..., Any]:
     """`fn(*operands, static)`, run per shard on whatever mesh its operands live on. `static`
     is hashable: the op's NamedTuple of options, with `interpret` (the dispatch's mode) and
-    `config` fields, or a tuple holding one. Forward and backward kernels alike are traced with
-    their target in scope: the device kind of their operands' mesh (`_targets.for_operands`),
-    or the fast interpreter where they run there on blocks of their choosing
-    (`_targets.interpreted`). The dispatch's scope does not reach a custom_vjp's backward,
-    which is traced after the forward's call has returned."""
+    `config` fields (and the `device` the op was called for), or a tuple holding one. Forward
+    and backward kernels alike are traced with their target in scope: the device the op
+    recorded (`_targets.program_device`), the device kind of their operands' mesh
+    (`_targets.for_operands`) or of the mesh XLA's partitioner gives (Auto axes), or the fast
+    interpreter where they run there on blocks of their choosing (`_targets.interpreted`). The
+    dispatch's scope does not reach a custom_vjp's backward, which is traced after the
+    forward's call has returned: hence the recorded device."""
     return _Partitioned(fn, rule, factors)
 
 
@@ -142,7 +144,8 @@ class _Partitioned:
     def on_target(self, *args):
         """`fn(*args)` traced with its operands' target (or the interpreter's) in scope."""
         *operands, static = args
-        with _targets.for_operands([x for x in operands if x is not None]), \
+        with _targets.for_device(_device_of(static)), \
+                _targets.for_operands([x for x in operands if x is not None]), \
                 _targets.interpreted(_interpreter_sized(static)):
             return self.fn(*args)
 
@@ -191,19 +194,24 @@ class _Partitioned:
         return self.on_target(*_with_present(present, arrays), static)
 
     def _partition(self, present, static, mesh, arg_shapes, result_shape):
-        layout = _auto_layout(present, arg_shapes, result_shape, mesh)
-        plan = self.rule(self.on_target, _without_simulator(static), layout)
+        # The partitioner calls back outside the program's trace, and the shards' types name
+        # no device: the mesh says which GPU or TPU the kernels are for.
+        with _targets.for_device(_targets.mesh_device(mesh)):
+            layout = _auto_layout(present, arg_shapes, result_shape, mesh)
+            plan = self.rule(self.on_target, _without_simulator(static), layout)
         shardings = tuple(NamedSharding(mesh, spec(d)) for d in plan.in_dims if d is not None)
         out = _map_outputs(plan, lambda d: NamedSharding(mesh, spec(d)))
 
         def lower(*blocks):
-            return plan.local(*_with_present(present, blocks))
+            with _targets.for_device(_targets.mesh_device(mesh)):
+                return plan.local(*_with_present(present, blocks))
 
         return mesh, lower, out, shardings
 
     def _infer(self, present, static, mesh, arg_shapes, result_shape):
-        plan = self.rule(self.on_target, static,
-                         _auto_layout(present, arg_shapes, result_shape, mesh))
+        with _targets.for_device(_targets.mesh_device(mesh)):
+            plan = self.rule(self.on_target, static,
+                             _auto_layout(present, arg_shapes, result_shape, mesh))
         return _map_outputs(plan, lambda d: NamedSharding(mesh, spec(d)))
 
     def _sharding_rule(self, present, static, mesh, value_types, result_types):
@@ -218,6 +226,14 @@ def _interpreter_sized(static: Any) -> bool:
         return (_targets.interpreter_sized(static.interpret, static.config)
                 and registry.get(static.implementation).fast_interpreter)
     return type(static) is tuple and any(map(_interpreter_sized, static))
+
+
+def _device_of(static: Any) -> Any:
+    """The device an op's static options (or a tuple holding them) recorded for its program
+    (`_targets.program_device`), or None."""
+    if type(static) is tuple:
+        return next((d for d in map(_device_of, static) if d is not None), None)
+    return getattr(static, "device", None)
 
 
 def _requested_of(static: Any) -> tuple[Dims | None, ...] | None:
