@@ -163,9 +163,12 @@ def _operand_device(operands: Sequence[Any]) -> Any:
 
 def _program_devices(operand_device: Any) -> Iterator[Any]:
     """The devices that say what a program is built for, most telling first: the abstract
-    device in scope (lowering for a target this machine lacks), the operands' mesh device."""
-    yield from (d for d in (jax.sharding.get_abstract_mesh().abstract_device, operand_device)
-                if d is not None)
+    device in scope (lowering for a target this machine lacks), the operands' mesh device, the
+    default device in scope (`jax.default_device`, as a compile-only GPU's program is built)."""
+    default = jax.config.jax_default_device
+    default = None if isinstance(default, str) else default  # a platform name says no kind
+    yield from (d for d in (jax.sharding.get_abstract_mesh().abstract_device, operand_device,
+                            default) if d is not None)
 
 
 def program_platform(operands: Sequence[Any]) -> str:

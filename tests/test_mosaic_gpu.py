@@ -248,19 +248,24 @@ def test_a_model_training_step_compiles_for_b200s():
     that name no device are made for the program's GPU all the same: XLA's partitioner's
     callbacks (the mesh it passes: `_targets.mesh_device`) and the backward of a custom_vjp
     under a nested jit's transpose, where jax 0.12 drops the abstract mesh's device (the device
-    the op recorded: `_targets.program_device`)."""
-    (report,) = _compiled(
+    the op recorded: `_targets.program_device`). And a layer's program built under
+    `jax.default_device(<a compile-only B200>)`, as the bench's design rows build it."""
+    report, layer = _compiled(
         "import dataclasses, json\n"
         "from kernels.compile import use_compile_only_devices; use_compile_only_devices()\n"
-        "from kernels.compile import programs\n"
+        "from kernels.compile import CASES, programs\n"
         "from tests.programs_run import _digits_step\n"
         "mesh = programs.mesh_for('sm_100', 4, 'auto', shape=(1, 4))\n"
         "step, args = _digits_step('mosaic_gpu', mesh)\n"
         "print(json.dumps(dataclasses.asdict(programs.compile_program(\n"
         "    'train_digits', step, args, mesh, target='sm_100', mesh_kind='auto',\n"
-        "    implementation='mosaic_gpu'))))\n")
+        "    implementation='mosaic_gpu'))))\n"
+        "case = next(c for c in CASES['matmul'] if c.design and 'gelu' in c.description)\n"
+        "launches, _ = programs.layer_program(case, 'sm_100', 'mosaic_gpu')\n"
+        "print(json.dumps({'launches': launches}))\n")
     assert report["compiled"], report["error"][-2000:]
     assert report["devices"] == 4 and report["kernel_calls"] >= 15, report
+    assert layer["launches"] >= 3, layer  # the forward's kernel and the two gradients'
 
 
 # Launches whose TMA stores are runs of GMEM (a window of one row, or of whole rows), which
