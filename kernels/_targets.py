@@ -1,10 +1,12 @@
 """The hardware targets the kernels are built for, their resource budgets, and which one a call
 will run on.
 
-Block sizes are chosen from the target a call runs on (`current`): the device present, or the
-abstract device in scope while lowering or compiling for a target this machine does not have
-(`jax.sharding.use_abstract_mesh`), or, off any accelerator, the default target of the
-platform, so a kernel in the "strict" interpreter runs exactly the schedule it would run there.
+Block sizes are chosen from the target a call runs on (`current`): the program's device (the
+abstract device in scope while lowering or compiling for a target this machine does not have,
+`jax.sharding.use_abstract_mesh`; the device an op recorded or its operands' mesh names; the
+default device in scope), else the device present, or, off any accelerator, the default target
+of the platform, so a kernel in the "strict" interpreter runs exactly the schedule it would run
+there.
 A kernel in the fast interpreter (`interpret=None`/`True` on a CPU) is sized for `INTERPRETER`
 instead: Pallas' HLO interpreter runs the programs one after another, each as XLA ops on whole
 tiles, so there fewer, larger programs cost less (see `interpreted`).

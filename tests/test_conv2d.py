@@ -145,7 +145,7 @@ def test_mixed_dtypes_and_preferred_element_type(implementation):
 def test_precision_highest(implementation):
     x, w = _inputs((1, 5, 6, 3), (3, 3, 3, 4), jnp.float32)
     highest = jax.lax.Precision.HIGHEST
-    if implementation == "mosaic_gpu":  # wgmma multiplies float32 as TF32 only
+    if implementation == "mosaic_gpu":  # float32 as TF32 (Hopper) or split bfloat16 (Blackwell)
         with pytest.raises(NotImplementedError, match="mosaic_gpu: .*HIGHEST runs in xla"):
             conv2d(x, w, implementation=implementation, precision=highest)
         implementation = (implementation, "xla")  # falls through

@@ -99,7 +99,7 @@ def test_preferred_element_type(implementation):
 
 def test_precision_highest(implementation):
     a, b = random((33, 70), jnp.float32, 9), random((70, 17), jnp.float32, 10)
-    if implementation == "mosaic_gpu":  # wgmma multiplies float32 as TF32 only
+    if implementation == "mosaic_gpu":  # float32 as TF32 (Hopper) or split bfloat16 (Blackwell)
         with pytest.raises(NotImplementedError, match="mosaic_gpu: .*HIGHEST runs in xla"):
             matmul(a, b, precision=jax.lax.Precision.HIGHEST, implementation=implementation)
         out = matmul(a, b, precision=jax.lax.Precision.HIGHEST,

@@ -2,8 +2,8 @@
 beyond their numerics, which each op's shared test base checks in Mosaic GPU's interpreter: the
 real compilers, run without a GPU (each kernel alone for sm_90a and sm_100a: Mosaic GPU's
 layout inference, ptxas's registers and spills, the dynamic shared memory; whole programs on 1
-and 4 H100s, Auto and Explicit axes; a cuda export), and the interpreter's decline on a mesh
-of several CPU devices."""
+and 4 H100s, Auto and Explicit axes, and a training step on 4 B200s; a cuda export), and the
+interpreter's decline on a mesh of several CPU devices."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ and per CTA of the depthwise kernels (the layout: `config.TapRows`; the launches
 `forward.py`, `depthwise.py`):
 
     forward:     for kh in range(KH):                                  # tap rows
-                     for kb in range(width // block_k):                 # (kw, channel) slices
+                     for kb in range(terms * width // block_k):         # (kw, channel) slices
                          acc += taps[g, rows + shift(kh), kb] @ w[g, kh, kb, cols]
                  out[g, rows, cols] = activation(acc + bias[g, cols])
     weight grad: for pb in the split's pixel blocks:                    # item = (g, kh, tile)
@@ -33,9 +33,9 @@ cores), and so does a grouped one of a few input channels and one output channel
 depthwise gradient with a channel multiplier), as summed depthwise convolutions. Declined: what
 the matmul kernel declines (float64, float32 at HIGHEST). float32 and mixed data run as TF32 on
 Hopper and as split bfloat16 on Blackwell (the parts' tap rows side by side in each tap row's
-K: `config.forward_terms`); their weight gradient, whose pixels are K, gets each tap row's
-windows copied pixel-major by XLA for the matmul (TF32 takes K-major tiles only, and the split
-parts lie along K). Nothing here has run on a device.
+K: `config.forward_terms`, the `terms` above; one elsewhere); their weight gradient, whose
+pixels are K, gets each tap row's windows copied pixel-major by XLA for the matmul (TF32 takes
+K-major tiles only, and the split parts lie along K). Nothing here has run on a device.
 """
 
 from kernels.conv2d.mosaic_gpu.config import check, resolve_config

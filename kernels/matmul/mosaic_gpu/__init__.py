@@ -16,8 +16,9 @@ work items' order and the epilogue: `tiles.py`):
                               epilogue(acc)
       Blackwell (2 warpgroups):
         warp 0 of wg 0:       for kb: TMA a, b -> ring slot (the CTA's step) % stages
-        warp 1 of wg 0:       acc[item % 2] = sum over kb of a_slot @ b_slot  # tcgen05, TMEM
-        wg 1:                 epilogue(acc[item % 2]), slices loaded from tensor memory
+        warp 1 of wg 0:       acc[i % 2] = sum over kb of a_slot @ b_slot  # tcgen05, TMEM
+        wg 1:                 epilogue(acc[i % 2]), slices loaded from tensor memory
+                              (i: the item's place among this CTA's items)
       epilogue(acc): for each column slice:
                          out[s, i, rows, cols] = activation(acc + bias) + residual
                          (TMA store through shared memory; z beside it when saved)

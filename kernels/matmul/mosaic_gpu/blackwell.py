@@ -6,11 +6,12 @@ Block schedule
 --------------
 grid = (num_ctas,): at most one CTA per SM (`Plan.num_ctas`), each of two warpgroups. CTA c
 walks the work items c, c + num_ctas, ... of (split, batch, output tile) as Hopper's kernel
-does (`tiles.item_of`); item i of the CTA is its local step i. Per item:
+does (`tiles.item_of`); item i is the CTA's i-th. Per item:
   - warp 0 of warpgroup 0 (the producer) copies, by TMA, the (block_m, block_k) tile of A and
     the (block_k, block_n) tile of B of each K step into a ring of `Plan.stages` shared-memory
-    slots: step s of the CTA (over all its items) fills slot s % stages once the MMA of step
-    s - stages has read it (`consumed`);
+    slots: the CTA's K step s, counted over all its items, fills slot s % stages once the MMA
+    of K step s - stages has read it (`consumed`), and the two copies arrive on `loaded`
+    (2 arrivals);
   - warp 1 of warpgroup 0 (the MMA issuer) waits for each slot (`loaded`) and issues one
     tcgen05 MMA of A's slot by B's slot into the item's accumulator, `block_n` float32 columns
     of tensor memory of 128 lanes (rows); the tensor core arrives on `consumed` when the MMA
@@ -19,7 +20,10 @@ does (`tiles.item_of`); item i of the CTA is its local step i. Per item:
     epilogue to have read item i - 2's (`stored`), and after its last MMA commits to `ready`;
   - warpgroup 1 (the epilogue) waits for `ready`, loads the accumulator from tensor memory in
     column slices of `TCGEN05_EPILOGUE_COLUMNS` (one row a thread), applies bias, activation and
-    residual (`tiles.epilogue_slice`) and stores each slice by TMA, then frees the half.
+    residual (`tiles.epilogue_slice`) and stores each slice by TMA, then, once its loads from
+    tensor memory are done (`wait_load_tmem`), frees the half (arrives on `stored`).
+`consumed`, `ready` and `stored` order the tensor core (`orders_tensor_core`): the MMAs' reads
+and writes are asynchronous, and these barriers are what the other roles wait for.
 There are no wgmma register accumulators, so no warpgroup needs `setmaxnreg`: the epilogue holds
 one 128 x `TCGEN05_EPILOGUE_COLUMNS` slice (32 float32 registers a thread).
 Ragged tiles are zero-filled by TMA on load and dropped on store, as in Hopper's kernel; A's

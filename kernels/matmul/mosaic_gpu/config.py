@@ -253,7 +253,8 @@ def check(p: Problem, config: MatmulConfig | None) -> None:
     for name, dtype in (("a", p.a_dtype), ("b", p.b_dtype)):
         if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16, jnp.float32):
             raise NotImplementedError(f"Mosaic GPU's MMAs take 16-bit floats and float32 "
-                                      f"(TF32); {name} is {jnp.dtype(dtype).name}")
+                                      f"(TF32 or split bfloat16); {name} is "
+                                      f"{jnp.dtype(dtype).name}")
     if p.highest and jnp.dtype(p.compute_dtype).itemsize > 2:
         raise NotImplementedError("Mosaic GPU multiplies float32 as TF32 (Hopper) or split "
                                   "bfloat16 (Blackwell); precision=HIGHEST runs in xla or "

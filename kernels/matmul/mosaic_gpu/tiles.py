@@ -104,7 +104,8 @@ def shifted_spec(block: tuple[int, int], shifts: Shifts, dtype) -> plgpu.BlockSp
 
 def epilogue_slice(values, column: int, ctx: dict, p: Problem) -> None:
     """Bias, activation and residual on `values`, columns [column, column + width) of a
-    tile's float32 accumulator in registers of `ctx["layout"]` (one consumer's rows), written
+    tile's float32 accumulator in registers of `ctx["layout"]` (a Hopper consumer's rows, or
+    Blackwell's whole tile of 128), written
     through shared-memory slot `ctx["slot"]` by TMA (and z beside it where saved). Hopper's
     consumers and Blackwell's epilogue warpgroup (`blackwell.py`) share it."""
     width = ctx["out_smem"].shape[-1]
