@@ -67,7 +67,7 @@ def conv(x: jax.Array, w: jax.Array, bias: jax.Array | None, p: Problem, *,
     shifts = Shifts(layout.shift, layout.max_shift, per_step=True,
                     steps_per_shift=len(terms) * layout.width // plan.block_k)
     outs = launch(a, b, None if bias is None else bias.reshape(p.groups, p.og), None, gemm,
-                  plan, flops_and_bytes(p)[0], interpret, shifts, name="conv2d")
+                  plan, len(terms) * flops_and_bytes(p)[0], interpret, shifts, name="conv2d")
 
     def to_nhwc(out):
         out = out.reshape(p.groups, p.n, layout.rows, layout.cols, gemm.n)
