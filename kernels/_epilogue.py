@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from kernels.partition.shardings import like
 from reference.epilogue import ACTIVATIONS, accumulator_dtype
 
 __all__ = ["Epilogue", "on_accumulator", "apply_after_sum", "gradients", "require_supported",
@@ -146,7 +147,10 @@ def gradients(epilogue: Epilogue, g: Any, z: jax.Array | None, bias: jax.Array |
     """(dZ, dbias, dresidual) from the cotangent g of the output (a pair with z's where the
     forward returned z). dZ is g itself without an activation, else g·activation'(z) by JAX's
     own derivative, in float32 (float64) as JAX's gradient of the reference keeps it; dbias is
-    summed in float32 over every dim but the last (the features); dresidual is g."""
+    summed in float32 over every dim but the last (the features); dresidual is g. On Explicit
+    axes dbias and dresidual are typed like their primals (a replicated bias of a
+    column-parallel layer, a residual sharded unlike the output), as JAX's own gradient types
+    them: dZ has the output's sharding, which neither need share."""
     g_y, g_z = g if epilogue.saved is not None else (g, None)
     dz = g_y
     if epilogue.activation is not None:
@@ -157,8 +161,8 @@ def gradients(epilogue: Epilogue, g: Any, z: jax.Array | None, bias: jax.Array |
     dbias = None
     if bias is not None:
         summed = jnp.sum(dz.astype(accumulator_dtype(dz.dtype)), axis=tuple(range(dz.ndim - 1)))
-        dbias = summed.astype(bias.dtype)
-    return dz, dbias, None if residual is None else g_y.astype(residual.dtype)
+        dbias = like(summed.astype(bias.dtype), bias)
+    return dz, dbias, None if residual is None else like(g_y.astype(residual.dtype), residual)
 
 
 def require_supported(epilogue: Epilogue, *dtypes: Any) -> None:

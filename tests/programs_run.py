@@ -4,6 +4,7 @@ plugin's compile-only devices are set up per process):
 
     python tests/programs_run.py ops TARGET [MESHES]  # every op, one device / Auto / Explicit
     python tests/programs_run.py models TARGET    # the examples' training steps
+    python tests/programs_run.py language_model TARGET None,triton  # a Flax language model
 
 `models` compiles one training step (loss, gradients, update) of `examples/train_digits.py`'s
 CNN (data-parallel: the batch sharded over every device, Auto axes) and of
@@ -78,6 +79,78 @@ def _sharded_training_step(implementation, mesh):
                   jax.ShapeDtypeStruct((example.BATCH,), jnp.int32, sharding=batch))
 
 
+# The language model's sizes: vocabulary, sequence, features, hidden units, batch.
+_LM = dict(vocab=128, length=16, features=32, hidden=64, batch=8)
+
+
+def _language_model_step(implementation, mesh):
+    """One training step of a small language model of `kernels.flax.nnx` layers, tensor-parallel
+    as such models are sharded: a conv stem over the sequence with its output channels sharded,
+    a column-parallel Linear (kernel sharded over "model", bias replicated), a row-parallel one,
+    LayerNorm, RMSNorm and a tied read-out through the embedding (`Embed.attend`); the batch
+    over "data". The bias and norm parameters are replicated while the products they meet are
+    sharded, so each gradient must be typed like its parameter on Explicit axes."""
+    from flax import nnx
+
+    from kernels.flax import nnx as layers
+
+    vocab, length, features, hidden, batch = (_LM[k] for k in
+                                              ("vocab", "length", "features", "hidden", "batch"))
+    ops = dict(implementation=implementation)
+
+    class LanguageModel(nnx.Module):
+        def __init__(self):
+            ops["rngs"] = nnx.Rngs(0)
+            self.embed = layers.Embed(vocab, features, **ops)
+            self.stem = layers.Conv(features, features, (1, 3), **ops)
+            self.norm = layers.LayerNorm(features, **ops)
+            self.up = layers.Linear(features, hidden, **ops)
+            self.hidden_norm = layers.RMSNorm(hidden, **ops)
+            self.down = layers.Linear(hidden, features, **ops)
+
+        def __call__(self, tokens):
+            x = self.embed(tokens)
+            x = x + self.stem(x[:, None])[:, 0]
+            x = x + self.down(self.hidden_norm(jax.nn.gelu(self.up(self.norm(x)))))
+            return self.embed.attend(x)
+
+    # Abstract: nothing runs on the compile-only devices in scope.
+    graphdef, params = nnx.split(nnx.eval_shape(LanguageModel), nnx.Param)
+    # Kernels sharded over "model" (column- and row-parallel), everything else replicated.
+    sharded = {("stem", "kernel"): P(None, None, None, "model"), ("up", "kernel"): P(None, "model"),
+               ("down", "kernel"): P("model", None)}
+
+    def step(params, tokens):
+        def loss(params):
+            logits = nnx.merge(graphdef, params)(tokens[:, :-1]).astype(jnp.float32)
+            target = jax.nn.one_hot(tokens[:, 1:], vocab, dtype=jnp.float32)
+            return -jnp.mean(jnp.sum(jax.nn.log_softmax(logits) * target, axis=-1))
+
+        value, grads = jax.value_and_grad(loss)(params)
+        return value, jax.tree.map(lambda p, g: p - 0.01 * g, params, grads)
+
+    specs = nnx.map_state(lambda path, p: jax.ShapeDtypeStruct(
+        p.shape, p.dtype, sharding=NamedSharding(mesh, sharded.get(tuple(map(str, path)), P()))),
+        params)
+    return step, (specs, jax.ShapeDtypeStruct((batch, length + 1), jnp.int32,
+                                              sharding=NamedSharding(mesh, P("data"))))
+
+
+def language_model(target: str, implementations: list[str | None]) -> list[programs.ProgramReport]:
+    """`_language_model_step` compiled for 4 devices of `target` on a (2, 2) mesh, Auto and
+    Explicit axes, with each of `implementations` (None: the default)."""
+    reports = []
+    for implementation in implementations:
+        for kind in ("auto", "explicit"):
+            mesh = programs.mesh_for(target, 4, kind, shape=(2, 2))
+            with jax.set_mesh(mesh) if kind == "explicit" else contextlib.nullcontext():
+                step, args = _language_model_step(implementation, mesh)
+                reports.append(programs.compile_program(
+                    "language_model", step, args, mesh, target=target, mesh_kind=kind,
+                    implementation=str(implementation)))
+    return reports
+
+
 def models(target: str) -> list[programs.ProgramReport]:
     count = 8 if target.startswith("sm_") else 4
     reports = []
@@ -99,6 +172,9 @@ def main(mode: str, target: str, meshes: str = ",".join(programs.MESHES)) -> Non
     if mode == "ops":
         reports = programs.compile_ops(target, 4, meshes.split(","),
                                        implementations=(None, "kernel"))
+    elif mode == "language_model":  # MESHES: here the implementations, comma-separated
+        reports = language_model(target, [None if name == "None" else name
+                                          for name in meshes.split(",")])
     else:
         reports = models(target)
     for report in reports:

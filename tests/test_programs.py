@@ -20,6 +20,7 @@ import pytest
 
 from kernels.compile import programs
 from kernels.compile import implementation_for
+from tests.support import PLATFORM, kernels_of
 
 HERE = Path(__file__).parent
 # The mesh kinds each target's op programs compile on: the H100's and the v5e's 4-device meshes,
@@ -95,6 +96,23 @@ def test_example_training_steps_compile(target):
         assert r["compiled"], (where, r["error"])
         if r["implementation"] != "None":
             assert r["kernel_calls"] >= 10, (where, r["kernel_calls"])
+
+
+@pytest.mark.exhaustive
+@pytest.mark.timeout(900)
+def test_language_model_training_step_compiles():
+    """One training step of a small language model of this library's Flax layers (Embed,
+    a conv stem, LayerNorm, column- and row-parallel Linear layers with replicated biases,
+    RMSNorm, a tied read-out) for 4 H100s, Auto and Explicit axes, with the default and every
+    GPU kernel this jax has: each compiles, and the kernels run every layer."""
+    kernels = [name for name in kernels_of(None) if PLATFORM[name] == "cuda"]
+    reports = _reports("language_model", "sm_90", ",".join(["None", *kernels]))
+    assert {(r["mesh"], r["implementation"]) for r in reports} == {
+        (mesh, name) for mesh in ("auto", "explicit") for name in ("None", *kernels)}
+    for r in reports:
+        assert r["compiled"], (r["mesh"], r["implementation"], r["error"])
+        if r["implementation"] != "None":  # 7 layers' forward and backward kernels
+            assert r["kernel_calls"] >= 14, (r["mesh"], r["implementation"], r["kernel_calls"])
 
 
 @pytest.mark.timeout(600)

@@ -18,7 +18,8 @@ from jax.sharding import PartitionSpec as P
 
 import kernels
 from kernels import _targets
-from tests.support import MARKER, assert_lowers
+from kernels.partition.rules import dims_of_sharding
+from tests.support import MARKER, assert_lowers, implementations_of
 
 
 
@@ -85,3 +86,66 @@ def test_kernels_lower_per_shard(case, implementation):
         assert math.prod(expected) in sizes, (shapes, expected)
     assert text.count("all_reduce") == all_reduces, text.count("all_reduce")
     assert "all_gather" not in text
+
+
+def _gradient_mesh(implementation: str) -> AbstractMesh:
+    """(2, 2) Explicit mesh of the devices `implementation`'s kernels compile for."""
+    platform = "tpu" if implementation == "mosaic" else "gpu"
+    return AbstractMesh((2, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2,
+                        abstract_device=_targets.abstract_device(_targets.DEFAULT[platform]))
+
+
+# name -> (op of (implementation, arrays), operands): epilogue operands sharded unlike the
+# product (replicated, on another mesh axis, broadcast over the batch), and a normalized
+# activation of rank 3, whose gradients JAX types like their primals.
+_EPILOGUE_CASES = {
+    "matmul/bias-replicated": (
+        lambda impl, x, w, b: kernels.matmul(x, w, bias=b, activation="gelu",
+                                             implementation=impl, interpret=False),
+        [_operand((64, 32), P("data", None)), _operand((32, 48), P(None, "model")),
+         _operand((48,), P())]),
+    "matmul/residual-replicated": (
+        lambda impl, x, w, r: kernels.matmul(x, w, residual=r, implementation=impl,
+                                             interpret=False),
+        [_operand((64, 32), P("data", None)), _operand((32, 48), P(None, "model")),
+         _operand((64, 48), P())]),
+    "matmul/residual-other-axis": (
+        lambda impl, x, w, b, r: kernels.matmul(x, w, bias=b, residual=r, implementation=impl,
+                                                interpret=False),
+        [_operand((64, 32), P()), _operand((32, 48), P(None, "model")), _operand((48,), P()),
+         _operand((64, 48), P("data", None))]),
+    "matmul/residual-batch-broadcast": (
+        lambda impl, x, w, r: kernels.matmul(x, w, residual=r, activation="silu",
+                                             implementation=impl, interpret=False),
+        [_operand((4, 16, 32), P("data", None, None)), _operand((32, 48), P(None, "model")),
+         _operand((16, 48), P())]),
+    "conv2d/bias-replicated": (
+        lambda impl, x, w, b: kernels.conv2d(x, w, bias=b, activation="relu",
+                                             implementation=impl, interpret=False),
+        [_operand((4, 8, 8, 16), P("data")), _operand((3, 3, 16, 32), P(None, None, None, "model")),
+         _operand((32,), P())]),
+    "normalize/sequence-sharded": (  # (batch, sequence, features): a 3-D view of the rows
+        lambda impl, x, scale: kernels.rms_norm(x, scale, implementation=impl, interpret=False),
+        [_operand((4, 16, 48), P(None, "data", "model")), _operand((48,), P())]),
+    "normalize/residual-replicated": (
+        lambda impl, x, r, scale: kernels.layer_norm(x, scale, residual=r, implementation=impl,
+                                                     interpret=False)[0],
+        [_operand((64, 48), P("data", None)), _operand((64, 48), P()), _operand((48,), P())]),
+}
+
+
+@pytest.mark.parametrize("case,implementation", [
+    (case, impl) for case in _EPILOGUE_CASES for impl in implementations_of(case.split("/")[0])])
+def test_gradients_are_typed_like_their_primals(case, implementation):
+    """On a (2, 2) Explicit mesh every implementation's gradient of a bias or residual sharded
+    unlike the output carries its primal's sharding, as JAX's own gradient does (a custom_vjp
+    whose backward returns dZ's sharding raises while tracing)."""
+    op, operands = _EPILOGUE_CASES[case]
+    mesh = _gradient_mesh(implementation)
+    args = [make_operand(mesh) for make_operand in operands]
+    loss = lambda *a: jnp.sum(op(implementation, *a).astype(jnp.float32))  # noqa: E731
+    with jax.sharding.use_abstract_mesh(mesh):
+        grads = jax.jit(jax.grad(loss, argnums=tuple(range(len(args))))).trace(*args).out_info
+    for arg, grad in zip(args, grads):
+        assert (dims_of_sharding(grad.sharding, grad.ndim)
+                == dims_of_sharding(arg.sharding, arg.ndim)), (grad.sharding, arg.sharding)

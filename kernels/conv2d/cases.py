@@ -106,6 +106,12 @@ OUT_SHARDING = {
         _with_out_sharding,
         [((4, 6, 6, 8), P("data", None, None, "model")), ((3, 3, 8, 8), P(None, None, "model"))],
         P("data", None, None, "model"), P("data", None, None, "model")),
+    # Output channels sharded, the bias replicated: its gradient is typed replicated.
+    "conv2d/out-channels-bias": (
+        lambda impl: lambda x, w, bias, s: conv2d(x, w, bias=bias, activation="relu",
+                                                  out_sharding=s, implementation=impl),
+        [((4, 6, 6, 8), P("data")), ((3, 3, 8, 8), P(None, None, None, "model")), ((8,), P())],
+        None, P("data", None, None, "model")),
 }
 # The out_sharding cases whose kernels must reduce-scatter into the sharding asked for.
 REDUCE_SCATTERS = {"conv2d/in-channels-reduce-scatter"}

@@ -118,6 +118,15 @@ OUT_SHARDING = {
                                                   out_sharding=s, implementation=impl),
         [((4, 16, 32), P(None, "model", None)), ((32, 48), P()), ((48,), P())],
         None, P(None, "model")),
+    # A column-parallel layer whose bias and residual are replicated: their gradients are
+    # typed replicated, as JAX's gradient types them (dZ is sharded over "model").
+    "matmul/column-parallel-epilogue": (
+        lambda impl: lambda a, b, bias, residual, s: matmul(
+            a, b, bias=bias, activation="gelu", residual=residual, out_sharding=s,
+            implementation=impl),
+        [((64, 32), P("data", None)), ((32, 48), P(None, "model")), ((48,), P()),
+         ((64, 48), P())],
+        None, P("data", "model")),
 }
 # The out_sharding cases whose kernels must reduce-scatter into the sharding asked for.
 REDUCE_SCATTERS = {"matmul/K-reduce-scatter", "matmul/K-both"}

@@ -160,19 +160,30 @@ def _normalize(x, scale, offset, residual, axis, epsilon, subtract_mean, out_dty
                                       out_dtype=y_dtype)
             return _with_sharding(out, out_sharding)
         # The only copy: normalized axes that are not contiguous are moved last (common.plan).
+        # The view merges runs of dims (before, normalized, after), sharded on Explicit axes
+        # as `partition.grouped` can keep them; the results come back with x's sharding.
+        first = x.ndim - len(axes) if perm is not None else axes[0]
+        runs = ((0, first, len(axes)) if problem.rows else
+                (first, len(axes), x.ndim - first - len(axes)))
+        ordered_shape = x.shape if perm is None else tuple(x.shape[d] for d in perm)
+
         def view(a):
-            return None if a is None else (a if perm is None else jnp.transpose(a, perm)
-                                           ).reshape(problem.view_shape)
+            return None if a is None else partition.grouped(
+                a if perm is None else jnp.transpose(a, perm), runs)
 
         def unview(a):
             if a is None:
                 return None
-            a = a.reshape(x.shape if perm is None else tuple(x.shape[d] for d in perm))
-            return a if perm is None else jnp.transpose(a, np.argsort(perm))
+            a = partition.ungrouped(a, ordered_shape, runs)
+            return partition.like(a if perm is None else jnp.transpose(a, np.argsort(perm)), x)
 
         params = [None if v is None else v.astype(problem.stat_dtype).reshape(problem.param_shape)
                   for v in (scale, offset)]
         static = _Static(name, interpret, config, problem, _targets.program_device())
+        # The kernel's residual is sharded as x (its gradient is dx): a residual sharded
+        # otherwise (replicated, say) is resharded here, and JAX's transpose of that reshard
+        # types its gradient like it.
+        residual = partition.like(residual, x)
         operands = partition.match_varying(view(x), view(residual), *params)
         y, summed, _, _ = _jitted_forward(*operands, static)
         return _with_sharding(unview(y) if residual is None else (unview(y), unview(summed)),
@@ -180,7 +191,7 @@ def _normalize(x, scale, offset, residual, axis, epsilon, subtract_mean, out_dty
 
     return _dispatch.run(op, implementation, interpret, checks, call, x, scale, offset,
                          residual, config=config, out_sharding=out_sharding,
-                         empty=x.size == 0)
+                         empty=x.size == 0, dtype=x.dtype)
 
 
 def _with_sharding(out, out_sharding):

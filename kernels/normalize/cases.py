@@ -133,5 +133,13 @@ OUT_SHARDING = {
         lambda impl: lambda x, r, s: layer_norm(x, residual=r, out_sharding=s,
                                                 implementation=impl)[1],
         [((64, 40), P("data", None)), ((64, 40), P("data", None))], P(), P("data")),
+    # A (batch, sequence, features) activation, batch and features sharded, its residual
+    # replicated (the default out_sharding): the kernels' 3-D view keeps x's sharding, and the
+    # residual's gradient is typed replicated.
+    "layer_norm/sequence-residual-replicated": (
+        lambda impl: lambda x, r, s: layer_norm(x, residual=r, out_sharding=s,
+                                                implementation=impl)[0],
+        [((4, 6, 40), P("data", None, "model")), ((4, 6, 40), P())], None,
+        P("data", None, "model")),
 }
 REDUCE_SCATTERS: set[str] = set()  # out_sharding cases that must reduce-scatter: none

@@ -59,11 +59,11 @@ from kernels.partition.apply import (check_partitionable, match_varying, partiti
                                      strategy)
 from kernels.partition.rules import (Axes, Dims, Factors, Layout, Plan, Reduction, Rule,
                                      reduction, spec)
-from kernels.partition.shardings import (axis_sizes, constrain, dims_of, like, merged,
+from kernels.partition.shardings import (axis_sizes, constrain, dims_of, grouped, like, merged,
                                          mergeable, out_sharding, requested, reshape, sharding,
-                                         split)
+                                         split, ungrouped)
 
 __all__ = ["Layout", "Plan", "partitioned", "match_varying", "Reduction", "reduction", "spec",
-           "dims_of", "sharding", "reshape", "like", "strategy", "check_partitionable",
+           "dims_of", "sharding", "reshape", "grouped", "ungrouped", "like", "strategy", "check_partitionable",
            "out_sharding", "requested", "merged", "mergeable", "split", "axis_sizes",
            "constrain", "Axes", "Dims", "Rule", "Factors"]
