@@ -19,6 +19,7 @@ import textwrap
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 
 from bench import design, harness
 from kernels import defaults, registry
@@ -76,11 +77,15 @@ def summary(ops: list[str], rows: list[dict], design_rows: list[dict] | None,
     for op in ops:
         lines += ["", op]
         for platform in ("gpu", "tpu"):
-            entry = defaults.TABLE.get((op, platform))
-            lines += _wrapped(f"default on {platform.upper()}: "
-                              f"{', then '.join(entry.implementations)} ({entry.evidence})")
-        lines.append(f"  default here ({jax.default_backend()}): "
-                     f"{', '.join(defaults.default(op, jax.default_backend()))}")
+            for entry in defaults.TABLE.get((op, platform), ()):
+                reach = " ".join((*entry.device_kinds, *entry.dtypes)) or "every device"
+                lines += _wrapped(f"default on {platform.upper()} ({reach}): "
+                                  f"{', then '.join(entry.implementations)} ({entry.evidence})")
+        here = jax.devices()[0]
+        lines.append(f"  default here ({jax.default_backend()}): " + "; ".join(
+            f"{jnp.dtype(dtype).name} " + ", ".join(
+                defaults.default(op, here.platform, dtype, here.device_kind))
+            for dtype in (jnp.bfloat16, jnp.float32)))
         interpreted = _interpreted_cost([r for r in rows if r["op"].split()[0] == op])
         if interpreted:
             lines += _wrapped("interpreted on this machine, time vs XLA's (forward / "

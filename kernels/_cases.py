@@ -76,6 +76,12 @@ class Program:
     # by XLA ops instead (Chan's merge; the fused kernel needs whole groups).
     sharded_kernels: bool = True
 
+    @property
+    def dtype(self) -> Any:
+        """The dtype of its floating operands (the defaults table may split by it)."""
+        return jnp.result_type(*(dtype for _, dtype, _ in self.operands
+                                 if jnp.issubdtype(dtype, jnp.floating)))
+
     def function(self, implementation: str | None) -> Callable[..., Any]:
         op = self.call(implementation)
         floating = tuple(i for i, (_, dtype, _) in enumerate(self.operands)

@@ -29,7 +29,9 @@ reason, prefixed with the implementation's name.
 
 from __future__ import annotations
 
+import functools
 import os
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -63,16 +65,17 @@ def _validated(names: Sequence[str], source: str) -> tuple[str, ...]:
     return names
 
 
-def implementations(implementation: Implementation, op: str = "",
-                    platform: str = "cpu") -> tuple[str, ...]:
+def implementations(implementation: Implementation, op: str = "", platform: str = "cpu",
+                    dtype: Any = None, device_kind: str | None = None) -> tuple[str, ...]:
     """The sequence of implementations to try for `implementation=` of `op` in a program
     lowered for `platform` (see docs/design.md): `None` is `$KERNELS_IMPLEMENTATION` if set, else
-    the op's entry in `kernels.defaults` for that platform."""
+    the op's entry in `kernels.defaults` for that platform, the operands' `dtype` and the
+    program's `device_kind`."""
     if implementation is None:
         env = os.environ.get(ENV_VAR, "").strip()
         if env:
             return _validated([n.strip() for n in env.split(",")], f"${ENV_VAR}")
-        return defaults.default(op, platform)
+        return defaults.default(op, platform, dtype, device_kind)
     if isinstance(implementation, str):
         return _validated([implementation], "implementation")
     if not isinstance(implementation, Sequence):
@@ -125,9 +128,10 @@ def choose(
     platform: str = "cpu",
     operands: Sequence[Any] = (),
     config: Any = None,
+    dtype: Any = None,
 ) -> tuple[str, bool | str]:
-    """(implementation name, `resolve_interpret`'s mode) for one call of `op` lowered for
-    `platform`.
+    """(implementation name, `resolve_interpret`'s mode) for one call of `op` on operands of
+    `dtype` lowered for `platform`.
 
     `checks[name]()` raises `NotImplementedError(reason)` when kernel `name` declines these
     inputs, as does a kernel that cannot be partitioned over the mesh `operands` live on
@@ -140,7 +144,10 @@ def choose(
             isinstance(interpret, str) and interpret == STRICT):
         raise TypeError(f"{op}: interpret must be None, True, False or {STRICT!r}, got "
                         f"{interpret!r}")
-    names = implementations(implementation, op, platform)
+    family = registry.PLATFORMS.get(platform)  # "gpu", "tpu", or None (cpu)
+    with _targets.for_operands(operands):
+        kind = _targets.device_kind(family) if family else None
+    names = implementations(implementation, op, platform, dtype, kind)
     reasons = []
     for name in names:
         interpreted = resolve_interpret(name, interpret, platform, operands)
@@ -157,8 +164,32 @@ def choose(
         except NotImplementedError as declined:
             reasons.append(f"{name}: {declined}")
             continue
+        if interpreted:
+            _warn_if_few_cpu_threads(name, registry.get(name).interpreter_threads,
+                                     xla_cpu_threads())
         return name, interpreted
     raise NotImplementedError(f"{op}: " + "; ".join(reasons))
+
+
+def xla_cpu_threads() -> int:
+    """The threads of XLA's CPU thread pools: `$PJRT_NPROC`, else one per core this process may
+    run on (XLA's own default)."""
+    env = os.environ.get("PJRT_NPROC", "").strip()
+    if env.isdigit():
+        return int(env)
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity else os.cpu_count() or 1
+
+
+@functools.cache
+def _warn_if_few_cpu_threads(name: str, needed: int, threads: int) -> None:
+    """Warns (once per process and figures) that `name`'s interpreter needs more of XLA's CPU
+    threads than there are: it can then deadlock (the registry's `interpreter_threads`)."""
+    if threads < needed:
+        warnings.warn(
+            f"{name}'s interpreter needs at least {needed} threads in XLA's CPU thread pools, "
+            f"which have {threads} here: it can deadlock. Set PJRT_NPROC={needed} (or more) in "
+            "the environment before jax starts", RuntimeWarning, stacklevel=4)
 
 
 def run(
@@ -171,6 +202,7 @@ def run(
     config: Any = None,
     out_sharding: NamedSharding | None = None,
     empty: bool = False,
+    dtype: Any = None,
 ) -> Any:
     """`call(name, interpret, out_sharding, *operands)` with the implementation `choose` picks
     for each platform the program may be lowered for (see the module docstring). `operands` is
@@ -179,7 +211,7 @@ def run(
     (`partition.out_sharding`). `empty`: the call has nothing for a kernel to do (an output of
     size zero, or nothing to sum over): the choice is made and checked as for any call, but the
     reference computes the (empty or all-zero) result, the one place every op handles size
-    zero.
+    zero. `dtype`: the operands' dtype, which the defaults table may split its entries by.
 
     Without an `out_sharding`, where JAX's own op (`xla`) cannot type its output's sharding on
     Explicit axes (a contraction over a sharded dim, a table sharded along the gathered axis),
@@ -195,7 +227,7 @@ def run(
     for platform in LOWERING_PLATFORMS:
         try:
             choices[platform] = choose(op, implementation, interpret, checks, platform, arrays,
-                                       config)
+                                       config, dtype=dtype)
         except NotImplementedError as declined:
             choices[platform] = str(declined)
     if empty:

@@ -251,10 +251,25 @@ def current(platform: str) -> Target:
     of this process, else the platform's default target."""
     if _INTERPRETED.get():
         return INTERPRETER[platform]
+    device = _device(platform)
+    return DEFAULT[platform] if device is None else _by_device_kind(platform, device)
+
+
+def _device(platform: str) -> Any:
+    """The device of `platform` a call made now is built for: the program's
+    (`_program_devices`), else one of this process's, else None."""
     for device in (*_program_devices(_OPERAND_DEVICE.get()), *jax.devices()):
         if device.platform in _PLATFORMS[platform]:
-            return _by_device_kind(platform, device)
-    return DEFAULT[platform]
+            return device
+    return None
+
+
+def device_kind(platform: str) -> str | None:
+    """The device kind (`jax.Device.device_kind`) of `platform` ("gpu" or "tpu") a call made now
+    is built for, where the program or this process names one (`_device`), else None: what the
+    defaults table's per-device entries are matched against (`kernels.defaults`)."""
+    device = _device(platform)
+    return None if device is None else device.device_kind
 
 
 def abstract_device(target: Target) -> jax.sharding.AbstractDevice:

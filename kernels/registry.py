@@ -75,6 +75,10 @@ class Implementation:
     # Whether `interpret=True` is the fast interpreter (Pallas' HLO interpreter on blocks sized
     # for it, at model-test sizes); else it runs the "strict" interpreter's schedule, slowly.
     fast_interpreter: bool = True
+    # The threads XLA's CPU thread pools need (`PJRT_NPROC`, by default one per core) for its
+    # interpreter to make progress; the dispatch warns once where a call would run it with
+    # fewer (`_dispatch.choose`).
+    interpreter_threads: int = 0
 
     @property
     def is_kernel(self) -> bool:
@@ -89,6 +93,14 @@ def _gpu_families(*majors: int) -> Callable[[Target], bool]:
 
 
 REFERENCE = "xla"  # the implementation that runs each op's reference: JAX's own ops
+# Mosaic GPU's interpreter runs each simulated warpgroup, and each warp of a `warp_map`, as an
+# XLA computation on a thread of its own, whose callbacks wait on the kernel's barriers; XLA runs
+# some of those callbacks on its CPU client's thread pools, which have PJRT_NPROC threads (by
+# default one per core). On a 2-core host the interpreter's own callback and one barrier wait
+# took both, and the thread the barrier waited for never ran: a Blackwell test hung about 1 run in
+# 8 with two workers (jax 0.12.0.1; with 16 threads, none in 12). 16 covers every thread a CTA of
+# ours can simulate at once (3 warpgroups of 4 warps, and their callbacks).
+MOSAIC_GPU_INTERPRETER_THREADS = 16
 _ENTRIES = (
     Implementation(REFERENCE, None),
     # Ampere and Hopper: the GPUs its kernels are compiled for (sm_80, sm_90) and timed on. On
@@ -122,8 +134,8 @@ _ENTRIES = (
                    "strict": "Mosaic GPU's interpreter on the device's blocks, with its race "
                              "detector"},
         interpreter_callbacks=(True, "strict"), call_marker=MOSAIC_GPU_CALL_MARKER,
-        compile_backend="mosaic_gpu",
-        supports_float64=False, fast_interpreter=False),
+        compile_backend="mosaic_gpu", supports_float64=False, fast_interpreter=False,
+        interpreter_threads=MOSAIC_GPU_INTERPRETER_THREADS),
 )
 # A lowering platform (or jax.default_backend(), a device's platform) -> the kind of
 # `_targets.Target` its devices are: also the defaults table's platform.

@@ -6,14 +6,12 @@ import os
 # "standard" back locally (`tests.support.standard_promotion`).
 os.environ["JAX_NUMPY_RANK_PROMOTION"] = "raise"
 os.environ["JAX_NUMPY_DTYPE_PROMOTION"] = "strict"
-# Mosaic GPU's interpreter runs each simulated warpgroup, and each warp of a `warp_map`, as an
-# XLA computation on a thread of its own, whose callbacks wait on the kernel's barriers; XLA runs
-# some of those callbacks on its CPU client's thread pools, which have PJRT_NPROC threads (by
-# default one per core). On a 2-core host the interpreter's own callback and one barrier wait
-# took both, and the thread the barrier waited for never ran: a Blackwell test hung about 1 run in
-# 8 with two workers (2026-11-27, jax 0.12.0.1; with 16 threads, none in 12). 16 covers every
-# thread a CTA of ours can simulate at once (3 warpgroups of 4 warps, and their callbacks).
-os.environ.setdefault("PJRT_NPROC", "16")
+# XLA's CPU thread pools sized for Mosaic GPU's interpreter (its simulated threads wait on one
+# another: the measurement is beside the constant), before jax starts its CPU client; the
+# subprocess suites inherit it.
+from kernels.registry import MOSAIC_GPU_INTERPRETER_THREADS  # noqa: E402
+
+os.environ.setdefault("PJRT_NPROC", str(MOSAIC_GPU_INTERPRETER_THREADS))
 
 import pytest  # noqa: E402
 

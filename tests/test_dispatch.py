@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 
 import jax
@@ -216,37 +217,73 @@ def test_sequence_tries_in_order_and_reports_every_reason():
         _dispatch.choose("op", ("triton", "mosaic"), None, checks)
 
 
-@pytest.mark.parametrize("backend,expected", [
-    # Measured on an H100 (kernels/defaults.py): only the Triton gather is at or ahead of XLA
-    # both forward and in a training step.
-    ("cuda", {**dict.fromkeys(("matmul", "conv2d", "normalize", "layer_norm", "rms_norm"),
-                              ("xla",)), "gather": ("triton", "xla")}),
-    ("tpu", {"matmul": ("xla",), "conv2d": ("xla",), "normalize": ("mosaic", "xla"),
-             "layer_norm": ("mosaic", "xla"), "rms_norm": ("mosaic", "xla"),
-             "gather": ("xla",)}),
-    ("cpu", dict.fromkeys(("matmul", "conv2d", "normalize", "gather"), ("xla",))),
+@pytest.mark.parametrize("backend,device_kind,dtype,expected", [
+    # Measured on an H100 (kernels/defaults.py): the Triton gather, and the Triton conv2d in
+    # bfloat16, are at or ahead of XLA both forward and in a training step.
+    ("cuda", "NVIDIA H100 80GB HBM3", jnp.bfloat16, {
+        **dict.fromkeys(("matmul", "normalize", "layer_norm", "rms_norm"), ("xla",)),
+        "conv2d": ("triton", "xla"), "gather": ("triton", "xla")}),
+    ("cuda", "NVIDIA H100 80GB HBM3", jnp.float32, {
+        **dict.fromkeys(("matmul", "conv2d", "normalize"), ("xla",)),
+        "gather": ("triton", "xla")}),
+    # No record covers an A100, a B200, an AMD GPU, or a program whose device tracing cannot
+    # tell: every op runs xla there.
+    *[("cuda", kind, jnp.bfloat16, dict.fromkeys(("matmul", "conv2d", "normalize", "gather"),
+                                                 ("xla",)))
+      for kind in ("NVIDIA A100-SXM4-80GB", "NVIDIA B200", None)],
+    ("rocm", "AMD Instinct MI300X", jnp.bfloat16, dict.fromkeys(("conv2d", "gather"), ("xla",))),
+    ("tpu", "TPU v5 lite", jnp.bfloat16, {
+        "matmul": ("xla",), "conv2d": ("xla",), "normalize": ("mosaic", "xla"),
+        "layer_norm": ("mosaic", "xla"), "rms_norm": ("mosaic", "xla"), "gather": ("xla",)}),
+    ("cpu", None, jnp.bfloat16, dict.fromkeys(("matmul", "conv2d", "normalize", "gather"),
+                                              ("xla",))),
 ])
-def test_defaults_come_from_the_table(monkeypatch, backend, expected):
+def test_defaults_come_from_the_table(monkeypatch, backend, device_kind, dtype, expected):
     """The table: a kernel first only where its record (or, unmeasured, its design) has it at
-    or ahead of XLA; on TPUs normalization defaults to the kernel, then xla (gather's 16-bit
-    rows move 1.5x the minimum bytes: issue 25)."""
+    or ahead of XLA, and only for the device kinds (and, where the record splits so, the
+    dtypes) the record covers; on TPUs normalization defaults to the kernel, then xla."""
     monkeypatch.delenv(_dispatch.ENV_VAR, raising=False)
     for op, names in expected.items():
-        assert _dispatch.implementations(None, op, backend) == names, op
+        assert _dispatch.implementations(None, op, backend, dtype, device_kind) == names, op
     monkeypatch.setenv(_dispatch.ENV_VAR, "triton")  # the environment still forces a kernel
-    assert _dispatch.implementations(None, "matmul", backend) == ("triton",)
+    assert _dispatch.implementations(None, "matmul", backend, dtype, device_kind) == ("triton",)
 
 
 def test_every_default_cites_its_evidence():
     records = Path(__file__).parent.parent / "bench" / "records"
-    for (op, platform), entry in defaults.TABLE.items():
-        assert entry.implementations[-1] == "xla", (op, platform)  # a default never fails
-        if entry.evidence.startswith("bench/records/"):
-            record, figures = entry.evidence.split(": ", 1)
-            assert (records.parent.parent / record).is_file(), entry.evidence
-            assert len(figures) > 40, entry  # the figures the entry relies on
-        else:
-            assert entry.evidence.startswith("design: ") and len(entry.evidence) > 40, entry
+    for (op, platform), entries in defaults.TABLE.items():
+        for entry in entries:
+            assert entry.implementations[-1] == "xla", (op, platform)  # a default never fails
+            if entry.evidence.startswith("bench/records/"):
+                record, figures = entry.evidence.split(": ", 1)
+                assert (records.parent.parent / record).is_file(), entry.evidence
+                assert len(figures) > 40, entry  # the figures the entry relies on
+                # A record covers the device kinds it was measured on, no others.
+                kind = json.loads((records.parent.parent / record).read_text())["device_kind"]
+                assert entry.device_kinds and kind.startswith(entry.device_kinds), entry
+            else:
+                assert entry.evidence.startswith("design: ") and len(entry.evidence) > 40, entry
+
+
+@pytest.mark.parametrize("target,dtype,kernels_expected", [
+    ("sm_90", jnp.bfloat16, 3), ("sm_90", jnp.float32, 0), ("sm_80", jnp.bfloat16, 0)])
+def test_conv_layer_default_follows_the_record_by_dtype_and_device_kind(
+        monkeypatch, target, dtype, kernels_expected):
+    """A bfloat16 conv layer's training program built for an H100 runs the Triton kernels by
+    default (forward, input and weight gradients); a float32 one, and one for an A100 (which no
+    record covers), run XLA's convolutions."""
+    from kernels import _pallas, _targets, conv2d
+
+    monkeypatch.delenv(_dispatch.ENV_VAR, raising=False)
+    x, w, bias = (jnp.ones(shape, dtype) for shape in ((2, 8, 8, 16), (3, 3, 16, 32), (32,)))
+
+    def step(x, w, bias):
+        loss = lambda *a: conv2d(*a[:2], bias=a[2], activation="relu").astype(jnp.float32).sum()
+        return jax.grad(loss, argnums=(0, 1, 2))(x, w, bias)
+
+    text = _pallas.lower(step, x, w, bias, target=_targets.TARGETS[target]).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == kernels_expected, text.count("__gpu$xla.gpu.triton")
+    assert ("stablehlo.convolution" in text) == (kernels_expected == 0)
 
 
 def test_default_call_on_a_gpu_backend_runs_xla_for_matmul(monkeypatch):
@@ -378,10 +415,12 @@ def test_a_platform_that_declines_fails_only_where_lowered_for(monkeypatch):
     lowered for the declining platform raises the reason, gradient programs included."""
     real_choose = _dispatch.choose
 
-    def choose(op, implementation, interpret, checks, platform="cpu", operands=(), config=None):
+    def choose(op, implementation, interpret, checks, platform="cpu", operands=(), config=None,
+               dtype=None):
         if platform == "tpu":
             raise NotImplementedError("op: mosaic: not on this mesh")
-        return real_choose(op, implementation, interpret, checks, platform, operands, config)
+        return real_choose(op, implementation, interpret, checks, platform, operands, config,
+                           dtype)
 
     monkeypatch.setattr(_dispatch, "choose", choose)
     def fn(x):
@@ -448,3 +487,28 @@ def test_an_unknown_tpu_kind_keeps_its_own_cores():
     mesh = AbstractMesh((1,), ("data",), axis_types=(AxisType.Explicit,), abstract_device=v4)
     with jax.sharding.use_abstract_mesh(mesh):
         assert _targets.current("tpu") is _targets.TARGETS["v4"]
+
+
+@pytest.mark.parametrize("threads,warns", [("2", True), ("16", False)])
+def test_mosaic_gpu_interpreter_warns_once_with_too_few_cpu_threads(monkeypatch, threads, warns):
+    """Interpreting Mosaic GPU with fewer XLA CPU threads than its interpreter needs (the
+    registry's `interpreter_threads`) warns once, naming PJRT_NPROC, while the call is chosen
+    (before anything runs); with enough threads, and for a compiled call, it does not."""
+    import warnings
+
+    monkeypatch.setenv("PJRT_NPROC", threads)
+    _dispatch._warn_if_few_cpu_threads.cache_clear()
+    needed = registry.get("mosaic_gpu").interpreter_threads
+    assert needed == registry.MOSAIC_GPU_INTERPRETER_THREADS > 2
+    checks = {"mosaic_gpu": lambda: None}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            assert _dispatch.choose("layer_norm", "mosaic_gpu", True, checks) == (
+                "mosaic_gpu", True)
+        assert _dispatch.choose("layer_norm", "mosaic_gpu", False, checks, "cuda")[1] is False
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == (1 if warns else 0), messages
+    if warns:
+        assert f"PJRT_NPROC={needed}" in messages[0] and "deadlock" in messages[0], messages
+    _dispatch._warn_if_few_cpu_threads.cache_clear()

@@ -250,14 +250,21 @@ PROGRAMS: dict[str, Program] = {name: program for op in OPS.values()
                                 for name, program in op.cases.PROGRAMS.items()}
 
 
+def default_of(program: Program, target: str) -> str:
+    """The implementation `implementation=None` runs first in `program` compiled for `target`
+    (the defaults table, for the target's device kind and the program's dtype)."""
+    spec = _targets.TARGETS[target]
+    return _dispatch.implementations(None, program.op, spec.lowering_platform, program.dtype,
+                                     spec.device_kind)[0]
+
+
 def expects_kernels(program: Program, target: str, mesh_kind: str,
                     implementation: str | None) -> bool:
     """Whether the compiled program should hold this library's kernels: an explicit kernel
     always; the default where the defaults table puts a kernel first for the target's
     platform, except compiled Mosaic kernels on Auto axes, where the default is `xla`."""
     if implementation is None:
-        lowering = _targets.TARGETS[target].lowering_platform
-        implementation = _dispatch.implementations(None, program.op, lowering)[0]
+        implementation = default_of(program, target)
     entry = registry.get(implementation)
     if not entry.is_kernel or mesh_kind != "one" and not program.sharded_kernels:
         return False
@@ -271,7 +278,6 @@ def compile_ops(target: str, count: int = 4, meshes: Sequence[str] = MESHES,
     with each implementation (None: the default; "kernel": the target's own kernel). Where the
     default is the kernel that compiled for the same program and mesh, it is the same program:
     its report is that one's, not a second compile."""
-    lowering = _targets.TARGETS[target].lowering_platform
     reports = []
     for kind in meshes:
         mesh = mesh_for(target, count, kind)
@@ -281,7 +287,7 @@ def compile_ops(target: str, count: int = 4, meshes: Sequence[str] = MESHES,
             for implementation in sorted(implementations, key=lambda i: i is None):
                 chosen = (implementation_for(target) if implementation == "kernel"
                           else implementation)
-                default = _dispatch.implementations(None, program.op, lowering)[0]
+                default = default_of(program, target)
                 if chosen is None and default in explicit:
                     reports.append(dataclasses.replace(explicit[default], implementation="None"))
                     continue

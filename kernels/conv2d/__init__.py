@@ -336,4 +336,5 @@ def conv2d(
         return partition.constrain(out, out_sharding)
 
     return _dispatch.run("conv2d", implementation, interpret, checks, call, x, w, bias,
-                         config=config, out_sharding=out_sharding, empty=problem.is_empty)
+                         config=config, out_sharding=out_sharding, empty=problem.is_empty,
+                         dtype=jnp.result_type(x, w))

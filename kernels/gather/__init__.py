@@ -193,7 +193,7 @@ def gather(
     operands = (x,) if host is not None else (x, indices)
     return _dispatch.run("gather", implementation, interpret, checks, call, *operands,
                          config=config, out_sharding=out_sharding,
-                         empty=math.prod(out_shape) == 0)
+                         empty=math.prod(out_shape) == 0, dtype=x.dtype)
 
 
 def _view_dims(dims: partition.Dims, groups: tuple[tuple[int, ...], ...]) -> partition.Dims:

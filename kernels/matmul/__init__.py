@@ -255,4 +255,5 @@ def matmul(
         return partition.constrain(out, out_sharding)
 
     return _dispatch.run("matmul", implementation, interpret, checks, call, a, b, bias, residual,
-                         config=config, out_sharding=out_sharding, empty=problem.is_empty)
+                         config=config, out_sharding=out_sharding, empty=problem.is_empty,
+                         dtype=jnp.result_type(a, b))
