@@ -2,7 +2,7 @@
 `kernels.compile.programs`). Run by `tests/test_programs.py` in its own process (libtpu and the CUDA
 plugin's compile-only devices are set up per process):
 
-    python tests/programs_run.py ops TARGET [MESHES]  # every op, one device / Auto / Explicit
+    python tests/programs_run.py ops TARGET [MESHES [PROGRAMS]]  # one device / Auto / Explicit
     python tests/programs_run.py models TARGET    # the examples' training steps
     python tests/programs_run.py language_model TARGET None,triton  # a Flax language model
 
@@ -168,10 +168,12 @@ def models(target: str) -> list[programs.ProgramReport]:
     return reports
 
 
-def main(mode: str, target: str, meshes: str = ",".join(programs.MESHES)) -> None:
+def main(mode: str, target: str, meshes: str = ",".join(programs.MESHES),
+         names: str = "") -> None:
     if mode == "ops":
         reports = programs.compile_ops(target, 4, meshes.split(","),
-                                       implementations=(None, "kernel"))
+                                       implementations=(None, "kernel"),
+                                       programs=names.split(",") if names else None)
     elif mode == "language_model":  # MESHES: here the implementations, comma-separated
         reports = language_model(target, [None if name == "None" else name
                                           for name in meshes.split(",")])

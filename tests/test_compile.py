@@ -22,10 +22,11 @@ from kernels._pallas import mosaic_call, on_target, pl, pltpu, triton_call
 from kernels.compile import CASES, compile_kernels, implementation_for
 
 TARGETS = ("sm_90", "sm_80", "v5e", "v6e", "v4")
-# Each compiler's first target compiles every case; the others of its family (the A100's
-# smaller shared memory and mma.sync; the v6e's and v4's VMEM) compile the design cases and each
-# op's odd smallest one, whose padding and ragged blocks are where a family's configs part
-# (suite time: the other cases took 125 of the 218 s of CPU on those three targets).
+# The README's command compiles, for every target, each op's design cases (the bench's device
+# shapes) and its odd smallest one, whose padding and ragged blocks are where a target's configs
+# part; the exhaustive tier (`-m exhaustive`, CI's once) compiles every other case for each
+# compiler's first target (the A100's smaller shared memory and mma.sync, the v6e's and v4's
+# VMEM, are the design cases' business), and `python -m kernels.compile` every case everywhere.
 EVERY_CASE_TARGETS = ("sm_90", "v5e")
 TIMEOUT_S = 240
 # Kernels a case's forward and backward launch at least: matmul 3 (C, dA, dB), conv2d 3
@@ -33,24 +34,25 @@ TIMEOUT_S = 240
 MIN_KERNELS = {"matmul": 3, "conv2d": 3, "normalize": 2, "gather": 2}
 
 
-def _case_ids():
-    """(op, case index, target): every case for `EVERY_CASE_TARGETS`, for the other targets
-    the design cases and the op's smallest (odd) one."""
-    ids = []
+def _compiled_cases() -> list:
+    """(op, case index, target) params: the design cases and each op's smallest on every
+    target; every other case on `EVERY_CASE_TARGETS`, in the exhaustive tier."""
+    params = []
     for op, cases in CASES.items():
         smallest = min(range(len(cases)), key=lambda i: sum(a.size for a in cases[i].args))
-        ids += [(op, i, target) for i, case in enumerate(cases) for target in TARGETS
-                if target in EVERY_CASE_TARGETS or case.design or i == smallest]
-    return ids
-
-
-COMPILED = _case_ids()
+        for i, case in enumerate(cases):
+            for target in TARGETS:
+                name = f"{op}-{case.description}-{target}"
+                if case.design or i == smallest:
+                    params.append(pytest.param(op, i, target, id=name))
+                elif target in EVERY_CASE_TARGETS:
+                    params.append(pytest.param(op, i, target, id=name,
+                                               marks=pytest.mark.exhaustive))
+    return params
 
 
 @pytest.mark.timeout(4 * TIMEOUT_S)
-@pytest.mark.parametrize("op,index,target", COMPILED,
-                         ids=[f"{op}-{CASES[op][i].description}-{target}"
-                              for op, i, target in COMPILED])
+@pytest.mark.parametrize("op,index,target", _compiled_cases())
 def test_every_kernel_compiles_and_fits(op, index, target):
     case = CASES[op][index]
     reports = compile_kernels(case.function(implementation_for(target)), *case.args,
