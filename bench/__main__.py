@@ -78,14 +78,18 @@ def summary(ops: list[str], rows: list[dict], design_rows: list[dict] | None,
         lines += ["", op]
         for platform in ("gpu", "tpu"):
             for entry in defaults.TABLE.get((op, platform), ()):
-                reach = " ".join((*entry.device_kinds, *entry.dtypes)) or "every device"
-                lines += _wrapped(f"default on {platform.upper()} ({reach}): "
-                                  f"{', then '.join(entry.implementations)} ({entry.evidence})")
+                reach = " and ".join(filter(None, (", ".join(entry.device_kinds),
+                                                   ", ".join(entry.dtypes))))
+                lines += _wrapped(f"default on {platform.upper()}: "
+                                  f"{', then '.join(entry.implementations)} ({entry.evidence})"
+                                  + (f", for {reach}" if reach else ""))
         here = jax.devices()[0]
-        lines.append(f"  default here ({jax.default_backend()}): " + "; ".join(
-            f"{jnp.dtype(dtype).name} " + ", ".join(
-                defaults.default(op, here.platform, dtype, here.device_kind))
-            for dtype in (jnp.bfloat16, jnp.float32)))
+        by_dtype = {jnp.dtype(dtype).name: ", ".join(
+            defaults.default(op, here.platform, dtype, here.device_kind))
+            for dtype in (jnp.bfloat16, jnp.float32)}
+        lines.append(f"  default here ({jax.default_backend()}): " + (
+            next(iter(by_dtype.values())) if len(set(by_dtype.values())) == 1
+            else "; ".join(f"{dtype} {names}" for dtype, names in by_dtype.items())))
         interpreted = _interpreted_cost([r for r in rows if r["op"].split()[0] == op])
         if interpreted:
             lines += _wrapped("interpreted on this machine, time vs XLA's (forward / "

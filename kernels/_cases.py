@@ -78,9 +78,8 @@ class Program:
 
     @property
     def dtype(self) -> Any:
-        """The dtype of its floating operands (the defaults table may split by it)."""
-        return jnp.result_type(*(dtype for _, dtype, _ in self.operands
-                                 if jnp.issubdtype(dtype, jnp.floating)))
+        """The dtype of its first operand, the op's input (the defaults table may split by it)."""
+        return jnp.dtype(self.operands[0][1])
 
     def function(self, implementation: str | None) -> Callable[..., Any]:
         op = self.call(implementation)

@@ -211,7 +211,8 @@ def run(
     (`partition.out_sharding`). `empty`: the call has nothing for a kernel to do (an output of
     size zero, or nothing to sum over): the choice is made and checked as for any call, but the
     reference computes the (empty or all-zero) result, the one place every op handles size
-    zero. `dtype`: the operands' dtype, which the defaults table may split its entries by.
+    zero. `dtype`: the dtype of the op's input (x, a, the table), which the defaults table may
+split its entries by.
 
     Without an `out_sharding`, where JAX's own op (`xla`) cannot type its output's sharding on
     Explicit axes (a contraction over a sharded dim, a table sharded along the gathered axis),

@@ -44,7 +44,7 @@ class Default:
     device_kinds: the device kinds its record covers, as prefixes of JAX's `device_kind`
       ("NVIDIA H100" covers "NVIDIA H100 80GB HBM3" and "NVIDIA H100 PCIe"); empty: every
       device of the platform (a design entry, which no device kind's timing decides).
-    dtypes: the dtypes it covers (the op's operand dtype); empty: every dtype.
+    dtypes: the dtypes it covers (of the op's input: x, a, the table); empty: every dtype.
     """
 
     implementations: tuple[str, ...]

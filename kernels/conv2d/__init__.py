@@ -337,4 +337,4 @@ def conv2d(
 
     return _dispatch.run("conv2d", implementation, interpret, checks, call, x, w, bias,
                          config=config, out_sharding=out_sharding, empty=problem.is_empty,
-                         dtype=jnp.result_type(x, w))
+                         dtype=x.dtype)

@@ -256,4 +256,4 @@ def matmul(
 
     return _dispatch.run("matmul", implementation, interpret, checks, call, a, b, bias, residual,
                          config=config, out_sharding=out_sharding, empty=problem.is_empty,
-                         dtype=jnp.result_type(a, b))
+                         dtype=a.dtype)
