@@ -43,7 +43,9 @@ def pytest_generate_tests(metafunc):
 
 # The shared suites' numerics: values against float64 truth (or JAX where it is right, every
 # gather mode and index, every table dtype) and gradients against JAX's, per op, its epilogue
-# and its fused residual; and the bad-input tests, which raise before any kernel runs.
+# and its fused residual, and the schedules that are kernels' paths of their own (chunked
+# groups, strided input gradients' phases, hot ids); and the bad-input tests, which raise
+# before any kernel runs.
 CORE_NUMERICS = frozenset({
     "test_matches_float64_ground_truth", "test_gradients_match_reference",
     "test_gradients_bfloat16", "test_nan_and_inf_propagate",
@@ -51,17 +53,21 @@ CORE_NUMERICS = frozenset({
     "test_groups_longer_than_one_block", "test_residual_matches_float64_ground_truth",
     "test_residual_gradients_match_float64_truth", "test_matches_jax_where_jax_is_right",
     "test_every_mode_and_index_value", "test_table_dtypes", "test_gradients_match_jax",
+    "test_strided_input_gradient_phases", "test_residual_over_chunks_and_splits",
+    "test_hot_ids_over_many_steps_and_row_blocks",
     "test_bad_input", "test_bad_epilogue_arguments", "test_bias_needs_output_features"})
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(items):
-    """An implementation without a fast interpreter (Mosaic GPU's: about 1.5 s a call here,
-    `kernels.registry`) runs, in the README's command, its kernels' numerics in the shared
-    suites (`CORE_NUMERICS`) and its own modules (tests/test_<op>_mosaic_gpu.py, ...) whole; its
-    other tests in the shared suites (tests/test_<op>*.py and the contract: jit, vmap,
-    retracing, options, lowering, the dispatch code every implementation shares, proven there
-    on the fast interpreters) are in the exhaustive tier."""
+    """An implementation whose shared suites run a slow interpreter (Mosaic GPU's, no fast
+    interpreter: about 1.5 s a call here; Mosaic's TPU simulator, which "strict" runs: about
+    12 ms a call and 5 ms a DMA, `kernels.registry`) runs, in the README's command, its
+    kernels' numerics in the shared suites (`CORE_NUMERICS`) and its own modules
+    (tests/test_<op>_mosaic_gpu.py, ...) whole; its other tests in the shared suites
+    (tests/test_<op>*.py and the contract: jit, vmap, retracing, options, lowering, the
+    dispatch code every implementation shares, proven there on the fast interpreters) are in
+    the exhaustive tier."""
     from kernels import registry
 
     for item in items:
@@ -69,9 +75,11 @@ def pytest_collection_modifyitems(items):
             "implementation")
         module = item.module.__name__
         shared = _op_of(item.module) or module.endswith(".test_contract")
-        if (shared and isinstance(implementation, str) and implementation in registry.names()
-                and not registry.get(implementation).fast_interpreter
-                and implementation not in module and item.originalname not in CORE_NUMERICS):
+        entry = (registry.get(implementation) if isinstance(implementation, str)
+                 and implementation in registry.names() else None)
+        slow = entry is not None and (not entry.fast_interpreter or entry.strict_simulator)
+        if (shared and slow and implementation not in module
+                and item.originalname not in CORE_NUMERICS):
             item.add_marker(pytest.mark.exhaustive)
 
 
