@@ -124,10 +124,10 @@ def _cases(op: str, target: str, every: bool = False) -> list:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("target,every", [
-    ("sm_90", False), ("sm_100", False),
-    pytest.param("sm_90", True, id="sm_90-every", marks=pytest.mark.exhaustive)])
-@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("op,target,every", [
+    *((op, target, False) for op in OPS for target in ("sm_90", "sm_100")),
+    *(pytest.param(op, "sm_90", True, id=f"{op}-sm_90-every", marks=pytest.mark.exhaustive)
+      for op in OPS if _cases(op, "sm_90", every=True))])
 def test_every_kernel_compiles_without_spills(op, target, every):
     """`python -m kernels.compile` for the op's cases (`_cases`): Mosaic GPU's layout inference
     accepts the kernels (the interpreter does not check layouts), ptxas fits them in registers
@@ -154,9 +154,10 @@ def test_every_kernel_compiles_without_spills(op, target, every):
     assert all(reason in c["declined"] for c in declined), declined
     assert len(declined) <= most
     rows = [r for c in cases if not c["declined"] for r in c["reports"]]
-    # A forward and a backward kernel per case (gather's backward: and its pieces' kernel).
-    assert len(rows) >= 2 * (len(cases) - len(declined))
-    assert len({r["name"] for r in rows}) >= 2
+    # A forward and a backward kernel per case (gather's backward: and its pieces' kernel), each
+    # distinct kernel compiled once (a small square product's three launches are one kernel).
+    assert len(rows) >= (1 if every else 2) * (len(cases) - len(declined))
+    assert every or len({r["name"] for r in rows}) >= 2
     for r in rows:
         assert r["name"].endswith("_mosaic_gpu") and r["compiled"], r
         assert r["spill_bytes"] == 0 and r["registers"] <= 255, r
