@@ -69,7 +69,7 @@ def implementations(implementation: Implementation, op: str = "", platform: str 
                     dtype: Any = None, device_kind: str | None = None) -> tuple[str, ...]:
     """The sequence of implementations to try for `implementation=` of `op` in a program
     lowered for `platform` (see docs/design.md): `None` is `$KERNELS_IMPLEMENTATION` if set, else
-    the op's entry in `kernels.defaults` for that platform, the operands' `dtype` and the
+    the op's entry in `kernels.defaults` for that platform, the op input's `dtype` and the
     program's `device_kind`."""
     if implementation is None:
         env = os.environ.get(ENV_VAR, "").strip()
@@ -130,8 +130,8 @@ def choose(
     config: Any = None,
     dtype: Any = None,
 ) -> tuple[str, bool | str]:
-    """(implementation name, `resolve_interpret`'s mode) for one call of `op` on operands of
-    `dtype` lowered for `platform`.
+    """(implementation name, `resolve_interpret`'s mode) for one call of `op` whose input has
+    `dtype`, lowered for `platform`.
 
     `checks[name]()` raises `NotImplementedError(reason)` when kernel `name` declines these
     inputs, as does a kernel that cannot be partitioned over the mesh `operands` live on
@@ -212,7 +212,7 @@ def run(
     size zero, or nothing to sum over): the choice is made and checked as for any call, but the
     reference computes the (empty or all-zero) result, the one place every op handles size
     zero. `dtype`: the dtype of the op's input (x, a, the table), which the defaults table may
-split its entries by.
+    split its entries by.
 
     Without an `out_sharding`, where JAX's own op (`xla`) cannot type its output's sharding on
     Explicit axes (a contraction over a sharded dim, a table sharded along the gathered axis),

@@ -17,7 +17,8 @@ from jax.sharding import AxisType, NamedSharding
 from kernels import _targets
 from kernels.partition.rules import Axes, Dims, dims_of_sharding, spec
 
-__all__ = ["explicit_mesh", "sharding", "reshape", "grouped", "ungrouped", "dims_of", "like", "out_sharding", "requested",
+__all__ = ["explicit_mesh", "sharding", "reshape", "grouped", "ungrouped", "dims_of", "like",
+           "out_sharding", "requested",
            "merged", "mergeable", "split", "axis_sizes", "constrain"]
 
 
@@ -47,31 +48,32 @@ def reshape(x: jax.Array, shape: Sequence[int], dims: Sequence[Axes]) -> jax.Arr
     return lax.reshape(x, tuple(shape), out_sharding=out_sharding)
 
 
+def _runs(lengths: Sequence[int]) -> list[tuple[int, int]]:
+    """(first dim, dims) of each run of dims `lengths` counts, in order."""
+    return [(sum(lengths[:i]), n) for i, n in enumerate(lengths)]
+
+
 def grouped(x: jax.Array, lengths: Sequence[int]) -> jax.Array:
     """`x` reshaped so that each run of its dims becomes one dim: `lengths` counts x's dims in
     each run, in order (0: a new dim of 1). On an Explicit mesh each merged dim keeps the axes
     `merged` gives it; where a run cannot keep them (a dim after its first one longer than 1 is
     sharded), those dims are first replicated (a reshard: XLA all-gathers them)."""
     shape, dims = tuple(x.shape), list(dims_of(x))
-    starts = [sum(lengths[:i]) for i in range(len(lengths))]
-    for start, length in zip(starts, lengths):
-        longer = [d for d in range(start, start + length) if shape[d] > 1]
-        for d in longer[1:]:
+    for start, n in _runs(lengths):
+        for d in [d for d in range(start, start + n) if shape[d] > 1][1:]:
             dims[d] = ()
-    mesh = explicit_mesh([x])
-    if mesh is not None and tuple(dims) != dims_of(x):
-        x = jax.sharding.reshard(x, NamedSharding(mesh, spec(tuple(dims))))
-    return reshape(x, [math.prod(shape[s:s + n]) for s, n in zip(starts, lengths)],
-                   [merged(shape[s:s + n], dims[s:s + n]) for s, n in zip(starts, lengths)])
+    if tuple(dims) != dims_of(x):
+        x = jax.sharding.reshard(x, sharding(dims, x))
+    return reshape(x, [math.prod(shape[s:s + n]) for s, n in _runs(lengths)],
+                   [merged(shape[s:s + n], dims[s:s + n]) for s, n in _runs(lengths)])
 
 
 def ungrouped(x: jax.Array, shape: Sequence[int], lengths: Sequence[int]) -> jax.Array:
     """`grouped`'s inverse: `x` reshaped to `shape`, each of its dims split into a run of
     `lengths` dims of `shape`, sharded on an Explicit mesh as `split` gives each run."""
-    starts = [sum(lengths[:i]) for i in range(len(lengths))]
     sizes = axis_sizes(x)
     dims = sum((split(axes, shape[s:s + n], sizes) if n else ()
-                for axes, s, n in zip(dims_of(x), starts, lengths)), ())
+                for axes, (s, n) in zip(dims_of(x), _runs(lengths))), ())
     return reshape(x, shape, dims)
 
 
@@ -84,7 +86,8 @@ def dims_of(x: jax.Array) -> Dims:
 
 def like(cotangent: Any, primal: jax.Array) -> Any:
     """`cotangent` with `primal`'s sharding where that is part of the type (Explicit axes):
-    a custom_vjp's cotangent must be typed like its primal."""
+    a custom_vjp's cotangent must be typed like its primal (also an operand resharded like
+    another, or a result given back its input's sharding)."""
     if cotangent is None or explicit_mesh([primal, cotangent]) is None:
         return cotangent
     want = jax.typeof(primal).sharding
