@@ -22,11 +22,13 @@ from kernels._pallas import mosaic_call, on_target, pl, pltpu, triton_call
 from kernels.compile import CASES, compile_kernels, implementation_for
 
 TARGETS = ("sm_90", "sm_80", "v5e", "v6e", "v4")
-# The README's command compiles, for every target, each op's design cases (the bench's device
-# shapes) and its odd smallest one, whose padding and ragged blocks are where a target's configs
-# part; the exhaustive tier (`-m exhaustive`, CI's once) compiles every other case for each
-# compiler's first target (the A100's smaller shared memory and mma.sync, the v6e's and v4's
-# VMEM, are the design cases' business), and `python -m kernels.compile` every case everywhere.
+# The README's command compiles, for each compiler's first target (`EVERY_CASE_TARGETS`), each
+# op's design cases (the bench's device shapes) and its odd smallest one, whose padding and
+# ragged blocks are where a target's configs part; for the other targets (the A100's smaller
+# shared memory and mma.sync, the v6e's and v4's VMEM) the smallest and the op's largest design
+# case, whose blocks press hardest on a target's memory. The exhaustive tier (`-m exhaustive`,
+# CI's once) compiles every other case for the first targets and every design case for the
+# others; `python -m kernels.compile` compiles every case everywhere.
 EVERY_CASE_TARGETS = ("sm_90", "v5e")
 TIMEOUT_S = 240
 # Kernels a case's forward and backward launch at least: matmul 3 (C, dA, dB), conv2d 3
@@ -35,19 +37,22 @@ MIN_KERNELS = {"matmul": 3, "conv2d": 3, "normalize": 2, "gather": 2}
 
 
 def _compiled_cases() -> list:
-    """(op, case index, target) params: the design cases and each op's smallest on every
-    target; every other case on `EVERY_CASE_TARGETS`, in the exhaustive tier."""
+    """(op, case index, target) params, tiered as the comment above `EVERY_CASE_TARGETS` says."""
     params = []
     for op, cases in CASES.items():
-        smallest = min(range(len(cases)), key=lambda i: sum(a.size for a in cases[i].args))
+        def size(i):
+            return sum(a.size for a in cases[i].args)
+
+        smallest = min(range(len(cases)), key=size)
+        largest_design = max((i for i, case in enumerate(cases) if case.design), key=size)
         for i, case in enumerate(cases):
             for target in TARGETS:
-                name = f"{op}-{case.description}-{target}"
-                if case.design or i == smallest:
-                    params.append(pytest.param(op, i, target, id=name))
-                elif target in EVERY_CASE_TARGETS:
-                    params.append(pytest.param(op, i, target, id=name,
-                                               marks=pytest.mark.exhaustive))
+                first = target in EVERY_CASE_TARGETS
+                readme = i == smallest or case.design and (first or i == largest_design)
+                if readme or first or case.design:
+                    params.append(pytest.param(op, i, target, id=f"{op}-{case.description}-"
+                                               f"{target}", marks=() if readme
+                                               else pytest.mark.exhaustive))
     return params
 
 

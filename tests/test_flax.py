@@ -151,7 +151,8 @@ def _nnx_apply(graphdef):
 
 
 # The NNX and Linen layers call the ops through the same wrappers (kernels/flax/__init__.py), so
-# the kernels run through NNX's and XLA through Linen's: every implementation, every layer.
+# the kernels run through NNX's and XLA through Linen's: every implementation, every layer (a
+# kernel through Linen's too, in the exhaustive tier).
 @pytest.mark.parametrize("implementation", ["triton", "mosaic"])
 @pytest.mark.parametrize("name", LAYERS)
 def test_nnx_layer_matches_flax(name, implementation):
@@ -162,7 +163,8 @@ def test_nnx_layer_matches_flax(name, implementation):
                         LAYERS[name][3], name)
 
 
-@pytest.mark.parametrize("implementation", ["xla", "triton"])
+@pytest.mark.parametrize("implementation", ["xla", pytest.param("triton",
+                                                                marks=pytest.mark.exhaustive)])
 @pytest.mark.parametrize("name", LAYERS)
 def test_linen_layer_matches_flax(name, implementation):
     theirs, ours = _linen_pair(name, implementation=implementation)

@@ -46,6 +46,32 @@ RUNS = [(impl, kind) for impl in SHARDED for kind in MESH_KINDS[impl]]
 # reduce-scatter programs use several ops, so the kernels every op has.
 SHARDED_RUNS = [(impl, mesh, case) for impl, mesh in RUNS for case in CASES
                 if impl in implementations_of(CASE_OP[case])]
+
+
+def _sharded_kernels(op: str) -> list[str]:
+    return [name for name in kernels_of(op) if name in SHARDED]
+
+
+def _proving_kernel(op: str, case: str, cases: list[str]) -> str:
+    """The kernel that runs `case` of `op` in the README's command: the op's cases taken in
+    turn by its kernels, so each kernel runs under every mesh kind and each case runs with a
+    kernel (the partitioning is one code path for every kernel); the other kernels' runs of
+    the case are in the exhaustive tier."""
+    kernels = _sharded_kernels(op)
+    return kernels[cases.index(case) % len(kernels)]
+
+
+def tiered(runs: list[tuple[str, str, str]], case_op: dict[str, str]) -> list:
+    """`runs` as parameters, a kernel's run of a case marked exhaustive where another kernel
+    proves that case in the README's command (`_proving_kernel`)."""
+    def cases_of(op):
+        return [case for case, of in case_op.items() if of == op]
+
+    return [pytest.param(impl, mesh, case, marks=() if not registry.get(impl).is_kernel
+                         or _proving_kernel(case_op[case], case, cases_of(case_op[case])) == impl
+                         else pytest.mark.exhaustive) for impl, mesh, case in runs]
+
+
 _results: dict[str, dict] = {}
 
 
@@ -55,20 +81,38 @@ def _env() -> dict[str, str]:
     return env
 
 
+def _selected_cases(items) -> dict[str, set[str]]:
+    """impl -> the subprocess cases this session's selected tests read (`-m`, `-k`)."""
+    selected: dict[str, set[str]] = {}
+    for item in items:
+        params = getattr(item, "callspec", None) and item.callspec.params
+        if item.module.__name__.endswith("test_sharding") and params and "impl" in params:
+            case = params.get("case", item.originalname)
+            name = {"test_inside_shard_map": "shard_map",
+                    "test_row_parallel_matmul_reduce_scatters_into_a_sharded_output":
+                        "matmul/K-reduce-scatter",
+                    "test_out_sharding_on_explicit_axes": f"out_sharding/{case}"}.get(
+                        item.originalname, case)
+            selected.setdefault(params["impl"], set()).add(name)
+    return selected
+
+
 @pytest.fixture(scope="session")
-def results(tmp_path_factory):
+def results(tmp_path_factory, request):
     """impl -> {(case, mesh): record}. The first xdist worker to ask starts the subprocesses of
-    all implementations at once (the others wait on its lock and read their files): run one
-    after another, each kept a worker waiting on it with a core idle."""
+    all implementations at once, each running the cases this session's tests read (the
+    others wait on its lock and read their files): run one after another, each kept a worker
+    waiting on it with a core idle."""
     shared = tmp_path_factory.getbasetemp().parent
 
     def run(impl: str) -> dict:
         if impl not in _results:
-            outputs = {name: shared / f"sharded-{name}.jsonl" for name in SHARDED}
+            selected = _selected_cases(request.session.items)
+            outputs = {name: shared / f"sharded-{name}.jsonl" for name in selected}
             with open(shared / "sharded.lock", "w") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)
                 if not outputs[impl].exists():
-                    _run_all(outputs)
+                    _run_all(outputs, selected)
             records = [json.loads(line) for line in outputs[impl].read_text().splitlines()
                        if line.startswith("{")]
             _results[impl] = {(r["case"], r["mesh"]): r for r in records}
@@ -77,9 +121,9 @@ def results(tmp_path_factory):
     return run
 
 
-def _run_all(outputs: dict[str, Path]) -> None:
+def _run_all(outputs: dict[str, Path], selected: dict[str, set[str]]) -> None:
     procs = {name: subprocess.Popen([sys.executable, str(HERE / "sharded_run.py"), name,
-                                     ",".join(MESH_KINDS[name])],
+                                     ",".join(MESH_KINDS[name]), ",".join(sorted(selected[name]))],
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                     env=_env(), cwd=HERE.parent)
              for name in outputs}
@@ -89,7 +133,7 @@ def _run_all(outputs: dict[str, Path]) -> None:
         outputs[name].write_text(out)
 
 
-@pytest.mark.parametrize("impl,mesh,case", SHARDED_RUNS)
+@pytest.mark.parametrize("impl,mesh,case", tiered(SHARDED_RUNS, CASE_OP))
 def test_sharded_call_equals_unsharded(results, impl, case, mesh, request):
     if impl == "xla" and case == "conv2d/spatial":
         # XLA's SPMD partitioner (jax 0.10.2 and 0.12, CPU) sums the weight gradient of a
@@ -103,8 +147,8 @@ def test_sharded_call_equals_unsharded(results, impl, case, mesh, request):
     assert r["grad_error"] <= 1e-3, r
 
 
-@pytest.mark.parametrize("impl,mesh,case", [run for run in SHARDED_RUNS
-                                            if registry.get(run[0]).is_kernel])
+@pytest.mark.parametrize("impl,mesh,case", tiered([run for run in SHARDED_RUNS
+                                                   if registry.get(run[0]).is_kernel], CASE_OP))
 def test_sharding_and_collectives(results, impl, case, mesh):
     r = results(impl)[(case, mesh)]
     if case == "conv2d/spatial":  # documented fallback: whole images, gathered once
@@ -126,10 +170,10 @@ OUT_SHARDING_OP = {name: op.name for op in OPS.values() for name in op.cases.OUT
 REDUCE_SCATTERS = set().union(*(op.cases.REDUCE_SCATTERS for op in OPS.values()))
 
 
-@pytest.mark.parametrize("impl,mesh,case", [
+@pytest.mark.parametrize("impl,mesh,case", tiered([
     (impl, mesh, case) for case, op in OUT_SHARDING_OP.items()
     for impl, mesh in [(impl, "Explicit") for impl in implementations_of(op) if impl in SHARDED]
-    + [(registry.REFERENCE, "Explicit, default")]])
+    + [(registry.REFERENCE, "Explicit, default")]], OUT_SHARDING_OP))
 def test_out_sharding_on_explicit_axes(results, impl, mesh, case):
     """Every implementation and the default (xla on a CPU) run each case (none raises), with
     the values and gradients of the unsharded call, the output sharded as asked (or, not
@@ -165,9 +209,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("impl", ["triton", "mosaic"])
+@pytest.mark.parametrize("impl", ["triton", pytest.param("mosaic", marks=pytest.mark.exhaustive)])
 def test_two_processes(impl):
-    """jax.distributed with two processes of 4 CPU devices each, over localhost."""
+    """jax.distributed with two processes of 4 CPU devices each, over localhost (one kernel
+    proves the mesh kind in the README's command, as `_proving_kernel` does)."""
     port = _free_port()
     procs = [subprocess.Popen([sys.executable, str(HERE / "multiprocess_run.py"), str(i),
                                str(port), impl], stdout=subprocess.PIPE,
