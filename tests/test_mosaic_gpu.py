@@ -109,15 +109,25 @@ SM_90_CASES = {"matmul": ("7x5", "8x1000x1000"),
                              "layer_norm + residual 7x129")}
 
 
+# Ops whose Mosaic GPU kernels are one code for Hopper and Blackwell (no tcgen05) and whose odd
+# case compiles (gather's is declined): on sm_100a the README's command compiles that case, the
+# exhaustive tier their design cases.
+SAME_ON_BLACKWELL = ("normalize",)
+
+
 def _cases(op: str, target: str, every: bool = False) -> list:
     """The README's command compiles, for sm_90a and sm_100a, each op's design cases and an odd
-    small one (`SM_100_CASES`); `every`: the rest of sm_90a's (matmul, conv2d and normalize:
-    `SM_90_CASES`; gather every case), in the exhaustive tier."""
+    small one (`SM_100_CASES`; on sm_100a the odd one alone for `SAME_ON_BLACKWELL`); `every`:
+    the rest, in the exhaustive tier (sm_90a's: matmul, conv2d and normalize `SM_90_CASES`,
+    gather every case; sm_100a's: the design cases of `SAME_ON_BLACKWELL`)."""
     def first(c) -> bool:
-        return c.design or c.description.startswith(SM_100_CASES[op])
+        return c.description.startswith(SM_100_CASES[op]) or c.design and not (
+            target == "sm_100" and op in SAME_ON_BLACKWELL)
 
     if not every:
         return [c for c in CASES[op] if first(c)]
+    if target == "sm_100":
+        return [c for c in CASES[op] if c.design and not first(c)]
     odd = SM_90_CASES.get(op)
     return [c for c in CASES[op] if not first(c)
             and (odd is None or c.description.startswith(odd))]
@@ -126,8 +136,8 @@ def _cases(op: str, target: str, every: bool = False) -> list:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("op,target,every", [
     *((op, target, False) for op in OPS for target in ("sm_90", "sm_100")),
-    *(pytest.param(op, "sm_90", True, id=f"{op}-sm_90-every", marks=pytest.mark.exhaustive)
-      for op in OPS if _cases(op, "sm_90", every=True))])
+    *(pytest.param(op, target, True, id=f"{op}-{target}-every", marks=pytest.mark.exhaustive)
+      for op in OPS for target in ("sm_90", "sm_100") if _cases(op, target, every=True))])
 def test_every_kernel_compiles_without_spills(op, target, every):
     """`python -m kernels.compile` for the op's cases (`_cases`): Mosaic GPU's layout inference
     accepts the kernels (the interpreter does not check layouts), ptxas fits them in registers
@@ -252,6 +262,7 @@ def test_a_model_training_step_carries_every_ops_kernels():
         assert r["kernel_calls"] >= 15, r  # every kernel above, some several times
 
 
+@pytest.mark.exhaustive  # a whole program beyond one per mesh kind (tests/test_programs.py)
 @pytest.mark.timeout(600)
 def test_a_model_training_step_compiles_for_b200s():
     """The same training step compiled on a CPU host for 4 B200s (Auto axes): every kernel is
