@@ -49,9 +49,9 @@ def _of_op(op: str, implementations: list[tuple[str, bool | str]]) -> list[tuple
             or OPS[op].has(name) and not registry.unavailable(name)]
 
 
-def record_path(device_kind: str) -> Path:
-    """Where `--record` writes the rows measured on `device_kind` (cited by kernels.defaults)."""
-    return RECORDS / (re.sub(r"[^A-Za-z0-9]+", "_", device_kind).strip("_").lower() + ".json")
+def record_path(device_kind: str, records: Path = RECORDS) -> Path:
+    """Where the rows measured on `device_kind` are recorded (cited by kernels.defaults)."""
+    return records / (re.sub(r"[^A-Za-z0-9]+", "_", device_kind).strip("_").lower() + ".json")
 
 
 def summary(ops: list[str], rows: list[dict], design_rows: list[dict] | None,

@@ -71,7 +71,7 @@ class Case:
 
 
 def median_seconds(fn: Callable[..., Any], *args: Any, repeats: int, warmup: int = 2,
-                   chained: bool = False) -> float:
+                   chained: bool = False, max_calls: int = _MAX_CHAINED_CALLS) -> float:
     """Median time of one `fn(*args)` call.
 
     On a CPU (`chained=False`) each call is waited for (JAX dispatches asynchronously: without
@@ -80,7 +80,7 @@ def median_seconds(fn: Callable[..., Any], *args: Any, repeats: int, warmup: int
     on an H100 with jax 0.11), which hid every kernel under about 40 µs in the first H100
     record."""
     if chained:
-        return chained_seconds(fn, *args, repeats=repeats, warmup=warmup)
+        return chained_seconds(fn, *args, repeats=repeats, warmup=warmup, max_calls=max_calls)
     for _ in range(warmup):
         jax.block_until_ready(fn(*args))
     return statistics.median(_waited_seconds(fn, args) for _ in range(repeats))
@@ -92,7 +92,13 @@ def _waited_seconds(fn: Callable[..., Any], args: Sequence[Any]) -> float:
     return time.perf_counter() - start
 
 
-def chained_seconds(fn: Callable[..., Any], *args: Any, repeats: int, warmup: int = 1) -> float:
+def chain_calls(seconds: float, max_calls: int = _MAX_CHAINED_CALLS) -> int:
+    """n for a call of about `seconds`: the n-call program lasts about `_CHAIN_SECONDS`."""
+    return max(2, min(max_calls, round(_CHAIN_SECONDS / seconds)))
+
+
+def chained_seconds(fn: Callable[..., Any], *args: Any, repeats: int, warmup: int = 1,
+                    max_calls: int = _MAX_CHAINED_CALLS) -> float:
     """One call's time on a device, resolved to microseconds: `chain(fn, n)` and
     `chain(fn, 2n)` are each timed as one waited program, and a call costs the difference over
     n, which cancels what a program pays once (its dispatch and round trip, the first link's
@@ -100,7 +106,7 @@ def chained_seconds(fn: Callable[..., Any], *args: Any, repeats: int, warmup: in
     last about `_CHAIN_SECONDS`. What remains per call beside the op is the chain's own link
     (`timer_floor_seconds`). NaN where noise leaves the longer program no slower: unresolved."""
     estimate = min(_waited_seconds(fn, args) for _ in range(warmup + 1))
-    calls = max(2, min(_MAX_CHAINED_CALLS, round(_CHAIN_SECONDS / estimate)))
+    calls = chain_calls(estimate, max_calls)
     programs = [chain(fn, calls), chain(fn, 2 * calls)]
     for program in programs:
         for _ in range(warmup):
@@ -239,7 +245,8 @@ def label(implementation: str, interpret: bool | str) -> str:
 
 
 def measure(case: Case, implementations: Sequence[tuple[str, bool | str]],
-            repeats: int, chained: bool = False) -> list[dict]:
+            repeats: int, chained: bool = False,
+            max_calls: int = _MAX_CHAINED_CALLS) -> list[dict]:
     """Rows for `case`: each (implementation, interpret) pair, then the baselines, timed by
     `median_seconds` (`chained` on a GPU or TPU, for the kernels and `xla` alike)."""
     rows, xla_seconds = [], None
@@ -252,7 +259,8 @@ def measure(case: Case, implementations: Sequence[tuple[str, bool | str]],
         # Host baselines (NumPy, SciPy) cannot be chained inside a compiled program.
         chain_it = chained and not interpret and name not in case.baselines
         try:
-            seconds = median_seconds(fn, *case.args, repeats=repeats, chained=chain_it)
+            seconds = median_seconds(fn, *case.args, repeats=repeats, chained=chain_it,
+                                     max_calls=max_calls)
         except Exception as error:  # noqa: BLE001 - a kernel that fails is a row, not a crash
             if name == registry.REFERENCE:
                 raise
