@@ -187,19 +187,25 @@ def smoke(case, implementations: list[str]) -> list[dict]:
             errors[name] = (max_relative_error(got[0], truth[0]),
                             max_relative_error(got[1], truth[1]))
         except Exception as error:  # noqa: BLE001 - a kernel that fails is a result
-            errors[name] = f"{type(error).__name__}: {error}".splitlines()[0][:300]
+            errors[name] = error
     xla = errors.pop("xla")
+    if isinstance(xla, Exception):
+        raise xla
     unit = SMOKE_FACTOR * float(jnp.finfo(case.args[0].dtype).eps)
     results = []
     for name, error in errors.items():
-        failed = isinstance(error, str)
-        ok = not failed and all(e <= max(SMOKE_FACTOR * x, unit) and np.isfinite(e)
-                                for e, x in zip(error, xla))
-        results.append({"op": case.op, "case": case.description, "implementation": name,
-                        "forward_error": None if failed else error[0],
-                        "gradient_error": None if failed else error[1],
-                        "xla_errors": list(xla), "ok": ok,
-                        **({"error": error} if failed else {})})
+        result = {"op": case.op, "case": case.description, "implementation": name,
+                  "forward_error": None, "gradient_error": None, "xla_errors": list(xla)}
+        if isinstance(error, Exception):
+            # A case the kernel declines by design (NotImplementedError) is not a failure.
+            result["ok"] = isinstance(error, NotImplementedError)
+            result["declined" if result["ok"] else "error"] = (
+                f"{type(error).__name__}: {error}".splitlines()[0][:300])
+        else:
+            result["forward_error"], result["gradient_error"] = error
+            result["ok"] = all(np.isfinite(e) and e <= max(SMOKE_FACTOR * x, unit)
+                               for e, x in zip(error, xla))
+        results.append(result)
     return results
 
 
@@ -243,9 +249,10 @@ def bench_cases(ops: list[str], shapes: str) -> list[Any]:
 
 def row_plan(cases: list[Any], implementations: list[str], recorded: list[dict],
              jax_version: str, record: Callable[[list[dict]], None],
-             repeats: int) -> list[Step]:
+             repeats: int, chained: bool = True) -> list[Step]:
     """One step per case, ordered by `need`, then by op in turn (each op's first case before any
-    op's second), each implementation's rows passed to `record` as they finish."""
+    op's second), each implementation's rows passed to `record` as they finish. `chained`: the
+    device's timer (a CPU's, `--allow-cpu`, waits per call)."""
     from bench import harness
 
     turn: dict[str, int] = {}
@@ -256,7 +263,7 @@ def row_plan(cases: list[Any], implementations: list[str], recorded: list[dict],
         def run(case=case):
             rows = []  # xla first: each kernel's row carries its ratio to xla's time
             for name in sorted(implementations, key=lambda name: name != "xla"):
-                measured = harness.measure(case, [(name, False)], repeats, chained=True,
+                measured = harness.measure(case, [(name, False)], repeats, chained=chained,
                                            max_calls=MAX_CHAINED_CALLS)
                 for row in measured:
                     xla = rows[0]["median_ms"] if rows else None
@@ -454,9 +461,17 @@ def main(argv: list[str] | None = None) -> int:
     run = {"started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "device_kind": device_kind, "jax": jax.__version__,
            "jaxlib": importlib.import_module("jaxlib").__version__,
-           "timer": {"method": "chained"}}
+           "timer": {"method": "chained" if on_device else "waited per call"}}
+
+    if on_device and "rows" in phases:  # the chained timer's floor, as `python -m bench`
+        from bench import harness
+
+        run["timer"]["floor_us"] = harness.timer_floor_seconds() * 1e6
 
     def record(rows, key="rows"):
+        if key == "rows" and on_device:
+            harness.mark_timer_floor(rows, run["timer"]["floor_us"],
+                                     harness.roofline_device(device_kind))
         write_record(path, merge(read_record(path), rows, run, key))
 
     plan: list[tuple[Step, Any]] = []
@@ -466,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
     if "rows" in phases:
         cases = bench_cases(ops, "native" if on_device or args.dry_run else "cpu")
         steps = row_plan(cases, implementations, recorded, jax.__version__, record,
-                         args.repeats)
+                         args.repeats, chained=on_device or args.dry_run)
         by_label = {(c.op, f"{c.shape} {c.dtype}"): c for c in cases}
         plan += [(step, by_label[(step.op, step.label)]) for step in steps]
     if args.dry_run:
@@ -527,11 +542,11 @@ def _run(plan: list[tuple[Step, Any]], budget_s: float, record: Callable[..., No
             record(result, "smoke")
             failed += sum(not r["ok"] for r in result)
             for r in result:
+                verdict = ("declined: " + r["declined"] if "declined" in r else
+                           "ok" if r["ok"] else "FAILED " + r.get("error", ""))
                 print(f"[{number}/{len(plan)}] smoke {r['implementation']:10s} {step.op} "
-                      f"{step.label}: " + ("ok" if r["ok"] else "FAILED") + f" (forward "
-                      f"{r['forward_error']}, gradient {r['gradient_error']}, xla "
-                      f"{r['xla_errors']})" + (f" {r['error']}" if "error" in r else ""),
-                      flush=True)
+                      f"{step.label}: {verdict} (errors: forward {r['forward_error']}, "
+                      f"gradient {r['gradient_error']}; xla's {r['xla_errors']})", flush=True)
         else:
             print(f"[{number}/{len(plan)}] rows {step.op} {step.label}: " + ", ".join(
                 f"{r['implementation']} {r['median_ms']:.3f} ms" if r["median_ms"] else
