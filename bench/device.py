@@ -306,11 +306,18 @@ def write_record(path: Path, record: dict) -> None:
 
 
 def recorded_rows(records: Path, device_kind: str) -> list[dict]:
-    """The rows recorded for `device_kind` (with a legacy record's jax on each row)."""
+    """The rows recorded for `device_kind`: the record's own, and those of the earlier runs a
+    hand-made record keeps beside them (a dict with its own "rows", or "runs" of rows), each
+    with its run's jax where the row does not name one."""
     from bench.__main__ import record_path
 
     record = read_record(record_path(device_kind, records)) or {}
-    return [{"jax": record.get("jax"), **row} for row in record.get("rows", [])]
+    rows = [{"jax": record.get("jax"), **row} for row in record.get("rows", [])]
+    for kept in (value for value in record.values() if isinstance(value, dict)):
+        for run in [kept, *kept.get("runs", [])]:
+            jax_version = run.get("jax", kept.get("jax", record.get("jax")))
+            rows += [{"jax": jax_version, **row} for row in run.get("rows", [])]
+    return rows
 
 
 # --- estimates -----------------------------------------------------------------------------
