@@ -2,7 +2,7 @@
 `kernels.flax.nnx`'s layers and once from Flax's own, from the same initial parameters, and
 compare them.
 
-    python examples/train_digits.py [--implementation xla|triton|mosaic] [--epochs 8]
+    python examples/train_digits.py [--implementation xla|triton|mosaic|mosaic_gpu] [--epochs 8]
                                     [--output train_digits.png]
 
 The digits (1797 images of 8x8 pixels, 10 classes) ship with scikit-learn: nothing is
@@ -152,7 +152,8 @@ def save_curves(path: str, histories: dict[str, dict[str, list[float]]]) -> None
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--implementation", default=None,
-                        help="xla, triton or mosaic (default: the platform's choice)")
+                        help="xla, triton, mosaic or mosaic_gpu (default: the platform's "
+                             "choice)")
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--learning-rate", type=float, default=3e-3)

@@ -1,7 +1,7 @@
 """Custom JAX kernels written in Pallas, each with the exact meaning of its `reference` op.
 
-Every op takes keyword-only `implementation=None` ("xla", "triton", "mosaic" or a sequence to
-try in order) and `interpret=None` (None, True, False or "strict": how a kernel runs where its
+Every op takes keyword-only `implementation=None` ("xla", "triton", "mosaic", "mosaic_gpu" or
+a sequence to try in order) and `interpret=None` (None, True, False or "strict": how a kernel runs where its
 platform is absent); see docs/design.md. Installed as the `pallas-kernels` distribution.
 """
 

@@ -96,3 +96,30 @@ def test_quoted_signatures_exist_in_the_code(path):
         if not any(_accepts(candidate, quoted) for candidate in code[name]):
             stale.append(f"{name}({params})")
     assert not stale, f"{path.name} quotes signatures the code no longer has: {stale}"
+
+
+def test_every_list_of_implementations_names_each_registered_one():
+    """The texts that list what `implementation=` takes, or which kernels exist, name every
+    registry entry: the package docstring, the example's usage and --help, the distribution's
+    description, CONTRIBUTING's list of implementation subpackages."""
+    import tomllib
+
+    import kernels
+    from kernels import registry
+
+    names = set(registry.names())
+    quoted = re.search(r"implementation=None` \(([^)]*)\)", " ".join(kernels.__doc__.split()))
+    assert set(re.findall(r'"(\w+)"', quoted.group(1))) == names
+    digits = (ROOT / "examples" / "train_digits.py").read_text()
+    assert set(re.search(r"--implementation ([\w|]+)", digits).group(1).split("|")) == names
+    help_text = " ".join(re.search(r'"--implementation".*?help=(.*?)\)', digits, re.S).group(1)
+                         .split())
+    assert all(re.search(rf"\b{name}\b", help_text) for name in names), help_text
+    # Each kernel's backend as the description names it (a new entry adds its name here).
+    shown = {"triton": "Triton", "mosaic": "Mosaic", "mosaic_gpu": "Mosaic GPU"}
+    assert set(shown) == set(registry.kernel_names())
+    description = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["description"]
+    assert all(text in description for text in shown.values()), description
+    today = re.search(r"\(today ([^)]*)\)", (ROOT / "CONTRIBUTING.md").read_text()).group(1)
+    assert {registry.get(name).subpackage + "/" for name in registry.kernel_names()} == set(
+        re.findall(r"`(\w+/)`", today))
