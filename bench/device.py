@@ -44,10 +44,12 @@ BUDGET_S = 480
 # inputs, or SMOKE_FACTOR units of its dtype's rounding.
 SMOKE_FACTOR = 4
 # The chained timer's n at most (`harness.chain_calls`): each program holds its calls, each
-# compiled. At the bench's 32 (programs of 1, 32 and 64 calls) a gather row compiled here for a
-# compile-only H100 in 14.5 s (forward) and 32.9 s (backward, Triton and XLA); at 8, in 2.4 s
-# and 26.9 s (the backward's one call alone: 2.0-2.7 s, each further call about 0.5 s).
-MAX_CHAINED_CALLS = 8
+# compiled, and compiling is most of this command's time (`--dry-run`). Compiled here for a
+# compile-only H100, the gather backward's rows (Triton and XLA) took 32.9 s with the bench's
+# 32 (programs of 1, 32 and 64 calls) and 20 s with 4 (its one call alone: 2.0-2.7 s, each
+# further call about 0.5 s). 4 calls of the shortest rows' kernels (about 10 us) still last
+# several times the timer's floor (`timer_floor_seconds`, 1.5-2 us on an H100).
+MAX_CHAINED_CALLS = 4
 # Host work per step that no compile time measured here covers (tracing, transfers, the
 # record's write): an allowance, not a device measurement.
 STEP_OVERHEAD_S = 1.0
@@ -417,6 +419,7 @@ def _install_wheels(directory: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    started = time.perf_counter()  # the budget counts from here
     parser = argparse.ArgumentParser(prog="python -m bench.device", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry-run", action="store_true",
@@ -486,14 +489,16 @@ def main(argv: list[str] | None = None) -> int:
         plan += [(step, case) for step, case in zip(smoke_plan(implementations), smoke_cases())
                  if step.op in ops]
     if "rows" in phases:
+        built = time.perf_counter()
         cases = bench_cases(ops, "native" if on_device or args.dry_run else "cpu")
+        setup_s = time.perf_counter() - built
         steps = row_plan(cases, implementations, recorded, jax.__version__, record,
                          args.repeats, chained=on_device or args.dry_run)
         by_label = {(c.op, f"{c.shape} {c.dtype}"): c for c in cases}
         plan += [(step, by_label[(step.op, step.label)]) for step in steps]
     if args.dry_run:
-        return _print_plan(plan, stand_ins, args)
-    return _run(plan, args.budget_s, record)
+        return _print_plan(plan, stand_ins, args, setup_s if "rows" in phases else 0.0)
+    return _run(plan, args.budget_s, record, started)
 
 
 def _available(name: str) -> bool:
@@ -502,12 +507,14 @@ def _available(name: str) -> bool:
     return registry.unavailable(name) is None
 
 
-def _print_plan(plan: list[tuple[Step, Any]], stand_ins: dict[str, list[dict]], args) -> int:
-    """Each step with its estimate (`estimate`) and the running total: the steps within the
-    budget are this run's; the rest, a later run's (which the record's `need` then puts
-    first)."""
+def _print_plan(plan: list[tuple[Step, Any]], stand_ins: dict[str, list[dict]], args,
+                setup_s: float) -> int:
+    """Each step with its estimate (`estimate`) and the running total, from `setup_s` (the
+    bench's cases built here, their expected values computed): the steps within the budget
+    are this run's; the rest, a later run's (which the record's `need` then puts first)."""
     recorded = [row for rows in stand_ins.values() for row in rows]
-    this_run = later = 0.0
+    this_run, later = setup_s, 0.0
+    print(f"  0 setup: the bench's device cases built here in {setup_s:.1f} s", flush=True)
     for number, (step, case) in enumerate(plan, 1):
         estimate(step, case, recorded, args.repeats)
         fits = not later and this_run + step.estimate_s <= args.budget_s
@@ -527,11 +534,12 @@ def _print_plan(plan: list[tuple[Step, Any]], stand_ins: dict[str, list[dict]], 
     return 0
 
 
-def _run(plan: list[tuple[Step, Any]], budget_s: float, record: Callable[..., None]) -> int:
+def _run(plan: list[tuple[Step, Any]], budget_s: float, record: Callable[..., None],
+         start: float | None = None) -> int:
     """Runs each step in order, skipping one that the mean time of the finished steps of its
-    phase says would end past `budget_s`; smoke results and rows are recorded as they finish.
-    Returns 1 if a smoke check failed."""
-    start = time.perf_counter()
+    phase says would end past `budget_s` from `start` (default: now); smoke results and rows
+    are recorded as they finish. Returns 1 if a smoke check failed."""
+    start = time.perf_counter() if start is None else start
     spent: dict[str, list[float]] = {}
     failed = 0
     for number, (step, _) in enumerate(plan, 1):

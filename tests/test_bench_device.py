@@ -120,7 +120,8 @@ def test_dry_run_lists_every_row_with_its_estimate_and_basis(capsys):
     programs compiled here for a compile-only H100 and on the H100 record's timings."""
     assert device.main(["--dry-run", "--ops", "gather", "--phases", "rows"]) == 0
     out = capsys.readouterr().out.splitlines()
-    steps = [line for line in out if line.lstrip()[:1].isdigit()]
+    assert out[4].startswith("  0 setup: the bench's device cases built here in")
+    steps = [line for line in out if line.lstrip()[:1].isdigit() and " rows " in line]
     assert len(steps) == 2  # gather forward and backward at the bench's device shape
     for line in steps:
         assert "triton" in line and "xla" in line and "compiled here" in line, line
