@@ -23,10 +23,13 @@ from kernels import registry
 
 # Peak figures for the roofline floor: dense matrix throughput per input dtype (FLOP/s; float32
 # at each platform's default matmul precision: TF32 on H100, one bfloat16 pass on TPU) and HBM
-# bandwidth (B/s). H100 SXM5 and TPU v5e data sheets.
+# bandwidth (B/s). H100 SXM5, H200 SXM (the H100's tensor cores, 4.8 TB/s of HBM3e) and TPU v5e
+# data sheets.
 DEVICES = {
     "H100": {"flops": {"bfloat16": 989e12, "float16": 989e12, "float32": 495e12,
                        "float64": 67e12}, "bandwidth": 3.35e12},
+    "H200": {"flops": {"bfloat16": 989e12, "float16": 989e12, "float32": 495e12,
+                       "float64": 67e12}, "bandwidth": 4.8e12},
     "TPU v5e": {"flops": {"bfloat16": 197e12, "float16": 197e12, "float32": 197e12},
                 "bandwidth": 0.819e12},
 }
@@ -211,7 +214,7 @@ def backward(case: Case, reference: Callable[..., Any], wrt: Sequence[int]) -> C
 
 
 # DEVICES' names as JAX's device kinds spell them.
-_DEVICE_KINDS = {"H100": ("H100",), "TPU v5e": ("TPU v5 lite", "TPU v5e")}
+_DEVICE_KINDS = {"H100": ("H100",), "H200": ("H200",), "TPU v5e": ("TPU v5 lite", "TPU v5e")}
 
 
 def roofline_device(device_kind: str) -> str | None:
