@@ -134,26 +134,6 @@ def _values(case) -> list[Any]:
             for i, a in enumerate(case.args)]
 
 
-def forward_and_vjp(case, implementation: str) -> Callable[..., Any]:
-    """(out, gradients) of `case` with `implementation`, given its operands and a cotangent."""
-    import jax
-    import jax.numpy as jnp
-
-    def run(cotangent, *arrays):
-        floats = [i for i, a in enumerate(arrays) if jnp.issubdtype(a.dtype, jnp.floating)]
-
-        def of_floats(*xs):
-            full = list(arrays)
-            for i, x in zip(floats, xs):
-                full[i] = x
-            return case.call(implementation, *full)
-
-        out, vjp = jax.vjp(of_floats, *(arrays[i] for i in floats))
-        return out, vjp(cotangent.astype(out.dtype))
-
-    return run
-
-
 def _truth(case, arrays, cotangent) -> Any:
     """The reference's forward and gradient in float64 on the host's CPU."""
     import jax
@@ -165,7 +145,7 @@ def _truth(case, arrays, cotangent) -> Any:
                 else np.asarray(x))
 
     with jax.enable_x64(True), jax.default_device(jax.devices("cpu")[0]):
-        return jax.jit(forward_and_vjp(case, "xla"))(wide(cotangent), *map(wide, arrays))
+        return jax.jit(case.layer("xla"))(wide(cotangent), *map(wide, arrays))
 
 
 def smoke(case, implementations: list[str]) -> list[dict]:
@@ -185,7 +165,7 @@ def smoke(case, implementations: list[str]) -> list[dict]:
     errors = {}
     for name in implementations:
         try:
-            got = jax.jit(forward_and_vjp(case, name))(cotangent, *arrays)
+            got = jax.jit(case.layer(name))(cotangent, *arrays)
             errors[name] = (max_relative_error(got[0], truth[0]),
                             max_relative_error(got[1], truth[1]))
         except Exception as error:  # noqa: BLE001 - a kernel that fails is a result
@@ -376,7 +356,7 @@ def estimate(step: Step, case: Any, recorded: list[dict], repeats: int) -> None:
         start = time.perf_counter()
         jax.block_until_ready(_truth(case, arrays, cotangent))
         truth_s = time.perf_counter() - start
-        compile_s = sum(_compile_seconds(forward_and_vjp(case, name), [cotangent, *arrays])
+        compile_s = sum(_compile_seconds(case.layer(name), [cotangent, *arrays])
                         for name in [*step.implementations, "xla"])
         step.estimate_s = compile_s + truth_s + STEP_OVERHEAD_S
         step.basis = f"compiled here {compile_s:.1f} s, float64 truth here {truth_s:.1f} s"

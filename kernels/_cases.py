@@ -51,6 +51,24 @@ class Case:
 
         return forward_and_backward
 
+    def layer(self, implementation: str) -> Callable[..., Any]:
+        """`layer(cotangent, *arrays) -> (out, gradients)`: the op's output and its gradient
+        with respect to every float argument from a given cotangent, as a training step runs
+        the layer."""
+        def layer(cotangent, *arrays):
+            floating = [i for i, a in enumerate(arrays) if jnp.issubdtype(a.dtype, jnp.floating)]
+
+            def forward(*floats):
+                full = list(arrays)
+                for i, value in zip(floating, floats):
+                    full[i] = value
+                return self.call(implementation, *full)
+
+            out, pullback = jax.vjp(forward, *(arrays[i] for i in floating))
+            return out, pullback(cotangent.astype(out.dtype))
+
+        return layer
+
     def forward(self, implementation: str) -> Callable[..., Any]:
         """The op alone, as inference runs it."""
         return lambda *arrays: self.call(implementation, *arrays)

@@ -34,7 +34,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
@@ -216,17 +215,7 @@ def layer_program(case: Case, target_name: str, implementation: str = registry.R
     args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in case.args]
     out = jax.eval_shape(case.forward(registry.REFERENCE), *case.args)
     cotangent = jax.ShapeDtypeStruct(out.shape, out.dtype, sharding=sharding)
-    floating = [i for i, a in enumerate(case.args) if jnp.issubdtype(a.dtype, jnp.floating)]
-
-    def layer(cotangent, *arrays):
-        def forward(*floats):
-            full = list(arrays)
-            for i, value in zip(floating, floats):
-                full[i] = value
-            return case.call(implementation, *full)
-
-        out, pullback = jax.vjp(forward, *(arrays[i] for i in floating))
-        return out, pullback(cotangent)
+    layer = case.layer(implementation)
 
     with jax.default_device(device):
         if training:
