@@ -43,13 +43,16 @@ BUDGET_S = 480
 # truth's largest magnitude) is within SMOKE_FACTOR times XLA's own on the same device and
 # inputs, or SMOKE_FACTOR units of its dtype's rounding.
 SMOKE_FACTOR = 4
-# The chained timer's n at most (`harness.chain_calls`): each program holds its calls, each
-# compiled, and compiling is most of this command's time (`--dry-run`). Compiled here for a
-# compile-only H100, the gather backward's rows (Triton and XLA) took 32.9 s with the bench's
-# 32 (programs of 1, 32 and 64 calls) and 20 s with 4 (its one call alone: 2.0-2.7 s, each
-# further call about 0.5 s). 4 calls of the shortest rows' kernels (about 10 us) still last
-# several times the timer's floor (`timer_floor_seconds`, 1.5-2 us on an H100).
-MAX_CHAINED_CALLS = 4
+# The chained timer's n (`harness.chained_seconds`): programs of CHAINED_CALLS and twice as
+# many calls, each call compiled, and compiling is most of this command's time (`--dry-run`).
+# Compiled here for a compile-only H100, the layer norm backward at 4096x8192 bfloat16 (triton,
+# mosaic_gpu, xla): one call alone 1.2-1.7 s, programs of 2 calls 1.3-1.8 s, 4 calls 1.6-2.4 s,
+# 8 calls 2.5-4.4 s; a fixed n also spares the one-call program the bench times to choose n.
+CHAINED_CALLS = 2
+# Timed runs per program: 2 calls of the shortest rows' kernels (3-10 us) differ by less than
+# a waited program's round-trip jitter (0.04-0.15 ms on an H100), which the median of this many
+# runs settles, for milliseconds of device time.
+REPEATS = 20
 # Host work per step that no compile time measured here covers (tracing, transfers, the
 # record's write): an allowance, not a device measurement.
 STEP_OVERHEAD_S = 1.0
@@ -246,7 +249,7 @@ def row_plan(cases: list[Any], implementations: list[str], recorded: list[dict],
             rows = []  # xla first: each kernel's row carries its ratio to xla's time
             for name in sorted(implementations, key=lambda name: name != "xla"):
                 measured = harness.measure(case, [(name, False)], repeats, chained=chained,
-                                           max_calls=MAX_CHAINED_CALLS)
+                                           calls=CHAINED_CALLS if chained else None)
                 for row in measured:
                     xla = rows[0]["median_ms"] if rows else None
                     row["vs_xla"] = row["median_ms"] / xla if xla and row["median_ms"] else (
@@ -341,8 +344,8 @@ def _compile_seconds(fn: Callable[..., Any], args: list[Any]) -> float:
 
 def estimate(step: Step, case: Any, recorded: list[dict], repeats: int) -> None:
     """Sets `step.estimate_s` and `step.basis`. Compiles: the step's programs compiled here for
-    a compile-only H100, as the device will compile them (a row's chained timer: one call, n
-    calls and 2n calls). Device time: a row's calls at its recorded median (this device kind's
+    a compile-only H100, as the device will compile them (a row's chained timer: programs of
+    `CHAINED_CALLS` and twice as many calls). Device time: a row's calls at its recorded median (this device kind's
     record, or one of the same generation's), else `UNRECORDED_FLOOR_FACTOR` times its roofline
     floor; a smoke's float64 truth timed on this host."""
     import jax
@@ -372,11 +375,10 @@ def estimate(step: Step, case: Any, recorded: list[dict], repeats: int) -> None:
             sources.add(f"{UNRECORDED_FLOOR_FACTOR}x roofline floor")
         else:
             sources.add("recorded")
-        calls = harness.chain_calls(seconds, MAX_CHAINED_CALLS)
-        compile_s += sum(_compile_seconds(program, list(case.args)) for program in (
-            fn, harness.chain(fn, calls), harness.chain(fn, 2 * calls)))
-        # The timer's calls: its estimate's two, each program's warm-up and repeats, the error's.
-        device_s += seconds * (2 + (1 + repeats) * 3 * calls + 1)
+        compile_s += sum(_compile_seconds(harness.chain(fn, calls), list(case.args))
+                         for calls in (CHAINED_CALLS, 2 * CHAINED_CALLS))
+        # Each program's warm-up and repeats (the error is the shorter warm-up's result).
+        device_s += seconds * (1 + repeats) * 3 * CHAINED_CALLS
     step.estimate_s = compile_s + device_s + STEP_OVERHEAD_S * len(step.implementations)
     step.basis = (f"compiled here {compile_s:.1f} s, device {device_s:.2f} s "
                   f"({', '.join(sorted(sources))})")
@@ -408,7 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ops", default=None, help="comma-separated ops (default: all)")
     parser.add_argument("--budget-s", type=float, default=BUDGET_S,
                         help=f"start nothing estimated to end past this (default {BUDGET_S})")
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs per program")
+    parser.add_argument("--repeats", type=int, default=REPEATS,
+                        help=f"timed runs per program (default {REPEATS})")
     parser.add_argument("--records", default=None,
                         help="where the records are (default bench/records)")
     parser.add_argument("--phases", default="smoke,rows", help="smoke,rows (default both)")

@@ -74,8 +74,8 @@ class Case:
 
 
 def median_seconds(fn: Callable[..., Any], *args: Any, repeats: int, warmup: int = 2,
-                   chained: bool = False, max_calls: int = _MAX_CHAINED_CALLS) -> float:
-    """Median time of one `fn(*args)` call.
+                   chained: bool = False, calls: int | None = None) -> tuple[float, Any]:
+    """Median time of one `fn(*args)` call, and one call's result (for the error column).
 
     On a CPU (`chained=False`) each call is waited for (JAX dispatches asynchronously: without
     the wait a benchmark times only the dispatch); that is what a test pays. On a GPU or TPU
@@ -83,10 +83,10 @@ def median_seconds(fn: Callable[..., Any], *args: Any, repeats: int, warmup: int
     on an H100 with jax 0.11), which hid every kernel under about 40 µs in the first H100
     record."""
     if chained:
-        return chained_seconds(fn, *args, repeats=repeats, warmup=warmup, max_calls=max_calls)
+        return chained_seconds(fn, *args, repeats=repeats, warmup=warmup, calls=calls)
     for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    return statistics.median(_waited_seconds(fn, args) for _ in range(repeats))
+        result = jax.block_until_ready(fn(*args))
+    return statistics.median(_waited_seconds(fn, args) for _ in range(repeats)), result
 
 
 def _waited_seconds(fn: Callable[..., Any], args: Sequence[Any]) -> float:
@@ -95,29 +95,31 @@ def _waited_seconds(fn: Callable[..., Any], args: Sequence[Any]) -> float:
     return time.perf_counter() - start
 
 
-def chain_calls(seconds: float, max_calls: int = _MAX_CHAINED_CALLS) -> int:
+def chain_calls(seconds: float) -> int:
     """n for a call of about `seconds`: the n-call program lasts about `_CHAIN_SECONDS`."""
-    return max(2, min(max_calls, round(_CHAIN_SECONDS / seconds)))
+    return max(2, min(_MAX_CHAINED_CALLS, round(_CHAIN_SECONDS / seconds)))
 
 
 def chained_seconds(fn: Callable[..., Any], *args: Any, repeats: int, warmup: int = 1,
-                    max_calls: int = _MAX_CHAINED_CALLS) -> float:
-    """One call's time on a device, resolved to microseconds: `chain(fn, n)` and
-    `chain(fn, 2n)` are each timed as one waited program, and a call costs the difference over
-    n, which cancels what a program pays once (its dispatch and round trip, the first link's
-    copy of each operand, a parameter it may not update in place). n makes the shorter program
-    last about `_CHAIN_SECONDS`. What remains per call beside the op is the chain's own link
-    (`timer_floor_seconds`). NaN where noise leaves the longer program no slower: unresolved."""
-    estimate = min(_waited_seconds(fn, args) for _ in range(warmup + 1))
-    calls = chain_calls(estimate, max_calls)
+                    calls: int | None = None) -> tuple[float, Any]:
+    """One call's time on a device, resolved to microseconds, and the result of one call:
+    `chain(fn, n)` and `chain(fn, 2n)` are each timed as one waited program, and a call costs
+    the difference over n, which cancels what a program pays once (its dispatch and round trip,
+    the first link's copy of each operand, a parameter it may not update in place). n: `calls`,
+    else `chain_calls` of one waited call of `fn` (so the shorter program lasts about
+    `_CHAIN_SECONDS`). What remains per call beside the op is the chain's own link
+    (`timer_floor_seconds`). NaN where noise leaves the longer program no slower: unresolved.
+    The result is the shorter program's (its links leave the operands' values unchanged)."""
+    if calls is None:
+        calls = chain_calls(min(_waited_seconds(fn, args) for _ in range(warmup + 1)))
     programs = [chain(fn, calls), chain(fn, 2 * calls)]
-    for program in programs:
+    for program in reversed(programs):  # the shorter program's result is the one kept
         for _ in range(warmup):
-            jax.block_until_ready(program(*args))
+            result = jax.block_until_ready(program(*args))
     short, long = ([_waited_seconds(program, args) for _ in range(repeats)]
                    for program in programs)
     difference = statistics.median(long) - statistics.median(short)
-    return difference / calls if difference > 0 else math.nan
+    return (difference / calls if difference > 0 else math.nan), result
 
 
 def chain(fn: Callable[..., Any], calls: int) -> Callable[..., Any]:
@@ -177,7 +179,7 @@ def timer_floor_seconds(repeats: int = 10) -> float:
     take one to four). Rows whose roofline floor is under it measure the link (a few tiny
     launches), not the op (`below_timer_floor`)."""
     small = jnp.zeros((8, 128), jnp.float32)
-    return chained_seconds(lambda x, y: x, small, small, repeats=repeats)
+    return chained_seconds(lambda x, y: x, small, small, repeats=repeats)[0]
 
 
 def max_relative_error(actual: Any, expected: Any) -> float:
@@ -249,9 +251,10 @@ def label(implementation: str, interpret: bool | str) -> str:
 
 def measure(case: Case, implementations: Sequence[tuple[str, bool | str]],
             repeats: int, chained: bool = False,
-            max_calls: int = _MAX_CHAINED_CALLS) -> list[dict]:
+            calls: int | None = None) -> list[dict]:
     """Rows for `case`: each (implementation, interpret) pair, then the baselines, timed by
-    `median_seconds` (`chained` on a GPU or TPU, for the kernels and `xla` alike)."""
+    `median_seconds` (`chained` on a GPU or TPU, for the kernels and `xla` alike; `calls`: the
+    chained timer's n, else chosen per program)."""
     rows, xla_seconds = [], None
     programs = [(name, interpret, jax.jit(case.run(name, interpret)))
                 for name, interpret in implementations]
@@ -262,8 +265,8 @@ def measure(case: Case, implementations: Sequence[tuple[str, bool | str]],
         # Host baselines (NumPy, SciPy) cannot be chained inside a compiled program.
         chain_it = chained and not interpret and name not in case.baselines
         try:
-            seconds = median_seconds(fn, *case.args, repeats=repeats, chained=chain_it,
-                                     max_calls=max_calls)
+            seconds, result = median_seconds(fn, *case.args, repeats=repeats,
+                                             chained=chain_it, calls=calls)
         except Exception as error:  # noqa: BLE001 - a kernel that fails is a row, not a crash
             if name == registry.REFERENCE:
                 raise
@@ -283,7 +286,7 @@ def measure(case: Case, implementations: Sequence[tuple[str, bool | str]],
             else case.bytes / seconds / 1e9,
             "TFLOP/s": None if interpret or part or case.flops is None or not seconds > 0
             else case.flops / seconds / 1e12,
-            "max_rel_err": None if part else max_relative_error(fn(*case.args), case.expected),
+            "max_rel_err": None if part else max_relative_error(result, case.expected),
             **{f"floor_{d}_us": None if part else roofline_floor_us(case, d) for d in DEVICES},
         }))
     for row in rows:
