@@ -2,13 +2,15 @@
 
 Every op, forward and gradient, through its default implementation and through both kernels
 in the (fast) interpreter, against its reference evaluated in float64. It proves the wheel
-carries everything an op needs (the `kernels` and `reference` packages, nothing imported from
-the checkout) and that its metadata names the version `kernels.__version__` holds.
+carries everything an op needs (`kernels`, with the repository's `reference/` as
+`kernels.reference`; nothing imported from the checkout), that it installs no top-level import
+name but `kernels`, and that its metadata names the version `kernels.__version__` holds.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import pathlib
 
 import jax
@@ -16,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import kernels
-import reference
+from kernels import reference
 
 RNG = np.random.default_rng(0)
 
@@ -60,6 +62,9 @@ def main() -> None:
     where = pathlib.Path(kernels.__file__).resolve()
     assert "site-packages" in where.parts, f"kernels imported from {where}, not the wheel"
     assert importlib.metadata.version("pallas-kernels") == kernels.__version__
+    top_level = importlib.metadata.distribution("pallas-kernels").read_text("top_level.txt")
+    assert top_level.split() == ["kernels"], f"top-level import names: {top_level.split()}"
+    assert importlib.util.find_spec("reference") is None, "a top-level `reference` is importable"
     checks = 0
     for name, (op, ref, args, terms, options) in CASES.items():
         with jax.enable_x64(True):

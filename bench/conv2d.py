@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from reference.conv2d import conv2d as reference_conv2d
-from reference.conv2d import geometry as make_geometry
+from kernels.reference.conv2d import conv2d as reference_conv2d
+from kernels.reference.conv2d import geometry as make_geometry
 from bench.harness import WITH_BACKWARD, Case, backward
 from kernels.conv2d import OP, conv2d, mosaic
 from kernels.conv2d.common import flops_and_bytes, make_problem

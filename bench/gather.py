@@ -16,7 +16,7 @@ import numpy as np
 from bench.harness import Case, backward
 from kernels.gather import OP, gather
 from kernels.gather.common import Problem, gather_bytes, scatter_bytes
-from reference.gather import gather as reference_gather
+from kernels.reference.gather import gather as reference_gather
 from kernels._cases import random
 
 SHAPES = OP.cases.BENCH  # per shape set, in kernels/gather/cases.py

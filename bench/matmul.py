@@ -6,7 +6,7 @@ import jax.numpy as jnp
 
 import kernels
 from kernels.matmul import OP
-import reference
+from kernels import reference
 from bench.harness import WITH_BACKWARD, Case, backward
 from kernels.matmul.common import flops_and_bytes, make_problem
 from kernels._cases import random

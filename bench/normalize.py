@@ -12,7 +12,7 @@ import numpy as np
 
 from bench.harness import WITH_BACKWARD, Case, backward
 from kernels.normalize import OP, common, normalize
-from reference.normalize import normalize as reference_normalize
+from kernels.reference.normalize import normalize as reference_normalize
 from kernels._cases import random
 
 SHAPES = OP.cases.BENCH  # per shape set, in kernels/normalize/cases.py

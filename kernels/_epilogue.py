@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels.partition.shardings import like
-from reference.epilogue import ACTIVATIONS, accumulator_dtype
+from kernels.reference.epilogue import ACTIVATIONS, accumulator_dtype
 
 __all__ = ["Epilogue", "on_accumulator", "apply_after_sum", "gradients", "require_supported",
            "operands", "split_refs", "out_shapes"]

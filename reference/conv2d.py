@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from reference import epilogue
+from . import epilogue
 
 DATA_FORMATS = {"NHWC": "HWIO", "NCHW": "OIHW"}
 PADDING_STRINGS = ("SAME", "VALID", "SAME_LOWER")

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from reference import epilogue
+from . import epilogue
 
 
 def matmul(

@@ -1,4 +1,19 @@
+import contextlib
 import os
+
+
+@contextlib.contextmanager
+def _stderr_discarded():
+    """The process's own stderr (file descriptor 2, where C++ logs) sent to /dev/null."""
+    saved = os.dup(2)
+    with open(os.devnull, "w") as devnull:
+        os.dup2(devnull.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
 
 # JAX's strictest numpy settings, as JAX's own suite runs: no implicit rank promotion, no
 # implicit dtype promotion. Set in the environment before jax starts, so the subprocesses of the
@@ -9,6 +24,12 @@ os.environ["JAX_NUMPY_DTYPE_PROMOTION"] = "strict"
 # XLA's CPU thread pools sized for Mosaic GPU's interpreter (its simulated threads wait on one
 # another: the measurement is beside the constant), before jax starts its CPU client; the
 # subprocess suites inherit it.
+# jaxlib 0.10.2 with the test extra's CUDA plugin (compile-only GPUs) logs "Could not find cuda
+# drivers" three times to stderr as jax is imported on a machine without a GPU (C++ logging
+# before absl starts, which no variable silences; jaxlib 0.12 does not log it): jax is imported
+# first here, quietly, so the suite's output has no driver lines.
+with _stderr_discarded():
+    import jax  # noqa: E402
 from kernels.registry import MOSAIC_GPU_INTERPRETER_THREADS  # noqa: E402
 
 os.environ.setdefault("PJRT_NPROC", str(MOSAIC_GPU_INTERPRETER_THREADS))
@@ -86,8 +107,6 @@ def pytest_collection_modifyitems(items):
 @pytest.fixture(params=["jit", "no_jit"])
 def variant(request):
     """chex-style variants: the op called under `jax.jit` and called eagerly."""
-    import jax
-
     return jax.jit if request.param == "jit" else (lambda f: f)
 
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import reference
+from kernels import reference
 from kernels.conv2d import Conv2dConfig, conv2d
 from kernels.conv2d.mosaic import config as mosaic_config
 from tests.support import (SUPPORTS_FLOAT64, Contract, as_f64, assert_close, assert_lowers,

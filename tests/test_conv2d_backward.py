@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
-import reference
+from kernels import reference
 from kernels.conv2d import conv2d
 from tests.support import SUPPORTS_FLOAT64, as_f64, assert_close, kernels_of, x64
 
@@ -50,7 +50,7 @@ def test_gradients_match_reference(implementation, case):
 
 def _weight_grad_problem(x_shape, w_shape, dtype, **options):
     from kernels.conv2d import common
-    from reference.conv2d import geometry
+    from kernels.reference.conv2d import geometry
 
     options = {"stride": 1, "padding": "SAME", "dilation": 1, "feature_group_count": 1,
                "data_format": "NHWC", **options}

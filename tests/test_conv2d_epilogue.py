@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from jax import lax
 
-import reference
+from kernels import reference
 from kernels import _targets
 from kernels.compile.launches import launches
 from kernels.conv2d import conv2d
-from reference.conv2d import DATA_FORMATS
+from kernels.reference.conv2d import DATA_FORMATS
 from tests.support import (as_f64, assert_close, implementations_of, kernels_of, random,
                            weighted_sum, x64)
 from tests.test_matmul_epilogue import epilogue_truth

@@ -14,7 +14,7 @@ import pytest
 from kernels._targets import TARGETS
 from kernels.conv2d import Conv2dConfig, conv2d
 from kernels.conv2d.common import make_problem
-from reference.conv2d import geometry as make_geometry
+from kernels.reference.conv2d import geometry as make_geometry
 from tests.support import assert_close, needs, random
 from tests.test_conv2d import _check, _inputs
 

@@ -18,7 +18,7 @@ from flax import linen as nn
 from flax import nnx
 from flax import serialization
 
-import reference
+from kernels import reference
 from kernels.flax import linen as knn
 from kernels.flax import nnx as knnx
 from tests.support import assert_close, random, standard_promotion, x64

@@ -20,7 +20,7 @@ import pytest
 
 from kernels import registry
 from kernels.gather import GatherConfig, gather
-from reference.gather import default_fill_value, gather as reference_gather
+from kernels.reference.gather import default_fill_value, gather as reference_gather
 from tests.support import (SUPPORTS_FLOAT64, Contract, as_f64, assert_close, implementations_of,
                            random, x64)
 

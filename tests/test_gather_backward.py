@@ -14,7 +14,7 @@ import pytest
 from jax.test_util import check_grads
 
 from kernels.gather import gather
-from reference.gather import gather as reference_gather
+from kernels.reference.gather import gather as reference_gather
 from tests.support import assert_close, assert_lowers, kernels_of, random, x64
 
 KERNELS = kernels_of("gather")  # this op's kernels (`tests.support.implementations_of`)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
-import reference
+from kernels import reference
 from kernels import registry
 from kernels.matmul import MatmulConfig, matmul
 from tests.support import (FLOAT_DTYPES, SUPPORTS_FLOAT64, Contract, as_f64, assert_close,

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import reference
+from kernels import reference
 from kernels import _targets
 from kernels._pallas import on_target
 from kernels.conv2d import conv2d

@@ -10,11 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import reference
+from kernels import reference
 from kernels import _targets
 from kernels.compile.launches import launches
 from kernels.matmul import MatmulConfig, matmul
-from reference.epilogue import ACTIVATIONS
+from kernels.reference.epilogue import ACTIVATIONS
 from tests.support import (as_f64, assert_close, implementations_of, kernels_of, random,
                            standard_promotion, weighted_sum, x64)
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import kernels
-import reference
+from kernels import reference
 from kernels import _dispatch
 from tests.support import as_f64, assert_close, fast_kernels_of, random, weighted_sum, x64
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from kernels.normalize import NormalizeConfig, layer_norm, normalize, rms_norm
-from reference.normalize import (layer_norm as reference_layer_norm,
+from kernels.reference.normalize import (layer_norm as reference_layer_norm,
                                  normalize as reference_normalize, rms_norm as reference_rms_norm)
 from tests.support import (FLOAT_DTYPES, SUPPORTS_FLOAT64, Contract, as_f64, assert_close,
                            implementations_of, kernels_of, random, tolerance, weighted_sum,

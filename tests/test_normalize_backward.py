@@ -11,7 +11,7 @@ import pytest
 from jax.test_util import check_grads
 
 from kernels.normalize import normalize
-from reference.normalize import normalize as reference_normalize
+from kernels.reference.normalize import normalize as reference_normalize
 from tests.support import SUPPORTS_FLOAT64, as_f64, assert_close, random, x64
 from tests.test_normalize import _inputs, _loss
 

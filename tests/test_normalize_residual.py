@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kernels.normalize import NormalizeConfig, layer_norm, normalize, rms_norm
-from reference.normalize import (layer_norm as reference_layer_norm,
+from kernels.reference.normalize import (layer_norm as reference_layer_norm,
                                  normalize as reference_normalize, rms_norm as reference_rms_norm)
 from tests.support import as_f64, assert_close, kernels_of, random, tolerance, weighted_sum, x64
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from kernels.normalize import NormalizeConfig, layer_norm, normalize
-from reference.normalize import normalize as reference_normalize
+from kernels.reference.normalize import normalize as reference_normalize
 from tests.support import as_f64, assert_close, assert_lowers, kernels_of, random, weighted_sum, x64
 
 KERNELS = kernels_of("normalize")  # this op's kernels (`tests.support.implementations_of`)

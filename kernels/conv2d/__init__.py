@@ -40,10 +40,10 @@ from kernels.conv2d.common import (Conv2dConfig, Phase, Problem, make_problem,
                                    subpixel_phases)
 from kernels.matmul import OP as MATMUL
 from kernels.matmul.common import make_problem as matmul_problem
-from reference.conv2d import Geometry, conv2d as reference_conv2d, dilated_size
-from reference.conv2d import geometry as make_geometry
-from reference import epilogue as epilogue_reference
-from reference.epilogue import accumulator_dtype
+from kernels.reference.conv2d import Geometry, conv2d as reference_conv2d, dilated_size
+from kernels.reference.conv2d import geometry as make_geometry
+from kernels.reference import epilogue as epilogue_reference
+from kernels.reference.epilogue import accumulator_dtype
 
 __all__ = ["conv2d", "Conv2dConfig"]
 

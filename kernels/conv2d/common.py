@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from kernels._blocks import tensor_float32
 from kernels._dtypes import promoted
 from kernels._epilogue import Epilogue
-from reference.conv2d import Geometry, output_size
+from kernels.reference.conv2d import Geometry, output_size
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,7 +40,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 import kernels
 from kernels import partition
 from kernels._dtypes import promoted
-from reference.normalize import statistics_dtype
+from kernels.reference.normalize import statistics_dtype
 
 Implementation = str | tuple[str, ...] | None
 

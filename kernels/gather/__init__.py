@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
-from reference.gather import (bounded_indices, check_arguments, default_fill_value,
+from kernels.reference.gather import (bounded_indices, check_arguments, default_fill_value,
                               host_indices)
-from reference.gather import gather as reference_gather
+from kernels.reference.gather import gather as reference_gather
 from kernels import _dispatch, _targets, partition, registry
 from kernels.registry import Op
 from kernels.gather import sharding

@@ -22,15 +22,15 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
-import reference
+from kernels import reference
 from kernels import _dispatch, _targets, partition, registry
 from kernels._dtypes import promoted
 from kernels._epilogue import Epilogue, gradients
-from reference.epilogue import accumulator_dtype
+from kernels.reference.epilogue import accumulator_dtype
 from kernels.registry import Op
 from kernels.matmul import sharding
 from kernels.matmul.common import MatmulConfig, make_problem
-from reference import epilogue as epilogue_reference
+from kernels.reference import epilogue as epilogue_reference
 
 __all__ = ["matmul", "MatmulConfig"]
 

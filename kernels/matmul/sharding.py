@@ -17,7 +17,7 @@ from typing import Any
 
 from kernels._epilogue import Epilogue, apply_after_sum
 from kernels.partition import Layout, Plan, reduction
-from reference.epilogue import accumulator_dtype
+from kernels.reference.epilogue import accumulator_dtype
 
 
 def _roles(static: Any, rank: int) -> tuple[int, int, int, int]:

@@ -29,8 +29,8 @@ from kernels import _dispatch, _targets, partition, registry
 from kernels.registry import Op
 from kernels.normalize import common, sharding
 from kernels.normalize.common import NormalizeConfig, Problem
-from reference.normalize import Axis, check_arguments
-from reference.normalize import normalize as reference_normalize
+from kernels.reference.normalize import Axis, check_arguments
+from kernels.reference.normalize import normalize as reference_normalize
 
 __all__ = ["normalize", "layer_norm", "rms_norm", "NormalizeConfig"]
 

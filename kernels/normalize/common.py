@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from reference.normalize import statistics_dtype
+from kernels.reference.normalize import statistics_dtype
 
 
 @dataclasses.dataclass(frozen=True)
