@@ -123,3 +123,22 @@ def test_every_list_of_implementations_names_each_registered_one():
     today = re.search(r"\(today ([^)]*)\)", (ROOT / "CONTRIBUTING.md").read_text()).group(1)
     assert {registry.get(name).subpackage + "/" for name in registry.kernel_names()} == set(
         re.findall(r"`(\w+/)`", today))
+
+
+def _python_block(path: pathlib.Path, heading: str) -> str:
+    """The first ```python block after `heading` in `path`."""
+    text = path.read_text()
+    return re.search(r"```python\n(.*?)```", text[text.index(heading):], re.S).group(1)
+
+
+def test_the_guides_first_kernel_runs_as_written_and_lowers_for_a_tpu():
+    """Section 0 of the kernel guide, run unchanged (it checks itself against the reference);
+    the same `pl.pallas_call`, compiled rather than interpreted, lowers to a Mosaic kernel."""
+    import jax.numpy as jnp
+
+    from kernels._pallas import MOSAIC_CALL_MARKER, lowered_text
+
+    namespace: dict = {}
+    exec(_python_block(ROOT / "docs" / "kernel-guide.md", "## 0. A first kernel"), namespace)
+    x, scale = jnp.ones((20, 256), jnp.float32), jnp.ones((256,), jnp.float32)
+    assert MOSAIC_CALL_MARKER in lowered_text(namespace["rms_norm"], x, scale, platform="tpu")
