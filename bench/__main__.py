@@ -38,8 +38,21 @@ _STRICT = ("strict", [*((name, "strict") for name in registry.kernel_names()
                         if registry.get(name).strict_simulator
                         or not registry.get(name).fast_interpreter),
                       (registry.REFERENCE, False)])
-INTERPRET_CHOICES = {"none": [_FAST, _STRICT], "true": [_FAST], "strict": [_STRICT],
+INTERPRET_CHOICES = {"both": [_FAST, _STRICT], "true": [_FAST], "strict": [_STRICT],
                      "false": []}
+
+
+# What the two views of the rows show (`--rows`).
+COMPARISON_LEGEND = (
+    "Rows a person compares: each case's xla time in ms and every other implementation's time "
+    "against it in the same run. On a CPU a kernel's column runs its own code in Pallas' fast "
+    "interpreter (\"strict\": the TPU or Mosaic GPU simulator): its ratio is what that code "
+    "costs a CPU test, not the kernel's speed on a device. max err: the largest relative error "
+    "against the reference among them.")
+ROWS_LEGEND = (
+    "Every row. floor_*_us: the roofline floor on that device from the op's flop and byte "
+    "counts (the larger of compute time and memory time). (interpret) and (strict) rows: as "
+    "above, not speed figures; a timed part (a wrapper's copy) is named for its implementation.")
 
 
 def _of_op(op: str, implementations: list[tuple[str, bool | str]]) -> list[tuple[str, bool | str]]:
@@ -66,11 +79,11 @@ def summary(ops: list[str], rows: list[dict], design_rows: list[dict] | None,
         f"timer: {timer['method']}" + (f", floor {timer['floor_us']:.2f} us a call (rows whose "
                                        "roofline floor is under it are marked)"
                                        if "floor_us" in timer else ""),
-        "proven: numerics of every kernel against the float64 reference, interpreted on a CPU "
-        "(the test suite: the strict simulator on the device's schedule at small sizes, the "
-        "fast interpreter at model-test sizes); compiled by the real back ends for sm_90, "
-        "sm_80, v5e, v6e and v4, and Mosaic GPU's kernels for sm_90a and sm_100a "
-        "(python -m kernels.compile)",
+        *textwrap.wrap(
+            "proven: numerics of every kernel against the float64 reference, interpreted on a "
+            "CPU (the test suite); compiled by the real back ends for sm_90, sm_80, v5e, v6e and "
+            "v4, Mosaic GPU's kernels for sm_90a and sm_100a (python -m kernels.compile)",
+            width=100, subsequent_indent="    "),
         "ran on a device: " + (", ".join(recorded) + " (bench/records/)" if recorded else
                                "none recorded; no kernel has been timed on a GPU or TPU"),
     ]
@@ -94,10 +107,9 @@ def summary(ops: list[str], rows: list[dict], design_rows: list[dict] | None,
         if interpreted:
             lines += _wrapped("interpreted on this machine, time vs XLA's (forward / "
                               "backward, the largest over the shapes): " + interpreted)
-        if design_rows is not None:
-            for target, device in design.DEVICE_NAMES.items():
-                lines += _wrapped(f"design {device}: " + design.target_line(
-                    [r for r in design_rows if r["op"] == op], target))
+        for target, device in design.DEVICE_NAMES.items() if design_rows else ():
+            line = design.target_line([r for r in design_rows if r["op"] == op], target)
+            lines += _wrapped(f"design {device}: {line}") if line else []
     return "\n".join(lines)
 
 
@@ -130,17 +142,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", metavar="DIR",
                         help="write DIR/<op>.png: time vs size per implementation, with the "
                              "roofline floor (needs matplotlib: the examples extra)")
-    parser.add_argument("--interpret", choices=INTERPRET_CHOICES, default="none",
-                        help="the interpreted rows on a CPU, named as the ops' interpret= "
-                             "values: none (default) both kinds, true the fast interpreter's "
-                             "at model-test sizes, strict the simulator's on small grids, "
-                             "false none")
+    parser.add_argument("--interpret", choices=INTERPRET_CHOICES, default="both",
+                        help="the interpreted rows on a CPU: both (default), true (the fast "
+                             "interpreter's, at model-test sizes), strict (the simulators', on "
+                             "small grids) or false (none), as the ops' interpret= values")
     parser.add_argument("--no-interpret", action="store_true", help="same as --interpret false")
-    parser.add_argument("--design", choices=("grouped", "full", "none"), default="grouped",
+    parser.add_argument("--rows", choices=("compare", "all"), default="compare",
+                        help="compare (default): per op, each case that more than xla ran, its "
+                             "time against xla's; all: every row with every column (GB/s, "
+                             "TFLOP/s, roofline floors, xla's own CPU-sized rows, timed parts)")
+    parser.add_argument("--design", choices=("summary", "grouped", "full", "none"),
+                        default="summary",
                         help="the design figures (every kernel launch worked out for an H100 "
                              "and a TPU v5e, compiled by the real back ends where installed): "
-                             "grouped per op and case (default), full (one table, every "
-                             "column), none")
+                             "summary (default: a line per op and device), grouped (also a "
+                             "table per case), full (one table, every column), none")
     parser.add_argument("--no-design", action="store_true", help="same as --design none")
     parser.add_argument("--record", action="store_true",
                         help="on a GPU or TPU, write the rows to bench/records/<device kind>.json "
@@ -166,52 +182,50 @@ def main(argv: list[str] | None = None) -> int:
     device_kind = jax.devices()[0].device_kind
     plan = []
     for op in ops:
-        plan += [(case, _of_op(op, native_plan), args.repeats)
-                 for case in BENCHES[op].cases("native" if on_accelerator else "cpu")]
         interpreted = [] if on_accelerator or args.no_interpret else INTERPRET_CHOICES[
             args.interpret]
-        for shapes, implementations in interpreted:
-            # The simulator's rows take up to seconds each: fewer runs there.
-            repeats = 3 if shapes == "strict" else args.repeats
-            plan += [(case, _of_op(op, implementations), repeats)
-                     for case in BENCHES[op].cases(shapes)]
+        op_plan = [(case, _of_op(op, implementations),
+                    3 if shapes == "strict" else args.repeats)  # the simulator's: fewer runs
+                   for shapes, implementations in interpreted for case in BENCHES[op].cases(shapes)]
+        # xla's rows at CPU sizes, but for a case an interpreted row times beside xla already.
+        timed = {(case.op, case.shape, case.dtype) for case, _, _ in op_plan}
+        plan += [(case, _of_op(op, native_plan), args.repeats)
+                 for case in BENCHES[op].cases("native" if on_accelerator else "cpu")
+                 if (case.op, case.shape, case.dtype) not in timed] + op_plan
+    progress = harness.Progress()
     # On a device every op is timed by the chained timer, whose floor is measured first.
     timer = {"method": "chained" if on_accelerator else "waited per call"}
     if on_accelerator:
+        progress.show("the chained timer's floor")
         timer["floor_us"] = harness.timer_floor_seconds() * 1e6
-        print(f"chained timer: floor {timer['floor_us']:.2f} us a call", file=sys.stderr,
-              flush=True)
     roofline = harness.roofline_device(device_kind)
-    # Progress and each row as it is measured go to stderr; the report, to stdout at the end.
-    print(harness.header(), file=sys.stderr, flush=True)
     rows = []
     for number, (case, implementations, repeats) in enumerate(plan, 1):
-        print(f"[{number}/{len(plan)}] {case.op} {case.shape} {case.dtype}: "
-              f"{', '.join(name for name, _ in implementations)}", file=sys.stderr, flush=True)
+        progress.show(f"[{number}/{len(plan)}] {case.op} {case.shape} {case.dtype}: "
+                      f"{', '.join(name for name, _ in implementations)}")
         measured = harness.measure(case, implementations, repeats, chained=on_accelerator)
         if on_accelerator:
             harness.mark_timer_floor(measured, timer["floor_us"], roofline)
-        for row in measured:
-            print(harness.format_row(row), file=sys.stderr, flush=True)
         rows += measured
     design_choice = "none" if args.no_design else args.design
     design_rows = None
     if design_choice != "none":
-        print("design figures: tracing and compiling every launch for sm_90 and v5e ...",
-              file=sys.stderr, flush=True)
+        progress.show("design figures: tracing and compiling every launch for sm_90 and v5e")
         design_rows = list(design.rows(ops))
+    progress.clear()
     print(summary(ops, rows, design_rows, timer))
-    print("\nTimings. floor_*_us: roofline floor on that device from the op's flop and byte "
-          "counts (max of compute time and memory time). Rows marked (interpret) run the "
-          "GPU/TPU kernel code in Pallas' HLO interpreter on this CPU (interpret=None/True, "
-          "at model-test sizes), rows marked (strict) in TPU interpret mode "
-          "(interpret=\"strict\", small grids): not speed figures; their vs_xla is what "
-          "running the kernel's code costs a CPU test.")
-    print(harness.table(rows))
-    if design_rows is not None:
+    if args.rows == "all":
+        print("\n" + "\n".join(textwrap.wrap(ROWS_LEGEND, 100)))
+        print(harness.table(rows))
+    else:
+        print("\n" + "\n".join(textwrap.wrap(COMPARISON_LEGEND, 100)) + "\n")
+        print(harness.comparison(rows))
+    if design_choice in ("grouped", "full"):
         print("\n" + design.LEGEND + "\n" + design.compiler_note(design_rows) + "\n")
         print(design.table(design_rows) if design_choice == "full" else
               design.grouped(design_rows), flush=True)
+    print(f"\n{len(rows)} rows: --rows all prints each with every column, --json PATH writes "
+          "them; --design grouped shows each launch's design figures.")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -45,7 +45,7 @@ def _case(x_shape, w_shape, options, dtype) -> Case:
         flops=flops, bytes=nbytes,
         # The Mosaic kernel's input staging copy (padding in the wrapper), timed alone:
         # its ratio to xla is what that copy costs next to a whole convolution.
-        parts={"mosaic: wrapper pad copy": jax.jit(
+        parts={"mosaic's input padding copy": jax.jit(
             lambda x, w: mosaic.staged_input(x, problem))} if _stages(problem) else {})
 
 

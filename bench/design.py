@@ -211,17 +211,22 @@ def _occupancy(r: dict) -> str:
     return f"{r['waves']:.1f} waves" if r["waves"] is not None else f"{r['programs']} steps"
 
 
-def _totals(case_rows: list[dict]) -> str:
-    """The bytes per implementation on one target: its whole program's where it was compiled
-    (XLA's always), else every launch counted as often as it runs: "triton 500.1 MB, ..."."""
-    totals = []
+def _program_bytes(case_rows: list[dict]) -> dict[str, tuple[float, str]]:
+    """Per implementation on one target: (bytes, how many kernels) of its whole program where
+    it was compiled (XLA's always), else of every launch counted as often as it runs."""
+    totals = {}
     for (name,), rows in _groups(case_rows, ("implementation",)).items():
         rows = [r for r in rows if r["program"]] or rows
         if all(r["bytes"] is not None for r in rows):
-            nbytes = sum(r["bytes"] * r["count"] for r in rows)
-            launches = f" ({rows[0]['grid']})" if rows[0]["program"] else ""
-            totals.append(f"{name} {nbytes / 1e6:.1f} MB{launches}")
-    return ", ".join(totals)
+            totals[name] = (sum(r["bytes"] * r["count"] for r in rows),
+                            f" ({rows[0]['grid']})" if rows[0]["program"] else "")
+    return totals
+
+
+def _totals(case_rows: list[dict]) -> str:
+    """"triton 500.1 MB, xla 700.2 MB (5 kernels)": `_program_bytes` as a person reads it."""
+    return ", ".join(f"{name} {nbytes / 1e6:.1f} MB{kernels}"
+                     for name, (nbytes, kernels) in _program_bytes(case_rows).items())
 
 
 def grouped(design_rows: list[dict]) -> str:
@@ -235,7 +240,8 @@ def grouped(design_rows: list[dict]) -> str:
                  for i, r in enumerate(target_rows)]
         table_text = aligned(["target", "launch", *_FIGURE_COLUMNS], cells)
         totals = [f"  {DEVICE_NAMES[target]}, {MODES[mode]}: {_totals(rows)}"
-                  for (target,), rows in _groups(case_rows, ("target",)).items()]
+                  for (target,), rows in _groups(case_rows, ("target",)).items()
+                  if _totals(rows)]
         title = f"{op}: {case}" + ("" if mode == "training" else f", {MODES[mode]}")
         blocks.append(title + "\n" + "\n".join(
             ["  " + line for line in table_text.splitlines()] + totals))
@@ -250,41 +256,47 @@ def _groups(design_rows: list[dict], keys: tuple[str, ...]) -> dict[tuple, list[
 
 
 def target_line(design_rows: list[dict], target: str) -> str:
-    """What an op's design figures say for one target, in a line: per implementation its
-    launches, the least occupied one, the most bytes against the operands and what the
-    compiler reported; then, per case where XLA's own program was compiled, every
-    implementation's bytes beside XLA's."""
+    """What an op's design figures say for one target, in a line (empty where it has no design
+    case there): per implementation its launches, the least occupied one, the most bytes
+    against the operands and what the compiler reported; then, where XLA's own program was
+    compiled, each implementation's bytes against it over the cases (`--design grouped` names
+    the launch and case behind each figure)."""
     rows = [r for r in design_rows if r["target"] == target]
     kernels = [r for r in rows if not r["program"]]
-    if not kernels:
-        return "no design case"
     parts = [f"{name} {_launches_line(launches, target)}"
              for (name,), launches in _groups(kernels, ("implementation",)).items()]
-    for (case, mode), case_rows in _groups(rows, ("case", "mode")).items():
-        if any(r["program"] and r["bytes"] for r in case_rows):
-            parts.append(f"{MODES[mode]} of {case}, HBM est.: {_totals(case_rows)}")
+    ratios: dict[tuple[str, str], list[float]] = {}
+    for (_, mode), case_rows in _groups(rows, ("case", "mode")).items():
+        totals = _program_bytes(case_rows)
+        xla = totals.pop(registry.REFERENCE, (None,))[0]
+        for name, (nbytes, _) in totals.items() if xla else ():
+            ratios.setdefault((name, mode), []).append(nbytes / xla)
+    if ratios:
+        parts.append("bytes vs XLA's program: " + "; ".join(
+            f"{name} " + ", ".join(f"{_range(values)} ({mode})"
+                                   for (of, mode), values in ratios.items() if of == name)
+            for name in dict.fromkeys(name for name, _ in ratios)))
     return "; ".join(parts)
 
 
+def _range(values: list[float]) -> str:
+    low, high = f"{min(values):.2f}", f"{max(values):.2f}"
+    return f"{low}x" if low == high else f"{low}-{high}x"
+
+
 def _launches_line(launches: list[dict], target: str) -> str:
-    where = "{launch} of {case}"
     if target == "sm_90":
-        low = min(launches, key=lambda r: r["waves"])
-        occupancy = f"fewest waves {low['waves']:.1f} ({where.format(**low)})"
+        occupancy = f"fewest waves {min(r['waves'] for r in launches):.1f}"
     else:
         steps = [r["programs"] for r in launches]
         occupancy = f"grid steps {min(steps)}-{max(steps)}"
-    stated = [r for r in launches if r["bytes"] and r["min_bytes"]]
-    traffic = ""
-    if stated:
-        heavy = max(stated, key=lambda r: r["bytes"] / r["min_bytes"])
-        traffic = (f"; HBM est. at most {heavy['bytes'] / heavy['min_bytes']:.1f}x its "
-                   f"operands ({where.format(**heavy)})")
+    stated = [r["bytes"] / r["min_bytes"] for r in launches if r["bytes"] and r["min_bytes"]]
+    traffic = f", HBM est. at most {max(stated):.1f}x its operands" if stated else ""
     failed = [r for r in launches if r["resources"].startswith("FAIL")]
     unknown = all(r["resources"].startswith("not compiled") for r in launches)
-    compiled = ("not compiled here" if unknown else
-                f"{len(failed)} failed to compile" if failed else "all compile within budget")
-    return f"{len(launches)} launches; {occupancy}{traffic}; {compiled}"
+    compiled = ("" if unknown else f", {len(failed)} failed to compile" if failed
+                else ", all compile within budget")
+    return f"{len(launches)} launches, {occupancy}{traffic}{compiled}"
 
 
 def compiler_note(design_rows: list[dict]) -> str:

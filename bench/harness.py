@@ -1,5 +1,6 @@
-"""The one benchmark harness: a timer, a row per (case, implementation), a table that prints
-as rows are measured, and the rows for JSON and CSV.
+"""The one benchmark harness: a timer, a row per (case, implementation), the tables a person
+reads (`comparison`, the rows a person compares; `table`, every row with every column), a
+progress display, and the rows for JSON and CSV.
 
 Every op's bench module returns `Case`s; the harness times each case with every implementation
 available here, next to the `xla` reference measured in the same run.
@@ -9,7 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import shutil
 import statistics
+import sys
+import textwrap
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -279,7 +283,7 @@ def measure(case: Case, implementations: Sequence[tuple[str, bool | str]],
         if name == registry.REFERENCE:
             xla_seconds = seconds
         rows.append(_row(case, label(name, interpret), "interpreted" if interpret else "speed", {
-            "median_ms": seconds * 1e3, "timer": "chained" if chain_it else "waited",
+            **({"part": True} if part else {}), "median_ms": seconds * 1e3, "timer": "chained" if chain_it else "waited",
             # Interpreted rows are correctness rows, and a part does not do the op's work:
             # throughput, error and roofline figures would mislead there.
             "GB/s": None if interpret or part or case.bytes is None or not seconds > 0
@@ -308,7 +312,7 @@ def _row(case: Case, implementation: str, kind: str, figures: dict) -> dict:
             **empty, **figures}
 
 
-# (column, format, width): fixed widths, so each row prints as soon as it is measured.
+# (column, format, width): `table`'s columns.
 _COLUMNS = [("op", "{}", 18), ("shape", "{}", 46), ("dtype", "{}", 9),
             ("implementation", "{}", 24), ("median_ms", "{:.3f}", 10), ("vs_xla", "{:.2f}x", 9),
             ("GB/s", "{:.1f}", 7), ("TFLOP/s", "{:.3f}", 8), ("max_rel_err", "{:.1e}", 11),
@@ -339,6 +343,76 @@ def table(rows: list[dict]) -> str:
             lines.append("")
         lines.append(format_row(row))
     return "\n".join(lines)
+
+
+def comparison(rows: list[dict]) -> str:
+    """The rows a person compares, a table per op: each case that more than xla ran, in a line:
+    xla's median time, each other implementation's time against it, the largest error against
+    the reference among them; then why a kernel failed or declined. (Timed parts of an
+    implementation and cases xla ran alone are left to `table`.)"""
+    cases: dict[tuple[str, str, str], dict[str, dict]] = {}
+    for r in rows:
+        if not r.get("part"):
+            cases.setdefault((r["op"], r["shape"], r["dtype"]), {})[r["implementation"]] = r
+    blocks, notes = [], []
+    for op in dict.fromkeys(op.split()[0] for op, _, _ in cases):
+        lines = {key: by_name for key, by_name in cases.items()
+                 if key[0].split()[0] == op and set(by_name) - {"xla"}}
+        names = list(dict.fromkeys(n for by_name in lines.values() for n in by_name if n != "xla"))
+        if not lines:
+            continue
+        cells = []
+        for (case_op, shape, dtype), by_name in lines.items():
+            xla = by_name.get("xla", {}).get("median_ms")
+            errors = [by_name[n]["max_rel_err"] for n in names
+                      if n in by_name and by_name[n]["max_rel_err"] is not None]
+            cells.append([case_op, shape, dtype, "-" if xla is None else f"{xla:.3f}",
+                          *(_versus(by_name.get(n)) for n in names),
+                          f"{max(errors):.1e}" if errors else "-"])
+            notes += [f"{case_op} {shape} {dtype}, {n}: {by_name[n]['kind']}, "
+                      f"{by_name[n]['error']}" for n in names
+                      if n in by_name and "error" in by_name[n]]
+        # The rows' labels, shorter: "mosaic (interpret)" is "mosaic", "(strict)" "strict".
+        headers = [name.replace(" (interpret)", "").replace(" (strict)", " strict")
+                   for name in names]
+        blocks.append(aligned(["op", "shape", "dtype", "xla ms", *headers, "max err"], cells))
+    return "\n\n".join(blocks + ["\n".join(textwrap.shorten(note, 160) for note in notes)]
+                       if notes else blocks)
+
+
+def _versus(row: dict | None) -> str:
+    """A row's cell in `comparison`: its time against xla's, or what kept it from one."""
+    if row is None:
+        return "-"
+    if row["kind"] in ("failed", "declined"):
+        return row["kind"]
+    ratio = row["vs_xla"]
+    return "unresolved" if ratio is None or not math.isfinite(ratio) else f"{ratio:.2f}x"
+
+
+class Progress:
+    """What is being measured, on stderr: one line rewritten in place on a terminal (a line a
+    step elsewhere), never a second copy of the rows."""
+
+    def __init__(self, stream: Any = None) -> None:
+        self.stream = stream or sys.stderr
+        self.in_place = self.stream.isatty()
+        self.width = 0
+
+    def show(self, text: str) -> None:
+        if self.in_place:
+            text = text[:shutil.get_terminal_size().columns - 1]
+            self.stream.write("\r" + text.ljust(self.width))
+            self.width = len(text)
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def clear(self) -> None:
+        if self.in_place and self.width:
+            self.stream.write("\r" + " " * self.width + "\r")
+            self.stream.flush()
+            self.width = 0
 
 
 def csv_text(rows: list[dict]) -> str:

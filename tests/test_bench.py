@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -51,6 +53,27 @@ def test_backward_rows_differentiate_the_chosen_arguments():
     assert np.shape(case.expected[0]) == (8, 4)
 
 
+def test_default_report_is_read_at_a_glance(capsys):
+    """The default view of the rows: per op, each case that more than xla ran in one line (xla's
+    time, each kernel's ratio to it, the largest error), no line past 160 characters; xla's
+    rows at CPU sizes only under `--rows all`, and a case timed by an interpreted row not timed
+    again at CPU sizes."""
+    assert main(["--ops", "matmul", "--interpret", "strict", "--no-design",
+                 "--repeats", "1"]) == 0
+    out, err = capsys.readouterr()
+    lines = out.splitlines()
+    assert max(map(len, lines)) <= 160 and len(lines) <= 60, out
+    header = next(i for i, line in enumerate(lines) if line.startswith("op "))
+    columns = lines[header].split()  # mosaic_gpu's simulator beside mosaic's on jax >= 0.12
+    assert columns[:7] == ["op", "shape", "dtype", "xla", "ms", "mosaic", "strict"], columns
+    assert columns[-2:] == ["max", "err"], columns
+    compared = [line for line in lines[header + 2:] if line.startswith("matmul")]
+    assert len(compared) == 4 and all(re.search(r"  \d+\.\d\dx  ", line) for line in compared)
+    assert not any("512x512" in line for line in lines)  # xla alone: under --rows all
+    planned = [line.split("] ", 1)[1] for line in err.splitlines() if line.startswith("[")]
+    assert len(planned) == len(set(line.split(":")[0] for line in planned))
+
+
 def test_interpret_option_takes_the_ops_values(capsys):
     with pytest.raises(SystemExit):
         main(["--interpret", "fast"])
@@ -73,28 +96,33 @@ def test_record_needs_a_device_and_names_its_file(capsys):
 
 def test_bench_report_and_csv_and_plots(capsys, tmp_path):
     """The report on stdout opens with the summary (device, timer, what is proven, then per op its
-    default on each platform and why, and the design figures in a line per device), then the
-    timing rows, then the design figures grouped per case; stderr shows progress and each row
-    as it is measured; --csv and --plot write every row and one PNG per op."""
+    default on each platform and why, and the design figures in a line per device); with
+    `--rows all` every timing row follows, then (`--design grouped`) the design figures grouped
+    per case; stderr shows progress only, never a row; --csv and --plot write every row and one
+    PNG per op."""
     import csv
 
     csv_path, plots = tmp_path / "rows.csv", tmp_path / "plots"
-    assert main(["--ops", "gather", "--no-interpret", "--repeats", "1",
-                 "--csv", str(csv_path), "--plot", str(plots)]) == 0
+    assert main(["--ops", "gather", "--no-interpret", "--repeats", "1", "--rows", "all",
+                 "--design", "grouped", "--csv", str(csv_path), "--plot", str(plots)]) == 0
     out, err = capsys.readouterr()
     lines = out.splitlines()
     assert lines[0].startswith("jax ") and lines[1] == "timer: waited per call"
     assert lines[2].startswith("proven: ")
-    assert lines[3].startswith("ran on a device: ") and lines[5] == "gather"
-    assert lines[6].startswith("  default on GPU: triton, then xla "
-                               "(bench/records/nvidia_h100_80gb_hbm3.json: ")
-    assert any(line.startswith("  default here (cpu): xla") for line in lines[6:])
-    assert any(line.startswith("  design H100: triton 3 launches; fewest waves ")
+    op_at = lines.index("gather")
+    assert lines[op_at - 2].startswith("ran on a device: ")
+    assert lines[op_at + 1].startswith("  default on GPU: triton, then xla "
+                                       "(bench/records/nvidia_h100_80gb_hbm3.json: ")
+    assert any(line.startswith("  default here (cpu): xla") for line in lines[op_at:])
+    assert any(line.startswith("  design H100: triton 3 launches, fewest waves ")
                for line in lines)
-    assert any(line.startswith("  design TPU v5e: mosaic 2 launches; ") for line in lines)
-    assert "[1/2] gather " in err and "[2/2] gather backward " in err
+    assert any(line.startswith("  design TPU v5e: mosaic 2 launches, ") for line in lines)
+    assert err.splitlines()[:2] == [
+        "[1/2] gather table 32000x512, 2048 ids bfloat16: xla",
+        "[2/2] gather backward table 32000x512, 2048 ids bfloat16: xla"], err
     rows = list(csv.DictReader(csv_path.open()))
     assert [r["op"] for r in rows] == ["gather", "gather backward"]
+    assert not any(r["shape"] in line for r in rows for line in err.splitlines()[2:])
     table = [i for i, line in enumerate(lines) if line.startswith(rows[0]["op"].ljust(18) + "  ")]
     assert table and all(any(line.startswith(r["op"].ljust(18) + "  " + r["shape"])
                              for line in lines) for r in rows)
@@ -174,7 +202,7 @@ def test_design_figures_set_mosaic_gpu_beside_xla():
     assert xla["resources"] == "XLA" and xla["grid"].endswith(" kernels"), xla
     assert xla["bytes"] >= xla["min_bytes"] / 2 > 0, xla  # it reads and writes its operands
     total = sum(r["bytes"] * r["count"] for r in mosaic)
-    assert f"mosaic_gpu {total / 1e6:.1f} MB, xla {xla['bytes'] / 1e6:.1f} MB" in (
+    assert f"mosaic_gpu {total / xla['bytes']:.2f}x (training)" in (
         design.target_line(rows, "sm_90"))
 
 

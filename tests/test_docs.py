@@ -40,6 +40,10 @@ def test_nothing_refers_to_files_outside_the_repository():
     assert not offenders
 
 
+# Fenced blocks the suite runs as written: (page, the heading they follow).
+RUN_AS_WRITTEN = [(ROOT / "README.md", "## Quickstart"),
+                  (ROOT / "docs" / "kernel-guide.md", "## 0. A first kernel")]
+
 # Pages that quote the code (a user's examples in usage.md and the README are their own code).
 QUOTING = [ROOT / "CONTRIBUTING.md", ROOT / "docs" / "design.md", ROOT / "docs" / "kernel-guide.md"]
 
@@ -57,8 +61,12 @@ def _signatures_in_code() -> dict[str, list[ast.arguments]]:
 
 def _quoted(path: pathlib.Path) -> list[tuple[str, str, bool]]:
     """(name, parameters, fenced) of each signature a page quotes: the `def`s of its fenced
-    blocks, and inline spans `name(...)` whose parameters parse as a signature's."""
+    blocks, and inline spans `name(...)` whose parameters parse as a signature's. A block the
+    suite runs as written (`RUN_AS_WRITTEN`) is its own code, not a quote."""
     text = path.read_text()
+    for page, heading in RUN_AS_WRITTEN:
+        if page == path:
+            text = text.replace(_python_block(page, heading), "")
     quotes = [(name, params, True) for block in re.findall(r"```\w*\n(.*?)```", text, re.S)
               for name, params in re.findall(r"^\s*def (\w+)\((.*?)\)", block, re.M | re.S)]
     return quotes + [(name, params, False)
@@ -139,6 +147,33 @@ def test_the_guides_first_kernel_runs_as_written_and_lowers_for_a_tpu():
     from kernels._pallas import MOSAIC_CALL_MARKER, lowered_text
 
     namespace: dict = {}
-    exec(_python_block(ROOT / "docs" / "kernel-guide.md", "## 0. A first kernel"), namespace)
+    exec(_python_block(*RUN_AS_WRITTEN[1]), namespace)
     x, scale = jnp.ones((20, 256), jnp.float32), jnp.ones((256,), jnp.float32)
     assert MOSAIC_CALL_MARKER in lowered_text(namespace["rms_norm"], x, scale, platform="tpu")
+
+
+def test_the_readme_quickstart_runs_as_written():
+    page, heading = RUN_AS_WRITTEN[0]
+    exec(_python_block(page, heading), {})
+
+
+def test_the_readme_defaults_table_is_kernels_defaults():
+    """Each cell of the README's table of what `implementation=None` runs names what
+    `kernels.defaults.default` picks there, per dtype where the cell splits by dtype."""
+    from kernels import defaults
+
+    text = (ROOT / "README.md").read_text()
+    table = text[text.index("| op | H100 | other GPUs | TPU | CPU | why |"):].split("\n\n")[0]
+    where = {"H100": ("cuda", "NVIDIA H100 80GB HBM3"), "other GPUs": ("cuda", "NVIDIA A100"),
+             "TPU": ("tpu", "TPU v5 lite"), "CPU": ("cpu", "cpu")}
+    rows = [line.split(" | ") for line in table.splitlines()[2:]]
+    assert {op for row in rows for op in re.findall(r"`(\w+)`", row[0])} == {
+        "matmul", "conv2d", "normalize", "layer_norm", "rms_norm", "gather"}
+    for row in rows:
+        for op in re.findall(r"`(\w+)`", row[0]):
+            for (column, (backend, kind)), cell in zip(where.items(), row[1:5]):
+                split = re.fullmatch(r"bfloat16: (.*); else (.*)", cell)
+                for dtype, names in ((("bfloat16", split[1]), ("float32", split[2])) if split
+                                     else (("bfloat16", cell), ("float32", cell))):
+                    assert tuple(re.findall(r"`(\w+)`", names)) == defaults.default(
+                        op, backend, dtype, kind), (op, column, dtype)
