@@ -9,10 +9,11 @@ after a reduction (split-K partials, a contraction sharded over a mesh). A float
 declined by the kernels: the fit is float32-accurate only.
 
 Training keeps the pre-activation z = acc + bias: a kernel with `Epilogue.saved` set writes it
-beside the output, in float32 (float64) as JAX's gradient of the reference keeps it (a second
-write, 4 bytes an element), and the backward computes dz = g·activation'(z) once in XLA
-(`gradient`), one memory-bound pass that also yields dbias; dz stays float32 for the two
-gradient products, so the gradients equal JAX's to their own rounding.
+beside the output, and the backward computes dz = g·activation'(z) once in XLA (`gradients`),
+one memory-bound pass that also yields dbias. Both follow the reference's rule
+(`reference.epilogue.layer`): a 16-bit layer saves z and passes dz to the two gradient products
+in its own dtype, so they are 16-bit products (no float32 operand copy, half the bytes of z);
+a float32 layer keeps both in float32.
 Fused instead into the two backward GEMMs' operand loads, the derivative (about 20 flops an
 element on the CUDA cores for gelu) would be recomputed for every tile that reads dz, costing
 about as much time as the GEMMs' tensor-core work.
@@ -27,9 +28,10 @@ import jax
 import jax.numpy as jnp
 
 from kernels.partition.shardings import like
-from kernels.reference.epilogue import ACTIVATIONS, accumulator_dtype
+from kernels.reference.epilogue import ACTIVATIONS, accumulator_dtype, sixteen_bit
 
-__all__ = ["Epilogue", "on_accumulator", "apply_after_sum", "gradients", "require_supported",
+__all__ = ["Epilogue", "on_accumulator", "apply_after_sum", "saved_dtype", "gradients",
+           "require_supported",
            "operands", "split_refs", "out_shapes"]
 
 # erfc(t) = τ·exp(-t² + P(τ)) with τ = 1 / (1 + t/2), t >= 0; P's coefficients, lowest first.
@@ -142,12 +144,21 @@ def apply_after_sum(acc: jax.Array, bias: jax.Array | None, residual: jax.Array 
     return y.astype(out_dtype), z.astype(epilogue.saved)
 
 
+def saved_dtype(x_dtype: Any, w_dtype: Any, out_dtype: Any) -> jnp.dtype:
+    """The dtype a training forward saves z in: a 16-bit layer's own (its operands'), else the
+    accumulator's (`reference.epilogue.layer`)."""
+    return sixteen_bit(x_dtype, w_dtype) or accumulator_dtype(x_dtype, w_dtype, out_dtype)
+
+
 def gradients(epilogue: Epilogue, g: Any, z: jax.Array | None, bias: jax.Array | None,
-              residual: jax.Array | None) -> tuple[jax.Array, Any, Any]:
+              residual: jax.Array | None, operand_dtypes: tuple[Any, ...] = ()
+              ) -> tuple[jax.Array, Any, Any]:
     """(dZ, dbias, dresidual) from the cotangent g of the output (a pair with z's where the
     forward returned z). dZ is g itself without an activation, else g·activation'(z) by JAX's
-    own derivative, in float32 (float64) as JAX's gradient of the reference keeps it; dbias is
-    summed in float32 over every dim but the last (the features); dresidual is g. On Explicit
+    own derivative, in float32 (float64); for a layer of 16-bit operands (`operand_dtypes`,
+    `reference.epilogue.sixteen_bit`) with an epilogue it is then rounded to their dtype, as
+    the reference's gradient rounds it. dbias is summed in float32 over every dim but the last
+    (the features), from the unrounded dZ; dresidual is g. On Explicit
     axes dbias and dresidual are typed like their primals (a replicated bias of a
     column-parallel layer, a residual sharded unlike the output), as JAX's own gradient types
     them: dZ has the output's sharding, which neither need share."""
@@ -162,6 +173,8 @@ def gradients(epilogue: Epilogue, g: Any, z: jax.Array | None, bias: jax.Array |
     if bias is not None:
         summed = jnp.sum(dz.astype(accumulator_dtype(dz.dtype)), axis=tuple(range(dz.ndim - 1)))
         dbias = like(summed.astype(bias.dtype), bias)
+    sixteen = None if epilogue.is_identity else sixteen_bit(*operand_dtypes)
+    dz = dz if sixteen is None else dz.astype(sixteen)
     return dz, dbias, None if residual is None else like(g_y.astype(residual.dtype), residual)
 
 

@@ -154,24 +154,25 @@ def conv2d(
     Mixed input dtypes are promoted with `jnp.result_type` first (lax itself requires equal
     dtypes). `out_sharding`: the result's sharding, as `lax.conv_general_dilated` takes it.
     With `bias` (output features) or `activation`: `activation(conv + bias)`, the convolution
-    kept in float32 (float64) until the one rounding (`reference.epilogue`).
+    kept in float32 (float64) until the one rounding, and a 16-bit layer's gradient keeping z
+    and dZ in its dtype (`epilogue.layer`).
     """
     x, w = jnp.asarray(x), jnp.asarray(w)
     g = geometry(x.shape, w.shape, stride=stride, padding=padding, dilation=dilation,
                  feature_group_count=feature_group_count, data_format=data_format)
     dtype = jnp.result_type(x, w)
-    fused = not epilogue.is_identity(bias, activation)
     out_dtype = epilogue.result_dtype(preferred_element_type or dtype, bias, None)
-    out = lax.conv_general_dilated(
-        x.astype(dtype), w.astype(dtype), window_strides=g.stride, padding=g.padding,
-        rhs_dilation=g.rhs_dilation,
-        dimension_numbers=(data_format, DATA_FORMATS[data_format], data_format),
-        feature_group_count=g.groups, precision=precision,
-        preferred_element_type=(epilogue.accumulator_dtype(dtype, out_dtype)
-                                if fused and epilogue.is_rounded_once(out_dtype)
-                                else preferred_element_type),
-        out_sharding=out_sharding)
-    if not fused:
-        return out
-    return epilogue.apply(out, bias, activation, None, out_dtype,
+
+    def convolution(x, w, preferred):
+        return lax.conv_general_dilated(
+            x.astype(dtype), w.astype(dtype), window_strides=g.stride, padding=g.padding,
+            rhs_dilation=g.rhs_dilation,
+            dimension_numbers=(data_format, DATA_FORMATS[data_format], data_format),
+            feature_group_count=g.groups, precision=precision,
+            preferred_element_type=preferred or preferred_element_type,
+            out_sharding=out_sharding)
+
+    if epilogue.is_identity(bias, activation):
+        return convolution(x, w, None)
+    return epilogue.layer(convolution, x, w, bias, activation, None, out_dtype,
                           bias_axis=data_format.index("C"))

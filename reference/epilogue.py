@@ -4,6 +4,12 @@ float64) from the unrounded product and rounded once, to the dtype jnp gives tha
 
 The activations are JAX's own functions (`ACTIVATIONS`). The argument checks here (`check`) are
 the ones the public ops raise, so the reference and the kernels agree on what is valid.
+
+A layer (`layer`: the epilogue on a product of x and w) has JAX's gradient, except with 16-bit
+operands (`sixteen_bit`), whose gradient keeps its intermediates in the layer's dtype as JAX's
+own unfused 16-bit layer does: the pre-activation z is saved rounded to it, and
+dZ = g·activation'(z), computed in float32, is rounded to it before the two gradient products,
+which are then 16-bit products accumulated in float32. dbias is summed from the unrounded dZ.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import AxisType
 
 ACTIVATIONS: dict[str | None, Callable[[jax.Array], jax.Array]] = {
     None: lambda z: z,
@@ -73,6 +80,73 @@ def is_rounded_once(dtype: Any) -> bool:
     """Whether the formula's result is computed from a float32 (float64) product and rounded
     once: floating results. Integer and complex ones take jnp's own arithmetic."""
     return jnp.issubdtype(dtype, jnp.floating)
+
+
+def sixteen_bit(*dtypes: Any) -> jnp.dtype | None:
+    """The dtype a layer's gradient keeps z and dZ in: the operands' where they are all one
+    16-bit float dtype, else None (float32 and float64 layers keep the accumulator's)."""
+    kinds = {jnp.dtype(d) for d in dtypes}
+    kind = kinds.pop() if len(kinds) == 1 else None
+    return kind if kind is not None and kind.itemsize == 2 and jnp.issubdtype(
+        kind, jnp.floating) else None
+
+
+def layer(product: Callable[[jax.Array, jax.Array, Any], jax.Array], x: jax.Array, w: jax.Array,
+          bias: Any, activation: str | None, residual: Any, dtype: Any,
+          bias_axis: int = -1) -> jax.Array:
+    """`apply` on `product(x, w, preferred_element_type)` (a matmul or convolution of the two
+    operands): the product kept in the accumulator dtype for a floating `dtype`. For 16-bit
+    operands its gradient is the 16-bit layer's (the module's docstring)."""
+    accumulator = (accumulator_dtype(x.dtype, w.dtype, dtype) if is_rounded_once(dtype)
+                   else None)
+    sixteen = sixteen_bit(x.dtype, w.dtype)
+    if sixteen is None or accumulator is None:
+        return apply(product(x, w, accumulator), bias, activation, residual, dtype, bias_axis)
+
+    @jax.custom_vjp
+    def sixteen_bit_layer(x, w, bias, residual):
+        return apply(product(x, w, accumulator), bias, activation, residual, dtype, bias_axis)
+
+    def forward(x, w, bias, residual):
+        z = apply(product(x, w, accumulator), bias, None, None, accumulator, bias_axis)
+        y = apply(z, None, activation, residual, dtype)
+        return y, (x, w, z.astype(sixteen), bias, residual)
+
+    def backward(saved, g):
+        x, w, z, bias, residual = saved
+        dz = g.astype(accumulator)
+        if activation is not None:
+            dz = jax.vjp(ACTIVATIONS[activation], z.astype(accumulator))[1](dz)[0]
+        dbias = None if bias is None else jnp.sum(dz, axis=tuple(
+            d for d in range(dz.ndim) if d != bias_axis % dz.ndim)).astype(bias.dtype)
+        dx, dw = jax.vjp(lambda x, w: product(x, w, sixteen), x, w)[1](dz.astype(sixteen))
+        dresidual = None if residual is None else _summed_to(
+            g.astype(accumulator), jnp.shape(residual)).astype(jnp.result_type(residual))
+        return dx, dw, _typed_like(dbias, bias), _typed_like(dresidual, residual)
+
+    sixteen_bit_layer.defvjp(forward, backward)
+    return sixteen_bit_layer(x, w, bias, residual)
+
+
+def _typed_like(cotangent: Any, primal: Any) -> Any:
+    """`cotangent` resharded as `primal` where its sharding is part of its type (Explicit mesh
+    axes): a custom_vjp's cotangent is typed like its primal (a replicated bias of a
+    column-parallel layer, whose summed dZ is sharded over the features)."""
+    if cotangent is None:
+        return None
+    want = jax.typeof(primal).sharding
+    mesh = getattr(want, "mesh", None)
+    if (mesh is None or mesh.empty or AxisType.Explicit not in mesh.axis_types
+            or jax.typeof(cotangent).sharding.spec == want.spec):
+        return cotangent
+    return jax.sharding.reshard(cotangent, want)
+
+
+def _summed_to(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """`x` summed over the dims a value of `shape` was broadcast along to reach x's shape."""
+    x = jnp.sum(x, axis=tuple(range(x.ndim - len(shape))))
+    return jnp.sum(x, axis=tuple(d for d, n in enumerate(shape) if n == 1 and x.shape[d] != 1),
+                   keepdims=True)
 
 
 def apply(product: jax.Array, bias: Any, activation: str | None, residual: Any,

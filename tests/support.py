@@ -59,7 +59,7 @@ DOT_FLOAT32_EPS = {"gpu": 2.0 ** -10, "tpu": 2.0 ** -7}
 
 
 def tolerance(dtype: Any, reduction_length: int = 1, dot: bool = False,
-              platform: str | None = None) -> dict[str, float]:
+              platform: str | None = None, rounded_terms: Any = None) -> dict[str, float]:
     """The one tolerance rule, for a result in `dtype` against float64 ground truth.
 
     Relative: a few roundings of `dtype` (the output's own rounding). Absolute: the rounding of
@@ -74,20 +74,31 @@ def tolerance(dtype: Any, reduction_length: int = 1, dot: bool = False,
     interpreters) float32 dots are exact float32: the rule is unchanged there. `platform`:
     the platform whose dots are compared where it is not this process's (an interpreted
     kernel that rounds float32 operands as its device does).
+
+    `rounded_terms`: the dtype each of the `reduction_length` (unit-scale) terms of a sum was
+    rounded to before it, as a 16-bit layer's gradient rounds z and dZ (`reference.epilogue.
+    layer`). Those roundings are independent, each within half a unit of that dtype: their sum
+    walks, about sqrt(n / 3) half-units for n terms; the allowance is 2·eps·sqrt(n), about seven
+    such deviations.
     """
     eps = float(jnp.finfo(dtype).eps)
     accumulator = jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
     accumulator_eps = float(jnp.finfo(accumulator).eps)
     if dot and jnp.dtype(dtype) == jnp.float32:
         eps = accumulator_eps = DOT_FLOAT32_EPS.get(platform or jax.default_backend(), eps)
-    return {"rtol": 4 * eps, "atol": 4 * accumulator_eps * max(1, reduction_length)}
+    atol = 4 * accumulator_eps * max(1, reduction_length)
+    if rounded_terms is not None:
+        atol += 2 * float(jnp.finfo(rounded_terms).eps) * math.sqrt(max(1, reduction_length))
+    return {"rtol": 4 * eps, "atol": atol}
 
 
 def assert_close(actual: jax.Array, expected: Any, dtype: Any, reduction_length: int = 1,
-                 dot: bool = False, platform: str | None = None) -> None:
+                 dot: bool = False, platform: str | None = None,
+                 rounded_terms: Any = None) -> None:
     """`actual` (computed in `dtype`) equals float64 `expected` within `tolerance`."""
     chex.assert_trees_all_close(np.asarray(actual, np.float64), np.asarray(expected, np.float64),
-                                **tolerance(dtype, reduction_length, dot, platform))
+                                **tolerance(dtype, reduction_length, dot, platform,
+                                            rounded_terms))
 
 
 def weighted_sum(y: jax.Array) -> jax.Array:

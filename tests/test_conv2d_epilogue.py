@@ -112,6 +112,24 @@ def test_epilogue_gradients_match_reference(implementation, path, activation):
         assert_close(got, expected, jnp.float32, reduction_length=length, dot=True)
 
 
+@pytest.mark.parametrize("impl", [*KERNELS, "xla"])
+def test_bfloat16_epilogue_gradients_against_float64(impl):
+    """bfloat16 operands: the gelu layer's gradients against the reference's run in float64,
+    within the tolerance that counts the layer's rounding of z and dZ to bfloat16 before the
+    gradient convolutions (xla included: the reference's own gradient rule)."""
+    x, w, bias, options = _operands("gemm", jnp.bfloat16)
+    impl_loss = _loss("reference" if impl == "xla" else impl, "gelu", options)
+    grads = jax.grad(impl_loss, argnums=(0, 1, 2))(x, w, bias)
+    with x64():
+        wide = [jnp.asarray(as_f64(a)) for a in (x, w, bias)]
+        want = jax.grad(_loss("reference", "gelu", options), argnums=(0, 1, 2))(*wide)
+    length = max(_reduction_length(w, options), x.shape[0] * x.shape[1] * x.shape[2])
+    for got, expected in zip(grads, want):
+        assert got.dtype == jnp.bfloat16
+        assert_close(got, expected, jnp.bfloat16, reduction_length=length, dot=True,
+                     rounded_terms=jnp.bfloat16)
+
+
 @pytest.mark.parametrize("impl", KERNELS)
 def test_training_forward_saves_the_preactivation(impl):
     x, w, bias, options = _operands("gemm", jnp.float32)

@@ -157,19 +157,47 @@ def test_epilogue_gradients_match_reference(implementation, activation):
         assert_close(got, expected, jnp.float32, reduction_length=2 * 40, dot=True)
 
 
-@pytest.mark.parametrize("impl", KERNELS)
-def test_bfloat16_epilogue_gradients_against_float64(impl):
-    """bfloat16 operands: the kernels' gradients against the reference's run in float64. The
-    saved pre-activation and dZ stay float32 as in JAX's gradient of the reference, so only
-    the gradients' own rounding and the float32 sums reach them."""
-    a, b, bias, residual = _operands((24, 40), (40, 9), jnp.bfloat16)
+def _bfloat16_gradients_against_float64(impl, shapes=((24, 40), (40, 9))):
+    """The gelu layer's gradients in bfloat16, each against the float64 reference's, within
+    the tolerance that counts the layer's rounding of z and dZ to bfloat16 before the gradient
+    products (`rounded_terms`)."""
+    a, b, bias, residual = _operands(*shapes, jnp.bfloat16)
     grads = jax.grad(_loss(impl, "gelu"), argnums=(0, 1, 2, 3))(a, b, bias, residual)
     with x64():
         wide = [jnp.asarray(as_f64(x)) for x in (a, b, bias, residual)]
         want = jax.grad(_loss("reference", "gelu"), argnums=(0, 1, 2, 3))(*wide)
     for got, expected in zip(grads, want):
         assert got.dtype == jnp.bfloat16
-        assert_close(got, expected, jnp.bfloat16, reduction_length=40, dot=True)
+        assert_close(got, expected, jnp.bfloat16, reduction_length=shapes[0][0], dot=True,
+                     rounded_terms=jnp.bfloat16)
+
+
+@pytest.mark.parametrize("impl", [*KERNELS, "xla"])
+def test_bfloat16_epilogue_gradients_against_float64(impl):
+    """bfloat16 operands: the gradients against the reference's run in float64. A 16-bit
+    layer rounds z and dZ to bfloat16 (xla too: the reference's own gradient rule), so each
+    term of the gradient products carries that rounding, which the tolerance counts."""
+    _bfloat16_gradients_against_float64(impl)
+
+
+@pytest.mark.parametrize("wrong", ["derivative", "sign"])
+def test_bfloat16_gradient_tolerance_fails_a_wrong_dz(monkeypatch, wrong):
+    """The same tolerance fails a kernel whose dZ has a wrong derivative (silu's for gelu's)
+    or a wrong sign (shapes of their own, so no trace of the right kernel is reused)."""
+    import importlib
+
+    module = importlib.import_module("kernels.matmul")  # the package; `kernels.matmul` is the op
+    right = module.gradients
+
+    def gradients(epilogue, g, z, bias, residual, operand_dtypes):
+        if wrong == "derivative":
+            epilogue = epilogue._replace(activation="silu")
+        dz, dbias, dresidual = right(epilogue, g, z, bias, residual, operand_dtypes)
+        return (-dz if wrong == "sign" else dz), dbias, dresidual
+
+    monkeypatch.setattr(module, "gradients", gradients)
+    with pytest.raises(AssertionError):
+        _bfloat16_gradients_against_float64("triton", shapes=((23, 37), (37, 11)))
 
 
 def test_epilogue_grad_of_grad(implementation):

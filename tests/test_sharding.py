@@ -238,7 +238,8 @@ import os
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
-import kernels, reference
+import kernels
+from kernels import reference
 
 x = np.random.default_rng(0).standard_normal((64, 256)).astype(np.float32)
 want = np.asarray(reference.layer_norm(jnp.asarray(x)))
@@ -255,6 +256,55 @@ for kind in ("Explicit", "Auto", "shard_map"):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     print(kind, "simulator" if "callback" in text else "hlo-interpreter")
 """
+
+
+_SIXTEEN_BIT_EPILOGUE_ON_A_MESH = """
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+import kernels
+
+mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+shapes = {"a": ((64, 32), P("data", None)), "b": ((32, 48), P(None, "model")),
+          "bias": ((48,), P()), "residual": ((64, 48), P())}
+whole = [jax.random.normal(jax.random.key(i), shape, jnp.bfloat16)
+         for i, (shape, _) in enumerate(shapes.values())]
+
+
+def loss(impl, out_sharding):
+    def f(a, b, bias, residual):
+        y = kernels.matmul(a, b, bias=bias, activation="gelu", residual=residual,
+                           out_sharding=out_sharding, implementation=impl)
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+    return f
+
+
+want = jax.jit(jax.grad(loss("xla", None), argnums=(0, 1, 2, 3)))(*whole)
+for impl in ("xla", "triton"):
+    with jax.set_mesh(mesh):
+        args = [jax.device_put(x, NamedSharding(mesh, spec))
+                for x, (_, spec) in zip(whole, shapes.values())]
+        grads = jax.jit(jax.grad(loss(impl, P("data", "model")), argnums=(0, 1, 2, 3)))(*args)
+    for g, x, w in zip(grads, args, want):
+        assert g.dtype == jnp.bfloat16 and g.sharding.is_equivalent_to(x.sharding, g.ndim)
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                                   rtol=2 ** -6, atol=2 ** -6 * float(jnp.max(jnp.abs(w))))
+    print(impl, "typed like their primals")
+"""
+
+
+def test_sixteen_bit_epilogue_gradients_on_explicit_axes():
+    """A bfloat16 column-parallel layer with a replicated bias and residual on Explicit axes:
+    the 16-bit layer's gradient rule (the reference's own `custom_vjp`, and the kernels') gives
+    each gradient its primal's sharding, as JAX's types demand, and the unsharded values
+    (within bfloat16's rounding: the sharded sums run in another order)."""
+    proc = subprocess.run([sys.executable, "-c", _SIXTEEN_BIT_EPILOGUE_ON_A_MESH],
+                          capture_output=True, text=True, env=_env(), cwd=HERE.parent,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines() == ["xla typed like their primals",
+                                        "triton typed like their primals"]
 
 
 def test_strict_mode_on_a_mesh():

@@ -33,7 +33,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from kernels import _dispatch, _targets, partition, registry
-from kernels._epilogue import Epilogue, gradients
+from kernels._epilogue import Epilogue, gradients, saved_dtype
 from kernels.registry import Op
 from kernels.conv2d import sharding
 from kernels.conv2d.common import (Conv2dConfig, Phase, Problem, make_problem,
@@ -43,7 +43,6 @@ from kernels.matmul.common import make_problem as matmul_problem
 from kernels.reference.conv2d import Geometry, conv2d as reference_conv2d, dilated_size
 from kernels.reference.conv2d import geometry as make_geometry
 from kernels.reference import epilogue as epilogue_reference
-from kernels.reference.epilogue import accumulator_dtype
 
 __all__ = ["conv2d", "Conv2dConfig"]
 
@@ -131,14 +130,14 @@ def _conv_fwd(x, w, bias, static):
     if epilogue.activation is None or epilogue.saved is not None:
         out = _conv(x, w, bias, static)
         return out, (x, w, bias, out[1] if epilogue.saved is not None else None)
-    saved = accumulator_dtype(x.dtype, w.dtype, static.out_dtype)
+    saved = saved_dtype(x.dtype, w.dtype, static.out_dtype)
     y, z = _conv(x, w, bias, static._replace(epilogue=epilogue._replace(saved=saved)))
     return y, (x, w, bias, z)
 
 
 def _conv_bwd(static: _Static, residuals, g):
     x, w, bias, z = residuals
-    dy, dbias, _ = gradients(static.epilogue, g, z, bias, None)
+    dy, dbias, _ = gradients(static.epilogue, g, z, bias, None, (x.dtype, w.dtype))
     static = static._replace(requested=None, epilogue=Epilogue())
     dx = _input_gradient(dy, w, static, x.shape[1:3], x.dtype)
     dw = _weight_gradient(x, dy, static._replace(out_dtype=jnp.dtype(w.dtype)), w.shape[:2])

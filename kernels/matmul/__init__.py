@@ -5,9 +5,10 @@ The public function validates its inputs, normalizes ranks (rank-1 operands beco
 batch dims of `a` fold into M when `b` is a plain matrix, the `x @ W` of every dense layer) and
 routes to `_product`, a `custom_vjp` over batched products whose backward runs the same
 implementation's kernel on transposed operand views: dA = dZ @ Bᵀ and dB = Aᵀ @ dZ, where
-dZ = g·activation'(z) (g itself without an activation). With an activation the training
-forward's kernel also writes the pre-activation z (`Epilogue.saved`); dZ and dbias are one XLA
-pass over g and z; a residual's gradient is g.
+dZ = g·activation'(z) (g itself without an activation), in the layer's dtype for 16-bit
+operands (`reference.epilogue.layer`). With an activation the training forward's kernel also
+writes the pre-activation z (`Epilogue.saved`); dZ and dbias are one XLA pass over g and z; a
+residual's gradient is g.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from kernels import reference
 from kernels import _dispatch, _targets, partition, registry
 from kernels._dtypes import promoted
-from kernels._epilogue import Epilogue, gradients
+from kernels._epilogue import Epilogue, gradients, saved_dtype
 from kernels.reference.epilogue import accumulator_dtype
 from kernels.registry import Op
 from kernels.matmul import sharding
@@ -85,8 +86,8 @@ def _product_fwd(a, b, bias, residual, static):
         out = _product(a, b, bias, residual, static)
         z = out[1] if epilogue.saved is not None else None
         return out, (a, b, bias, residual, z)
-    saving = static._replace(epilogue=epilogue._replace(
-        saved=accumulator_dtype(a.dtype, b.dtype, static.out_dtype)))
+    saving = static._replace(epilogue=epilogue._replace(saved=saved_dtype(a.dtype, b.dtype,
+                                                                         static.out_dtype)))
     y, z = _product(a, b, bias, residual, saving)
     return y, (a, b, bias, residual, z)
 
@@ -115,7 +116,8 @@ def _gradient(lhs, rhs, transpose_lhs, transpose_rhs, static: _Static, like: jax
 
 def _product_bwd(static: _Static, residuals, g):
     a, b, bias, residual, z = residuals
-    g, dbias, dresidual = gradients(static.epilogue, g, z, bias, residual)  # g becomes dZ
+    g, dbias, dresidual = gradients(static.epilogue, g, z, bias, residual,  # g becomes dZ
+                                    (a.dtype, b.dtype))
     if static.transpose_a:  # A is stored (K, M): dA = op(B) @ gᵀ
         da = _gradient(b, g, static.transpose_b, True, static, a)
     else:  # dA = g @ op(B)ᵀ

@@ -125,7 +125,7 @@ def split_terms(p: Problem) -> tuple[tuple[int, int], ...]:
     bfloat16 parts hi + lo (hi = x rounded, lo = x - hi rounded: 16 significant bits, where
     TF32 keeps 11), a bfloat16 one is its own single part, and the product is the sum of the
     part products but lo·lo (XLA's BF16_BF16_F32_X3 for float32 · float32, two products for
-    float32 · bfloat16, such as the backward's float32 dZ with a bfloat16 weight). The kernel
+    float32 · bfloat16, such as a float32 layer's input against bfloat16 weights). The kernel
     reads them as one product along a K that many times longer (`forward._operands`); the
     corrections take finite parts only, so Inf and NaN come from hi · hi as in float32
     (`forward.term_parts`)."""

@@ -68,7 +68,7 @@ def k_major_copies(p: Problem, precision) -> tuple[bool, bool]:
     loads both K-major (`kernels._blocks.K_MAJOR_MIN_REUSE`): B stored (K, N) (every
     forward), A stored (K, M) (the weight gradient Aᵀ @ dC), where each element meets enough
     output rows (B) or columns (A), counted over the batches that share it. A 16-bit operand
-    of a TF32 product (a bfloat16 layer's weights against its float32 dZ) still loads 16 bytes
+    of a TF32 product (bfloat16 weights against a float32 input) still loads 16 bytes
     at a time MN-major (sm_90 PTX), cast in registers: it is not copied."""
     if not tensor_float32(p.compute_dtype, precision):
         return False, False
