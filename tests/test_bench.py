@@ -259,9 +259,8 @@ def test_fused_layer_training_step_moves_no_more_than_xla(op, impl, target):
     """The fused layer's training program (forward and gradients from a cotangent) compiled
     for a compile-only GPU moves at most `TRAINING_BYTES_VS_XLA` times the bytes of XLA's own
     program of the same layer, every launch counted (bytes by XLA's cost analysis). Each
-    target in a process of its own: in jax 0.12.0.1 a Mosaic GPU kernel compiled for sm_100a
-    after one for sm_90a in the same process fails in ptxas ("Potential out of bound access
-    ... __dynamic_shmem__0"), whichever the kernels; alone it compiles."""
+    target in a process of its own: Mosaic GPU keeps the first GPU generation a process
+    compiled for (`kernels.compile.mosaic_gpu.OWN_PROCESS`)."""
     import json
     import subprocess
     import sys
