@@ -345,9 +345,10 @@ def _compile_seconds(fn: Callable[..., Any], args: list[Any]) -> float:
 def estimate(step: Step, case: Any, recorded: list[dict], repeats: int) -> None:
     """Sets `step.estimate_s` and `step.basis`. Compiles: the step's programs compiled here for
     a compile-only H100, as the device will compile them (a row's chained timer: programs of
-    `CHAINED_CALLS` and twice as many calls). Device time: a row's calls at its recorded median (this device kind's
-    record, or one of the same generation's), else `UNRECORDED_FLOOR_FACTOR` times its roofline
-    floor; a smoke's float64 truth timed on this host."""
+    `CHAINED_CALLS` and twice as many calls). Device time: a row's calls at its recorded
+    median (this device kind's record, or one of the same generation's), else
+    `UNRECORDED_FLOOR_FACTOR` times its roofline floor; a smoke's float64 truth timed on this
+    host."""
     import jax
     import jax.numpy as jnp
 

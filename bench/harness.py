@@ -88,7 +88,7 @@ def median_seconds(fn: Callable[..., Any], *args: Any, repeats: int, warmup: int
     record."""
     if chained:
         return chained_seconds(fn, *args, repeats=repeats, warmup=warmup, calls=calls)
-    for _ in range(warmup):
+    for _ in range(max(1, warmup)):  # at least one: its result is the error column's
         result = jax.block_until_ready(fn(*args))
     return statistics.median(_waited_seconds(fn, args) for _ in range(repeats)), result
 
@@ -118,7 +118,7 @@ def chained_seconds(fn: Callable[..., Any], *args: Any, repeats: int, warmup: in
         calls = chain_calls(min(_waited_seconds(fn, args) for _ in range(warmup + 1)))
     programs = [chain(fn, calls), chain(fn, 2 * calls)]
     for program in reversed(programs):  # the shorter program's result is the one kept
-        for _ in range(warmup):
+        for _ in range(max(1, warmup)):
             result = jax.block_until_ready(program(*args))
     short, long = ([_waited_seconds(program, args) for _ in range(repeats)]
                    for program in programs)
@@ -283,7 +283,8 @@ def measure(case: Case, implementations: Sequence[tuple[str, bool | str]],
         if name == registry.REFERENCE:
             xla_seconds = seconds
         rows.append(_row(case, label(name, interpret), "interpreted" if interpret else "speed", {
-            **({"part": True} if part else {}), "median_ms": seconds * 1e3, "timer": "chained" if chain_it else "waited",
+            **({"part": True} if part else {}), "median_ms": seconds * 1e3,
+            "timer": "chained" if chain_it else "waited",
             # Interpreted rows are correctness rows, and a part does not do the op's work:
             # throughput, error and roofline figures would mislead there.
             "GB/s": None if interpret or part or case.bytes is None or not seconds > 0
@@ -376,8 +377,10 @@ def comparison(rows: list[dict]) -> str:
         headers = [name.replace(" (interpret)", "").replace(" (strict)", " strict")
                    for name in names]
         blocks.append(aligned(["op", "shape", "dtype", "xla ms", *headers, "max err"], cells))
-    return "\n\n".join(blocks + ["\n".join(textwrap.shorten(note, 160) for note in notes)]
-                       if notes else blocks)
+    if not blocks:
+        return "Nothing but xla ran here: --rows all prints its rows."
+    failures = "\n".join(textwrap.shorten(note, 160) for note in notes)
+    return "\n\n".join(blocks + [failures] if notes else blocks)
 
 
 def _versus(row: dict | None) -> str:

@@ -10,6 +10,8 @@ operands (`sixteen_bit`), whose gradient keeps its intermediates in the layer's 
 own unfused 16-bit layer does: the pre-activation z is saved rounded to it, and
 dZ = g·activation'(z), computed in float32, is rounded to it before the two gradient products,
 which are then 16-bit products accumulated in float32. dbias is summed from the unrounded dZ.
+The operands decide (`preferred_element_type` does not). The rule is a `custom_vjp`, as every
+kernel's gradient is: such a layer has reverse-mode derivatives only (no `jax.jvp`).
 """
 
 from __future__ import annotations

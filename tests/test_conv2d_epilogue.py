@@ -113,13 +113,14 @@ def test_epilogue_gradients_match_reference(implementation, path, activation):
 
 
 @pytest.mark.parametrize("impl", [*KERNELS, "xla"])
-def test_bfloat16_epilogue_gradients_against_float64(impl):
+@pytest.mark.parametrize("data_format", ["NHWC", "NCHW"])
+def test_bfloat16_epilogue_gradients_against_float64(impl, data_format):
     """bfloat16 operands: the gelu layer's gradients against the reference's run in float64,
     within the tolerance that counts the layer's rounding of z and dZ to bfloat16 before the
-    gradient convolutions (xla included: the reference's own gradient rule)."""
-    x, w, bias, options = _operands("gemm", jnp.bfloat16)
-    impl_loss = _loss("reference" if impl == "xla" else impl, "gelu", options)
-    grads = jax.grad(impl_loss, argnums=(0, 1, 2))(x, w, bias)
+    gradient convolutions (xla included: the reference's own gradient rule), with the bias
+    along either layout's channel axis."""
+    x, w, bias, options = _operands("gemm", jnp.bfloat16, data_format)
+    grads = jax.grad(_loss(impl, "gelu", options), argnums=(0, 1, 2))(x, w, bias)
     with x64():
         wide = [jnp.asarray(as_f64(a)) for a in (x, w, bias)]
         want = jax.grad(_loss("reference", "gelu", options), argnums=(0, 1, 2))(*wide)

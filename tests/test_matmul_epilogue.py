@@ -157,33 +157,43 @@ def test_epilogue_gradients_match_reference(implementation, activation):
         assert_close(got, expected, jnp.float32, reduction_length=2 * 40, dot=True)
 
 
-def _bfloat16_gradients_against_float64(impl, shapes=((24, 40), (40, 9))):
-    """The gelu layer's gradients in bfloat16, each against the float64 reference's, within
-    the tolerance that counts the layer's rounding of z and dZ to bfloat16 before the gradient
-    products (`rounded_terms`)."""
+def _bfloat16_gradients_against_float64(impl, shapes=((24, 40), (40, 9)),
+                                        residual_dtype=jnp.bfloat16):
+    """The gelu layer's gradients (bfloat16 operands) each against the float64 reference's,
+    within the tolerance that counts the layer's rounding of z and dZ to bfloat16 before the
+    gradient products (`rounded_terms`). A float32 residual makes the output float32 (jnp's
+    promotion), the layer still 16-bit."""
     a, b, bias, residual = _operands(*shapes, jnp.bfloat16)
-    grads = jax.grad(_loss(impl, "gelu"), argnums=(0, 1, 2, 3))(a, b, bias, residual)
-    with x64():
-        wide = [jnp.asarray(as_f64(x)) for x in (a, b, bias, residual)]
-        want = jax.grad(_loss("reference", "gelu"), argnums=(0, 1, 2, 3))(*wide)
-    for got, expected in zip(grads, want):
-        assert got.dtype == jnp.bfloat16
+    residual = residual.astype(residual_dtype)
+    with standard_promotion():
+        grads = jax.grad(_loss(impl, "gelu"), argnums=(0, 1, 2, 3))(a, b, bias, residual)
+        with x64():
+            wide = [jnp.asarray(as_f64(x)) for x in (a, b, bias, residual)]
+            want = jax.grad(_loss("reference", "gelu"), argnums=(0, 1, 2, 3))(*wide)
+    for got, expected, primal in zip(grads, want, (a, b, bias, residual)):
+        assert got.dtype == primal.dtype
         assert_close(got, expected, jnp.bfloat16, reduction_length=shapes[0][0], dot=True,
                      rounded_terms=jnp.bfloat16)
 
 
 @pytest.mark.parametrize("impl", [*KERNELS, "xla"])
-def test_bfloat16_epilogue_gradients_against_float64(impl):
+@pytest.mark.parametrize("residual_dtype", [jnp.bfloat16, jnp.float32])
+def test_bfloat16_epilogue_gradients_against_float64(impl, residual_dtype):
     """bfloat16 operands: the gradients against the reference's run in float64. A 16-bit
     layer rounds z and dZ to bfloat16 (xla too: the reference's own gradient rule), so each
-    term of the gradient products carries that rounding, which the tolerance counts."""
-    _bfloat16_gradients_against_float64(impl)
+    term of the gradient products carries that rounding, which the tolerance counts; with a
+    float32 residual the kernel stores a float32 output beside a bfloat16 z."""
+    _bfloat16_gradients_against_float64(impl, residual_dtype=residual_dtype)
 
 
-@pytest.mark.parametrize("wrong", ["derivative", "sign"])
+# Shapes no other test traces: a backward traced with a wrong dZ stays in jit's caches for them.
+WRONG_DZ_SHAPES = {"derivative": ((23, 37), (37, 11)), "sign": ((19, 33), (33, 13))}
+
+
+@pytest.mark.parametrize("wrong", list(WRONG_DZ_SHAPES))
 def test_bfloat16_gradient_tolerance_fails_a_wrong_dz(monkeypatch, wrong):
     """The same tolerance fails a kernel whose dZ has a wrong derivative (silu's for gelu's)
-    or a wrong sign (shapes of their own, so no trace of the right kernel is reused)."""
+    or a wrong sign (`WRONG_DZ_SHAPES`: each its own, so no trace of another is reused)."""
     import importlib
 
     module = importlib.import_module("kernels.matmul")  # the package; `kernels.matmul` is the op
@@ -197,7 +207,7 @@ def test_bfloat16_gradient_tolerance_fails_a_wrong_dz(monkeypatch, wrong):
 
     monkeypatch.setattr(module, "gradients", gradients)
     with pytest.raises(AssertionError):
-        _bfloat16_gradients_against_float64("triton", shapes=((23, 37), (37, 11)))
+        _bfloat16_gradients_against_float64("triton", shapes=WRONG_DZ_SHAPES[wrong])
 
 
 def test_epilogue_grad_of_grad(implementation):
