@@ -23,7 +23,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType
+
+from .shardings import typed_like
 
 ACTIVATIONS: dict[str | None, Callable[[jax.Array], jax.Array]] = {
     None: lambda z: z,
@@ -107,7 +108,7 @@ def layer(product: Callable[[jax.Array, jax.Array, Any], jax.Array], x: jax.Arra
 
     @jax.custom_vjp
     def sixteen_bit_layer(x, w, bias, residual):
-        return apply(product(x, w, accumulator), bias, activation, residual, dtype, bias_axis)
+        return forward(x, w, bias, residual)[0]
 
     def forward(x, w, bias, residual):
         z = apply(product(x, w, accumulator), bias, None, None, accumulator, bias_axis)
@@ -124,24 +125,10 @@ def layer(product: Callable[[jax.Array, jax.Array, Any], jax.Array], x: jax.Arra
         dx, dw = jax.vjp(lambda x, w: product(x, w, sixteen), x, w)[1](dz.astype(sixteen))
         dresidual = None if residual is None else _summed_to(
             g.astype(accumulator), jnp.shape(residual)).astype(jnp.result_type(residual))
-        return dx, dw, _typed_like(dbias, bias), _typed_like(dresidual, residual)
+        return dx, dw, typed_like(dbias, bias), typed_like(dresidual, residual)
 
     sixteen_bit_layer.defvjp(forward, backward)
     return sixteen_bit_layer(x, w, bias, residual)
-
-
-def _typed_like(cotangent: Any, primal: Any) -> Any:
-    """`cotangent` resharded as `primal` where its sharding is part of its type (Explicit mesh
-    axes): a custom_vjp's cotangent is typed like its primal (a replicated bias of a
-    column-parallel layer, whose summed dZ is sharded over the features)."""
-    if cotangent is None:
-        return None
-    want = jax.typeof(primal).sharding
-    mesh = getattr(want, "mesh", None)
-    if (mesh is None or mesh.empty or AxisType.Explicit not in mesh.axis_types
-            or jax.typeof(cotangent).sharding.spec == want.spec):
-        return cotangent
-    return jax.sharding.reshard(cotangent, want)
 
 
 def _summed_to(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:

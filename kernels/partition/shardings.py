@@ -14,22 +14,13 @@ from jax import lax
 from jax._src.sharding_impls import canonicalize_sharding  # JAX's ops' own out_sharding check
 from jax.sharding import AxisType, NamedSharding
 
-from kernels import _targets
 from kernels.partition.rules import Axes, Dims, dims_of_sharding, spec
+# Defined beside the reference, whose own gradient rule types its cotangents so too.
+from kernels.reference.shardings import explicit_mesh, typed_like as like
 
 __all__ = ["explicit_mesh", "sharding", "reshape", "grouped", "ungrouped", "dims_of", "like",
            "out_sharding", "requested",
            "merged", "mergeable", "split", "axis_sizes", "constrain"]
-
-
-def explicit_mesh(operands: Sequence[Any]) -> Any:
-    """The mesh with Explicit axes some operand lives on, if any (sharded or replicated: its
-    type says how, so shard_map can run the plan)."""
-    for mesh in map(_targets.mesh_of, operands):
-        if mesh is not None and not mesh.empty and any(
-                t == AxisType.Explicit for t in mesh.axis_types):
-            return mesh
-    return None
 
 
 def sharding(dims: Sequence[Axes], *operands: Any) -> NamedSharding | None:
@@ -82,18 +73,6 @@ def dims_of(x: jax.Array) -> Dims:
     if explicit_mesh([x]) is None:
         return ((),) * x.ndim
     return dims_of_sharding(jax.typeof(x).sharding, x.ndim)
-
-
-def like(cotangent: Any, primal: jax.Array) -> Any:
-    """`cotangent` with `primal`'s sharding where that is part of the type (Explicit axes):
-    a custom_vjp's cotangent must be typed like its primal (also an operand resharded like
-    another, or a result given back its input's sharding)."""
-    if cotangent is None or explicit_mesh([primal, cotangent]) is None:
-        return cotangent
-    want = jax.typeof(primal).sharding
-    if jax.typeof(cotangent).sharding.spec == want.spec:
-        return cotangent
-    return jax.sharding.reshard(cotangent, want)
 
 
 def out_sharding(value: Any, op: str, ndim: int) -> NamedSharding | None:
