@@ -373,8 +373,9 @@ def comparison(rows: list[dict]) -> str:
             notes += [f"{case_op} {shape} {dtype}, {n}: {by_name[n]['kind']}, "
                       f"{by_name[n]['error']}" for n in names
                       if n in by_name and "error" in by_name[n]]
-        # The rows' labels, shorter: "mosaic (interpret)" is "mosaic", "(strict)" "strict".
-        headers = [name.replace(" (interpret)", "").replace(" (strict)", " strict")
+        # The rows' labels, shorter: "mosaic (interpret)" is "mosaic", "(strict)" "strict", a
+        # baseline its package ("scipy.signal.convolve2d" is "scipy").
+        headers = [name.replace(" (interpret)", "").replace(" (strict)", " strict").split(".")[0]
                    for name in names]
         blocks.append(aligned(["op", "shape", "dtype", "xla ms", *headers, "max err"], cells))
     if not blocks:

@@ -75,6 +75,23 @@ def test_default_report_is_read_at_a_glance(capsys):
     assert len(planned) == len(set(line.split(":")[0] for line in planned))
 
 
+def test_comparison_columns_are_short_labels():
+    """`comparison`'s columns: an interpreted kernel by its name, a simulator's with "strict",
+    a host baseline by its package, so a case with every kind still fits 160 characters."""
+    def row(name, ratio):
+        return {"op": "conv2d", "shape": "8x64x64x32 * 3x3x1x32 (feature_group_count=32)",
+                "dtype": "bfloat16", "implementation": name, "kind": "speed",
+                "median_ms": 1.0, "vs_xla": ratio, "max_rel_err": 1e-3}
+
+    names = ["xla", "triton (interpret)", "mosaic (interpret)", "scipy.signal.convolve2d",
+             "mosaic (strict)", "mosaic_gpu (strict)"]
+    text = harness.comparison([row(name, 12345.67) for name in names])
+    header = text.splitlines()[0].split()
+    assert header == ["op", "shape", "dtype", "xla", "ms", "triton", "mosaic", "scipy", "mosaic",
+                      "strict", "mosaic_gpu", "strict", "max", "err"], header
+    assert max(map(len, text.splitlines())) <= 160, text
+
+
 def test_interpret_option_takes_the_ops_values(capsys):
     with pytest.raises(SystemExit):
         main(["--interpret", "fast"])
