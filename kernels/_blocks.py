@@ -47,6 +47,38 @@ def tensor_float32(dtype: Any, precision: Any) -> bool:
         return False
 
 
+# A TF32 tensor-core instruction reads a float32 operand's sign, exponent and top 10 mantissa
+# bits and drops the other 13 (truncation): the PTX of Triton's and Mosaic GPU's float32 products
+# (jax 0.12.0.1, sm_80 mma.sync and sm_90 wgmma from shared memory) has no cvt.rna, so nothing
+# rounds first unless the kernel does. Truncation biases every product toward zero: rounding to
+# nearest (`round_to_tf32`) makes about a third of its error (the figures beside
+# tests/test_matmul.py's `TF32_ROUNDED_ERROR`), the gap the H100 record showed between the
+# Mosaic GPU kernel's float32 error and cuBLAS's (2.5x).
+TF32_DROPPED_BITS = 13
+
+
+def round_to_tf32(x: Any) -> Any:
+    """float32 `x` rounded to the nearest TF32 value (ties away from zero, as PTX's
+    cvt.rna.tf32.f32), still float32, so a TF32 instruction multiplies it as rounded rather
+    than truncating it (`TF32_DROPPED_BITS`); products of two such values are exact in float32,
+    so an interpreter's float32 dot of them is the tensor core's. Inf and NaN pass unchanged;
+    finite values past TF32's largest round to Inf."""
+    bits = lax.bitcast_convert_type(x, jnp.uint32)
+    exponent = jnp.uint32(0x7F800000)
+    half, kept = 1 << (TF32_DROPPED_BITS - 1), (0xFFFFFFFF << TF32_DROPPED_BITS) & 0xFFFFFFFF
+    rounded = (bits + jnp.uint32(half)) & jnp.uint32(kept)
+    return lax.bitcast_convert_type(jnp.where(bits & exponent == exponent, bits, rounded),
+                                    jnp.float32)
+
+
+def tensor_core_operand(tile: Any, dtype: Any, precision: Any) -> Any:
+    """A Triton dot's operand tile cast to `dtype`, and rounded to TF32 (`round_to_tf32`) where
+    the dot multiplies it as TF32 (`tensor_float32`): in registers, before the dot, which on
+    the tensor cores would truncate it."""
+    tile = tile.astype(dtype)
+    return round_to_tf32(tile) if tensor_float32(dtype, precision) else tile
+
+
 def next_power_of_2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 

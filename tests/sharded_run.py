@@ -75,6 +75,7 @@ def _differences(out, out_whole, grads, grads_whole) -> dict:
         "grad_error": max(float(np.max(np.abs(np.asarray(g) - np.asarray(w))))
                           for g, w in zip(grads, grads_whole)),
         "scale": float(np.nanmax(np.abs(np.asarray(out_whole)))),
+        "grad_scale": max(float(np.max(np.abs(np.asarray(w)), initial=0.0)) for w in grads_whole),
     }
 
 
@@ -139,6 +140,7 @@ def run_shard_map(impl):
             "nan_match": True,
             "grad_error": max(float(np.max(np.abs(g - r))) for g, r in zip(grads, ref_grads)),
             "scale": float(np.max(np.abs(ref_out))),
+            "grad_scale": max(float(np.max(np.abs(r))) for r in ref_grads),
             "out_spec": str(out.sharding.spec)}
 
 
@@ -152,10 +154,10 @@ def run_reduce_scatter(impl):
     fn = lambda a, b: jax.lax.with_sharding_constraint(  # noqa: E731
         kernels.matmul(a, b, implementation=impl), NamedSharding(mesh, P("model", None)))
     program = compiled(fn, a, b)
-    out = program(a, b)
+    out, want = program(a, b), np.asarray(a) @ np.asarray(b)
     return {"impl": impl, "case": "matmul/K-reduce-scatter", "mesh": "Auto",
-            "value_error": float(np.max(np.abs(out - np.asarray(a) @ np.asarray(b)))),
-            "nan_match": True, "grad_error": 0.0, "scale": 1.0,
+            "value_error": float(np.max(np.abs(out - want))),
+            "nan_match": True, "grad_error": 0.0, "scale": float(np.max(np.abs(want))),
             "forward": collectives(program), "out_spec": str(out.sharding.spec)}
 
 

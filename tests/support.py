@@ -58,6 +58,22 @@ FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 DOT_FLOAT32_EPS = {"gpu": 2.0 ** -10, "tpu": 2.0 ** -7}
 
 
+def tf32_rounded(x: Any) -> np.ndarray:
+    """float32 `x` rounded to the nearest TF32 value (11 significant bits, ties away from zero,
+    as PTX's cvt.rna.tf32.f32), in float64; normal numbers only."""
+    mantissa, exponent = np.frexp(as_f64(x))
+    return np.ldexp(np.sign(mantissa) * np.floor(np.abs(mantissa) * 2.0 ** 11 + 0.5) / 2.0 ** 11,
+                    exponent)
+
+
+def dot_platform(implementation: str) -> str | None:
+    """The platform whose float32 dots an interpreted `implementation` computes as (the
+    `platform` of `tolerance`): the GPU kernels round float32 operands to TF32 as on their
+    device (`kernels._blocks.round_to_tf32`), so they are compared as a GPU's; the others as
+    this process's dots (None)."""
+    return "gpu" if registry.PLATFORMS.get(PLATFORM.get(implementation)) == "gpu" else None
+
+
 def tolerance(dtype: Any, reduction_length: int = 1, dot: bool = False,
               platform: str | None = None, rounded_terms: Any = None) -> dict[str, float]:
     """The one tolerance rule, for a result in `dtype` against float64 ground truth.
@@ -72,8 +88,8 @@ def tolerance(dtype: Any, reduction_length: int = 1, dot: bool = False,
     dots and in the kernels alike: to TF32 on a GPU, to bfloat16 on a TPU
     (`DOT_FLOAT32_EPS`), so float32 gets that unit in both terms. On a CPU (and in the
     interpreters) float32 dots are exact float32: the rule is unchanged there. `platform`:
-    the platform whose dots are compared where it is not this process's (an interpreted
-    kernel that rounds float32 operands as its device does).
+    the platform whose dots are compared where it is not this process's (an interpreted GPU
+    kernel, which rounds float32 operands to TF32 as its device does: `dot_platform`).
 
     `rounded_terms`: the dtype each of the `reduction_length` (unit-scale) terms of a sum was
     rounded to before it, as a 16-bit layer's gradient rounds z and dZ (`reference.epilogue.
@@ -184,5 +200,6 @@ class Contract:
     call: Callable[[str], Callable[..., Any]]  # implementation -> the op as a function of arrays
     example: Callable[[], tuple]  # inputs for the jit and eager calls
     repeated: Callable[[int], tuple]  # seed -> float32 inputs, one shape for every seed
-    check: Callable[..., None]  # check(out, *inputs): against float64 truth
+    # check(out, *inputs, implementation=): against float64 truth
+    check: Callable[..., None]
     small: Callable[..., Any]  # small(**options): one small call, with the options under test

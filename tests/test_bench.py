@@ -16,7 +16,7 @@ from bench.__main__ import main, record_path
 from kernels import _targets, registry
 from kernels.compile import CASES
 from kernels.matmul import matmul
-from tests.support import needs, random
+from tests.support import DOT_FLOAT32_EPS, needs, random
 
 
 def test_bench_harness_rows():
@@ -34,7 +34,9 @@ def test_bench_harness_rows():
     assert rows[0]["kind"] == "interpreted" and rows[0]["GB/s"] is None
     rows = rows[:1] + rows[2:]
     assert rows[1]["vs_xla"] == 1.0
-    assert all(r["max_rel_err"] < 1e-5 for r in rows[:3])
+    # The interpreted Triton kernel multiplies float32 as its GPU does, TF32 (`dot_platform`).
+    assert 1e-5 < rows[0]["max_rel_err"] < 4 * DOT_FLOAT32_EPS["gpu"]
+    assert all(r["max_rel_err"] < 1e-5 for r in rows[1:3])
     assert rows[3]["max_rel_err"] is None and rows[3]["GB/s"] is None
     assert "triton (interpret)" in harness.table(rows)
 

@@ -82,7 +82,9 @@ def _assert_triton_design(case, r) -> None:
     rows are channel runs of one tap; a K block spanning taps compiled to 2-byte scalar loads).
     float32 matmuls of device size multiply on the tensor cores as TF32 (on sm_90 Hopper's
     wgmma), their tiles and conv's loaded K-major, 16 bytes at a time (the weight gradient's
-    from pixel-major copies where the batch is a multiple of 4)."""
+    from pixel-major copies where the batch is a multiple of 4). Every kernel whose PTX has a
+    TF32 instruction rounds its float32 tiles first (TF32's mask in the PTX), and no other
+    kernel does."""
     x = case.args[0]
     if case.op == "conv2d" and x.dtype == jnp.bfloat16 and x.shape[-1] % 8 == 0:
         # A fused bias is one vector of block_n channels a program, loaded once after the
@@ -94,6 +96,8 @@ def _assert_triton_design(case, r) -> None:
         instruction = "wgmma.mma_async" if r.target == "sm_90" else "mma.sync"
         assert r.mma and all(i.startswith(instruction) and "tf32" in i for i in r.mma), (
             r.name, r.operands, r.mma)
+    tf32 = any(".tf32" in i for i in r.mma or ())
+    assert bool(r.tf32_masks) == tf32, (r.name, r.operands, r.mma, r.tf32_masks)
     # TF32 takes K-major tiles: the MN-major float32 operands (matmul's B, and A and dC of
     # dB = Aᵀ @ dC; conv's weights) are copied K-major first, so every tile loads 16 bytes.
     if x.dtype == jnp.float32 and (

@@ -26,7 +26,7 @@ from bench.__main__ import BENCHES
 from kernels import _dispatch, defaults, registry
 from kernels.compile import CASES, listing
 from kernels.ops import OPS
-from tests.support import (Contract, assert_close, implementations_of, kernels_of,
+from tests.support import (Contract, assert_close, dot_platform, implementations_of, kernels_of,
                            weighted_sum, x64)
 
 # Each op's contract, beside its helpers in tests/test_<op>.py.
@@ -101,7 +101,8 @@ def check_jit_and_no_jit(name: str, implementation: str, jitted: bool) -> None:
     contract = CONTRACTS[name]
     inputs = contract.example()
     op = contract.call(implementation)
-    contract.check((jax.jit(op) if jitted else op)(*inputs), *inputs)
+    contract.check((jax.jit(op) if jitted else op)(*inputs), *inputs,
+                   implementation=implementation)
 
 
 def check_no_retrace_on_repeated_calls(name: str, implementation: str) -> None:
@@ -110,7 +111,7 @@ def check_no_retrace_on_repeated_calls(name: str, implementation: str) -> None:
     traced = jax.jit(chex.assert_max_traces(contract.call(implementation), n=1))
     for seed in range(3):
         inputs = contract.repeated(seed)
-        contract.check(traced(*inputs), *inputs)
+        contract.check(traced(*inputs), *inputs, implementation=implementation)
 
 
 def check_vmap_over_every_operand(name: str, implementation: str) -> None:
@@ -119,7 +120,7 @@ def check_vmap_over_every_operand(name: str, implementation: str) -> None:
     stacked = [jnp.stack(operands) for operands in zip(*examples)]
     out = jax.vmap(contract.call(implementation))(*stacked)
     for k, inputs in enumerate(examples):
-        contract.check(out[k], *inputs)
+        contract.check(out[k], *inputs, implementation=implementation)
 
 
 def check_strict_settings_with_x64(name: str, implementation: str) -> None:
@@ -139,7 +140,7 @@ def check_strict_settings_with_x64(name: str, implementation: str) -> None:
             with pytest.raises(NotImplementedError, match="jax_enable_x64"):
                 jax.jit(op)(*inputs)
             return
-        contract.check(jax.jit(op)(*inputs), *inputs)
+        contract.check(jax.jit(op)(*inputs), *inputs, implementation=implementation)
         floats = tuple(i for i, a in enumerate(inputs) if jnp.issubdtype(a.dtype, jnp.floating))
         loss = lambda f: lambda *a: weighted_sum(f(*a))  # noqa: E731
         got = jax.jit(jax.grad(loss(op), argnums=floats))(*inputs)
@@ -148,7 +149,8 @@ def check_strict_settings_with_x64(name: str, implementation: str) -> None:
     for gradient, truth, i in zip(got, want, floats):
         assert gradient.dtype == inputs[i].dtype
         assert_close(gradient, truth, inputs[i].dtype,
-                     reduction_length=max(a.size for a in inputs))
+                     reduction_length=max(a.size for a in inputs),
+                     dot=name in ("matmul", "conv2d"), platform=dot_platform(implementation))
 
 
 # Each op with each of its implementations (`implementations_of`).

@@ -19,8 +19,8 @@ from kernels import reference
 from kernels.conv2d import Conv2dConfig, conv2d
 from kernels.conv2d.mosaic import config as mosaic_config
 from tests.support import (SUPPORTS_FLOAT64, Contract, as_f64, assert_close, assert_lowers,
-                           implementations_of, kernels_of, needs, random, standard_promotion,
-                           weighted_sum, x64)
+                           dot_platform, implementations_of, kernels_of, needs, random,
+                           standard_promotion, tf32_rounded, weighted_sum, x64)
 
 KERNELS = kernels_of("conv2d")  # this op's kernels (`tests.support.implementations_of`)
 
@@ -60,12 +60,13 @@ def _ground_truth(x, w, **options):
         return np.asarray(reference.conv2d(as_f64(x), as_f64(w), **options))
 
 
-def _check(x, w, out, dtype, dot=True, **options):
+def _check(x, w, out, dtype, dot=True, implementation=None, **options):
     expected = _ground_truth(x, w, **options)
     chex.assert_shape(out, expected.shape)
     hwio = w.shape if options.get("data_format", "NHWC") == "NHWC" else (
         w.shape[2], w.shape[3], w.shape[1], w.shape[0])
-    assert_close(out, expected, dtype, reduction_length=hwio[0] * hwio[1] * hwio[2], dot=dot)
+    assert_close(out, expected, dtype, reduction_length=hwio[0] * hwio[1] * hwio[2], dot=dot,
+                 platform=dot_platform(implementation))
 
 
 # Mosaic GPU's interpreter takes about a second a launch: its kernels run the cases that reach
@@ -82,7 +83,7 @@ def test_matches_float64_ground_truth(implementation, case):
     x, w = _inputs(x_shape, w_shape, jnp.float32)
     out = conv2d(x, w, implementation=implementation, **options)
     assert out.dtype == jnp.float32
-    _check(x, w, out, jnp.float32, **options)
+    _check(x, w, out, jnp.float32, implementation=implementation, **options)
 
 
 @pytest.mark.parametrize("implementation", ["xla", "triton"])
@@ -92,7 +93,7 @@ def test_large_channels_and_odd_image(implementation):
     x_shape, w_shape, options = BIG_CASE
     x, w = _inputs(x_shape, w_shape, jnp.float32)
     _check(x, w, conv2d(x, w, implementation=implementation, **options), jnp.float32,
-           **options)
+           implementation=implementation, **options)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bfloat16", "float16"])
@@ -123,7 +124,8 @@ def test_nchw(implementation):
     x_shape, w_shape, options = CASES[3]
     x, w = _inputs(x_shape, w_shape, jnp.float32, data_format="NCHW")
     out = conv2d(x, w, implementation=implementation, data_format="NCHW", **options)
-    _check(x, w, out, jnp.float32, data_format="NCHW", **options)
+    _check(x, w, out, jnp.float32, data_format="NCHW", implementation=implementation,
+           **options)
 
 
 def test_mixed_dtypes_and_preferred_element_type(implementation):
@@ -139,7 +141,7 @@ def test_mixed_dtypes_and_preferred_element_type(implementation):
     out = conv2d(x, w, implementation=implementation, preferred_element_type=jnp.float32)
     assert out.dtype == jnp.float32
     # float32 output of float32 accumulation: float32's tolerance, not bfloat16's.
-    _check(x, w, out, jnp.float32)
+    _check(x, w, out, jnp.float32, implementation=implementation)
 
 
 def test_precision_highest(implementation):
@@ -185,10 +187,11 @@ def test_nan_and_inf_propagate(implementation):
 def test_vmap(implementation):
     x, w = random((2, 1, 5, 6, 3), jnp.float32, 1), random((2, 3, 3, 3, 4), jnp.float32, 2)
     out = jax.vmap(lambda x: conv2d(x, w[0], implementation=implementation))(x)
-    _check(x.reshape(2, 5, 6, 3), w[0], out.reshape(2, 5, 6, 4), jnp.float32)
+    _check(x.reshape(2, 5, 6, 3), w[0], out.reshape(2, 5, 6, 4), jnp.float32,
+           implementation=implementation)
     out = jax.vmap(lambda x, w: conv2d(x, w, implementation=implementation))(x, w)
     for i in range(2):
-        _check(x[i], w[i], out[i], jnp.float32)
+        _check(x[i], w[i], out[i], jnp.float32, implementation=implementation)
 
 
 # jit and eager, no retrace, vmap of every operand: tests/test_contract.py, from this contract.
@@ -196,7 +199,8 @@ CONTRACT = Contract(
     call=lambda impl: lambda x, w: conv2d(x, w, stride=2, implementation=impl),
     example=lambda: _inputs((1, 7, 9, 3), (3, 3, 3, 4), jnp.bfloat16),
     repeated=lambda seed: _inputs((1, 5, 6, 3), (3, 3, 3, 2), jnp.float32, seed=seed),
-    check=lambda out, x, w: _check(x, w, out, x.dtype, stride=2),
+    check=lambda out, x, w, implementation: _check(x, w, out, x.dtype, stride=2,
+                                                   implementation=implementation),
     small=lambda **kw: conv2d(jnp.ones((1, 5, 6, 4)), jnp.ones((3, 3, 4, 2)), **kw))
 
 
@@ -205,6 +209,25 @@ def _loss(implementation, **options):
     if implementation == "reference":
         return lambda x, w: weighted_sum(reference.conv2d(x, w, **options))
     return lambda x, w: weighted_sum(conv2d(x, w, implementation=implementation, **options))
+
+
+@pytest.mark.parametrize("options", [{}, {"stride": 2}], ids=["same", "strided"])
+@pytest.mark.parametrize("impl", [k for k in KERNELS if dot_platform(k) == "gpu"])
+def test_float32_convolutions_multiply_operands_rounded_to_tf32(impl, options):
+    """The GPU kernels' float32 forward, dX and dW are TF32 products of operands rounded to
+    nearest (tests/test_matmul.py has the matmul's and the figures): each equals the float64
+    convolution of the rounded operands within float32 accumulation (the cotangent of
+    `weighted_sum` is exact in TF32)."""
+    x, w = _inputs((2, 9, 9, 16), (3, 3, 16, 8), jnp.float32)
+    out = conv2d(x, w, implementation=impl, **options)
+    grads = jax.grad(_loss(impl, **options), argnums=(0, 1))(x, w)
+    rounded = [jnp.asarray(tf32_rounded(v)) for v in (x, w)]
+    with x64():
+        want = reference.conv2d(*rounded, **options)
+        want_grads = jax.grad(_loss("reference", **options), argnums=(0, 1))(*rounded)
+    assert_close(out, want, jnp.float32, reduction_length=3 * 3 * 16)
+    for got, expected in zip(grads, want_grads):  # dX: 3x3x8 terms; dW: 2x9x9 (or fewer)
+        assert_close(got, expected, jnp.float32, reduction_length=2 * 9 * 9)
 
 
 LOWERING_CASES = [((2, 9, 17, 8), (3, 3, 8, 16), {"stride": 2}),
@@ -303,7 +326,7 @@ def test_triton_explicit_config_many_blocks():
     x, w = _inputs((3, 7, 9, 5), (3, 3, 5, 40), jnp.float32)
     config = Conv2dConfig(block_m=16, block_n=16, block_k=16, num_warps=2, num_stages=2)
     out = conv2d(x, w, stride=(2, 1), implementation="triton", config=config)
-    _check(x, w, out, jnp.float32, stride=(2, 1))
+    _check(x, w, out, jnp.float32, stride=(2, 1), implementation="triton")
 
 
 @pytest.mark.parametrize("options,w_shape", [({"stride": 2, "padding": 1}, (3, 3, 3, 4)),

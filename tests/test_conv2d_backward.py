@@ -13,7 +13,7 @@ from jax.test_util import check_grads
 
 from kernels import reference
 from kernels.conv2d import conv2d
-from tests.support import SUPPORTS_FLOAT64, as_f64, assert_close, kernels_of, x64
+from tests.support import SUPPORTS_FLOAT64, as_f64, assert_close, dot_platform, kernels_of, x64
 
 KERNELS = kernels_of("conv2d")  # this op's kernels (`tests.support.implementations_of`)
 from tests.test_conv2d import CASES, _check, _inputs, _loss
@@ -45,7 +45,8 @@ def test_gradients_match_reference(implementation, case):
     length = max(np.prod(w_shape), n * h * wd)
     for got, expected, operand in zip(grads, want, (x, w)):
         assert got.dtype == operand.dtype
-        assert_close(got, expected, jnp.float32, reduction_length=length, dot=True)
+        assert_close(got, expected, jnp.float32, reduction_length=length, dot=True,
+                     platform=dot_platform(implementation))
 
 
 def _weight_grad_problem(x_shape, w_shape, dtype, **options):
@@ -77,7 +78,7 @@ def test_triton_weight_gradient_pixel_splits(x_shape, w_shape, options):
     with x64():
         want = jax.grad(_loss("reference", **options), argnums=1)(as_f64(x), as_f64(w))
     assert_close(got, want, jnp.float32, reduction_length=x_shape[0] * x_shape[1] * x_shape[2],
-                 dot=True)
+                 dot=True, platform="gpu")
 
 
 @pytest.mark.parametrize("x_shape,w_shape,options", [
@@ -97,7 +98,8 @@ def test_triton_float32_weight_gradient_pixel_major(x_shape, w_shape, options):
     got = jax.grad(_loss("triton", **options), argnums=1)(x, w)
     with x64():
         want = jax.grad(_loss("reference", **options), argnums=1)(as_f64(x), as_f64(w))
-    assert_close(got, want, jnp.float32, reduction_length=int(np.prod(x_shape[:3])), dot=True)
+    assert_close(got, want, jnp.float32, reduction_length=int(np.prod(x_shape[:3])), dot=True,
+                 platform="gpu")
 
 
 def test_triton_pixel_major_weight_gradient_reads_no_padding_pairs():
@@ -114,7 +116,7 @@ def test_triton_pixel_major_weight_gradient_reads_no_padding_pairs():
 
     got, want = weight_grad("triton")[:, 1:], weight_grad("xla")[:, 1:]
     assert bool(jnp.isfinite(want).all())
-    assert_close(got, want, jnp.float32, reduction_length=4 * 6 * 6, dot=True)
+    assert_close(got, want, jnp.float32, reduction_length=4 * 6 * 6, dot=True, platform="gpu")
 
 
 def test_triton_pixel_major_weight_gradient_where_it_repays():
@@ -147,13 +149,14 @@ def test_triton_k_blocks(x_shape, w_shape, options, tap_major):
     assert triton_config.tap_major(p) == tap_major
     assert p.k % config.block_k and triton_config.num_k_blocks(p, config.block_k) > 1, config
     x, w = _inputs(x_shape, w_shape, jnp.float32)
-    _check(x, w, conv2d(x, w, implementation="triton", **options), jnp.float32, **options)
+    _check(x, w, conv2d(x, w, implementation="triton", **options), jnp.float32,
+           implementation="triton", **options)
     grads = jax.grad(_loss("triton", **options), argnums=(0, 1))(x, w)
     with x64():
         want = jax.grad(_loss("reference", **options), argnums=(0, 1))(as_f64(x), as_f64(w))
     for got, expected in zip(grads, want):
         assert_close(got, expected, jnp.float32, reduction_length=int(np.prod(x_shape[:3])),
-                     dot=True)
+                     dot=True, platform="gpu")
 
 
 @pytest.mark.parametrize("x_shape,w_shape,options", [
@@ -228,19 +231,21 @@ def test_strided_input_gradient_phases(implementation, x_shape, w_shape, options
     got = jax.grad(_loss(implementation, **options), argnums=0)(x, w)
     with x64():
         want = jax.grad(_loss("reference", **options), argnums=0)(as_f64(x), as_f64(w))
-    assert_close(got, want, jnp.float32, reduction_length=np.prod(w_shape), dot=True)
+    assert_close(got, want, jnp.float32, reduction_length=np.prod(w_shape), dot=True,
+                 platform=dot_platform(implementation))
 
 
 @pytest.mark.parametrize("implementation", ["triton", "mosaic"])
 def test_pointwise_convolution_gradients(implementation):
     """A 1x1 stride-1 convolution runs on the matmul kernels, forward, dX and dW."""
     x, w = _inputs((2, 5, 7, 6), (1, 1, 6, 9), jnp.float32)
-    _check(x, w, conv2d(x, w, implementation=implementation), jnp.float32)
+    _check(x, w, conv2d(x, w, implementation=implementation), jnp.float32, implementation=implementation)
     grads = jax.grad(_loss(implementation), argnums=(0, 1))(x, w)
     with x64():
         want = jax.grad(_loss("reference"), argnums=(0, 1))(as_f64(x), as_f64(w))
     for got, expected in zip(grads, want):
-        assert_close(got, expected, jnp.float32, reduction_length=70, dot=True)
+        assert_close(got, expected, jnp.float32, reduction_length=70, dot=True,
+                     platform=dot_platform(implementation))
 
 
 @pytest.mark.parametrize("target", ["sm_90", "v5e"])
@@ -339,7 +344,8 @@ def test_grad_of_grad(implementation, options):
         want = second("reference")(as_f64(x), as_f64(w))
     # Four chained convolutions (forward, input gradient and their derivatives).
     for got_, expected in zip(got, want):
-        assert_close(got_, expected, jnp.float32, reduction_length=1000, dot=True)
+        assert_close(got_, expected, jnp.float32, reduction_length=1000, dot=True,
+                     platform=dot_platform(implementation))
 
 
 @pytest.mark.parametrize("impl", [i for i in ("xla", "triton") if SUPPORTS_FLOAT64[i]])

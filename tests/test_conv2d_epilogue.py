@@ -16,8 +16,8 @@ from kernels import _targets
 from kernels.compile.launches import launches
 from kernels.conv2d import conv2d
 from kernels.reference.conv2d import DATA_FORMATS
-from tests.support import (as_f64, assert_close, implementations_of, kernels_of, random,
-                           weighted_sum, x64)
+from tests.support import (as_f64, assert_close, dot_platform, implementations_of, kernels_of,
+                           random, weighted_sum, x64)
 from tests.test_matmul_epilogue import epilogue_truth
 
 KERNELS = kernels_of("conv2d")
@@ -77,7 +77,8 @@ def test_epilogue_matches_float64_truth(implementation, path, activation):
                  **options)
     assert out.dtype == jnp.float32
     assert_close(out, _truth(x, w, bias, activation, options), jnp.float32,
-                 reduction_length=_reduction_length(w, options), dot=True)
+                 reduction_length=_reduction_length(w, options), dot=True,
+                 platform=dot_platform(implementation))
 
 
 @pytest.mark.parametrize("data_format", ["NHWC", "NCHW"])
@@ -86,7 +87,8 @@ def test_bfloat16_and_data_formats(implementation, data_format):
     out = conv2d(x, w, bias=bias, activation="gelu", implementation=implementation, **options)
     assert out.dtype == jnp.bfloat16
     assert_close(out, _truth(x, w, bias, "gelu", options), jnp.bfloat16,
-                 reduction_length=_reduction_length(w, options), dot=True)
+                 reduction_length=_reduction_length(w, options), dot=True,
+                 platform=dot_platform(implementation))
 
 
 def _loss(implementation, activation, options):
@@ -109,7 +111,8 @@ def test_epilogue_gradients_match_reference(implementation, path, activation):
     length = max(_reduction_length(w, options), x.shape[0] * x.shape[1] * x.shape[2])
     for got, expected in zip(grads, want):
         assert got.shape == expected.shape and got.dtype == expected.dtype
-        assert_close(got, expected, jnp.float32, reduction_length=length, dot=True)
+        assert_close(got, expected, jnp.float32, reduction_length=length, dot=True,
+                     platform=dot_platform(implementation))
 
 
 @pytest.mark.parametrize("impl", [*KERNELS, "xla"])

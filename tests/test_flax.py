@@ -21,7 +21,7 @@ from flax import serialization
 from kernels import reference
 from kernels.flax import linen as knn
 from kernels.flax import nnx as knnx
-from tests.support import assert_close, random, standard_promotion, x64
+from tests.support import assert_close, dot_platform, random, standard_promotion, x64
 
 IDS = jnp.array([[0, 3, 9, 12], [-1, 2, 2, 5]])  # 12 is out of range: a NaN row ("fill")
 
@@ -97,13 +97,13 @@ def test_bias_is_added_in_the_kernel(name):
         assert not any(e.primitive.name == "add" for e in jaxpr.jaxpr.eqns), jaxpr
 
 
-def _assert_same(ours, theirs, dtype, length, dot=False):
+def _assert_same(ours, theirs, dtype, length, dot=False, platform=None):
     """Same shape and NaNs; values within `dtype`'s tolerance (`theirs` may be float64)."""
     assert ours.shape == theirs.shape
     ours, theirs = np.asarray(ours, np.float64), np.asarray(theirs, np.float64)
     np.testing.assert_array_equal(np.isnan(ours), np.isnan(theirs))
     assert_close(np.nan_to_num(ours), np.nan_to_num(theirs), dtype, reduction_length=length,
-                 dot=dot)
+                 dot=dot, platform=platform)
 
 
 def _loss(apply):
@@ -127,10 +127,11 @@ def _value_and_gradients(apply, params, x):
     return run(params, x)
 
 
-def _check_against_flax(ours, theirs, params, x, name):
+def _check_against_flax(ours, theirs, params, x, name, implementation):
     """Our layer's output has Flax's dtype; its output and gradients equal Flax's layer
     evaluated in float64 (the ground truth: in bfloat16, Flax's own gradient sums two rounded
-    terms that cancel). Linear and Conv layers are dots (`tests.support.tolerance`)."""
+    terms that cancel). Linear and Conv layers are dots (`tests.support.tolerance`), as
+    `implementation` computes them (`dot_platform`)."""
     length, dot = LAYERS[name][4], name.split("-")[0] in ("Linear", "Conv")
     with _promotion(name):
         out, grads = _value_and_gradients(ours, params, x)
@@ -141,9 +142,10 @@ def _check_against_flax(ours, theirs, params, x, name):
                 a.dtype, jnp.floating) else a
             want_out, want_grads = _value_and_gradients(theirs, jax.tree.map(widen, params),
                                                         widen(x))
-    _assert_same(out, want_out, out.dtype, length, dot)
+    platform = dot_platform(implementation)
+    _assert_same(out, want_out, out.dtype, length, dot, platform)
     for got, want in zip(grads, want_grads):
-        _assert_same(got, want, got.dtype, 4 * length, dot)
+        _assert_same(got, want, got.dtype, 4 * length, dot, platform)
 
 
 def _nnx_apply(graphdef):
@@ -160,7 +162,7 @@ def test_nnx_layer_matches_flax(name, implementation):
     theirs, ours = _nnx_pair(name, implementation=implementation)
     their_graphdef, params = nnx.split(theirs)
     _check_against_flax(_nnx_apply(nnx.graphdef(ours)), _nnx_apply(their_graphdef), params,
-                        LAYERS[name][3], name)
+                        LAYERS[name][3], name, implementation)
 
 
 @pytest.mark.parametrize("implementation", ["xla", pytest.param("triton",
@@ -171,7 +173,7 @@ def test_linen_layer_matches_flax(name, implementation):
     x = LAYERS[name][3]
     with standard_promotion():  # Flax's layer (see MIXED)
         params = theirs.init(jax.random.key(0), x)
-    _check_against_flax(ours.apply, theirs.apply, params, x, name)
+    _check_against_flax(ours.apply, theirs.apply, params, x, name, implementation)
 
 
 @pytest.mark.parametrize("name", ["LayerNorm", "Embed", "Linear"])
@@ -272,7 +274,7 @@ def test_linen_remat_and_vmap():
     grad = lambda model: jax.grad(  # noqa: E731
         lambda p: jnp.sum(jnp.sin(model.apply(p, x))))(params)
     for got, want in zip(jax.tree.leaves(grad(ours)), jax.tree.leaves(grad(theirs))):
-        _assert_same(got, want, jnp.float32, 64)
+        _assert_same(got, want, jnp.float32, 64, dot=True, platform="gpu")
     vmapped = nn.vmap(knn.LayerNorm, variable_axes={"params": 0}, split_rngs={"params": True},
                       in_axes=0)(implementation="triton")
     flax_vmapped = nn.vmap(nn.LayerNorm, variable_axes={"params": 0},

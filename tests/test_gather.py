@@ -267,7 +267,7 @@ CONTRACT = Contract(
                      jnp.asarray([[8, -1], [9, 0]], jnp.int32)),
     repeated=lambda seed: (random((6, 4), jnp.float32, seed),
                            jnp.asarray([seed, -1 - seed, 6 + seed], jnp.int32)),
-    check=lambda out, x, i: assert_exact(out, expected_gather(x, i, 0, "fill")),
+    check=lambda out, x, i, implementation: assert_exact(out, expected_gather(x, i, 0, "fill")),
     small=lambda **kw: gather(jnp.ones((5, 3)), jnp.asarray([1, 2]), **kw))
 
 

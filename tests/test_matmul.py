@@ -13,9 +13,9 @@ from kernels import reference
 from kernels import registry
 from kernels.matmul import MatmulConfig, matmul
 from tests.support import (FLOAT_DTYPES, SUPPORTS_FLOAT64, Contract, as_f64, assert_close,
-                           assert_lowers, implementations_of, kernels_of, needs, random,
-                           standard_promotion, tolerance, walked_pipeline_bytes, weighted_sum,
-                           x64)
+                           assert_lowers, dot_platform, implementations_of, kernels_of, needs,
+                           random, standard_promotion, tf32_rounded, tolerance,
+                           walked_pipeline_bytes, weighted_sum, x64)
 
 KERNELS = kernels_of("matmul")  # this op's kernels (`tests.support.implementations_of`)
 IMPLEMENTATIONS = implementations_of("matmul")
@@ -30,12 +30,13 @@ BATCHED = [((3, 65, 33), (33, 17)), ((2, 1, 8, 9), (4, 9, 8)), ((9, 8), (4, 8, 5
 RANK_1 = [((33,), (33,)), ((33,), (33, 7)), ((5, 33), (33,)), ((33,), (2, 33, 7))]
 
 
-def _check_against_ground_truth(a, b, out, dtype=None, dot=True):
+def _check_against_ground_truth(a, b, out, dtype=None, dot=True, implementation=None):
     expected = np.matmul(as_f64(a), as_f64(b))
     chex.assert_shape(out, expected.shape)
     with standard_promotion():
         assert out.dtype == jnp.matmul(a, b).dtype
-    assert_close(out, expected, dtype or out.dtype, reduction_length=a.shape[-1], dot=dot)
+    assert_close(out, expected, dtype or out.dtype, reduction_length=a.shape[-1], dot=dot,
+                 platform=dot_platform(implementation))
 
 
 # Mosaic GPU's interpreter takes about 1.5 s a call here (registry: no fast interpreter): its
@@ -52,7 +53,8 @@ SLOW = "mosaic_gpu"
     ids=lambda v: jnp.dtype(v).name if isinstance(v, type) else None)
 def test_matches_float64_ground_truth(implementation, m, n, k, dtype):
     a, b = random((m, k), dtype, seed=1), random((k, n), dtype, seed=2)
-    _check_against_ground_truth(a, b, matmul(a, b, implementation=implementation))
+    _check_against_ground_truth(a, b, matmul(a, b, implementation=implementation),
+                                implementation=implementation)
 
 
 def test_reference_matches_float64_ground_truth():
@@ -65,7 +67,8 @@ def test_reference_matches_float64_ground_truth():
     if impl != SLOW or shapes in (BATCHED[0], BATCHED[1], RANK_1[0], RANK_1[3])])
 def test_batch_dims_and_rank_1(implementation, a_shape, b_shape):
     a, b = random(a_shape, jnp.float32, 3), random(b_shape, jnp.float32, 4)
-    _check_against_ground_truth(a, b, matmul(a, b, implementation=implementation))
+    _check_against_ground_truth(a, b, matmul(a, b, implementation=implementation),
+                                implementation=implementation)
 
 
 @pytest.mark.parametrize("a_dtype,b_dtype", [(jnp.bfloat16, jnp.float16),
@@ -78,7 +81,7 @@ def test_mixed_dtypes_promote_like_jnp_matmul(implementation, a_dtype, b_dtype):
         out = matmul(a, b, implementation=implementation)
     assert out.dtype == jnp.float32
     # The ground truth multiplies the same rounded inputs: a float32 product's tolerance.
-    _check_against_ground_truth(a, b, out, jnp.float32)
+    _check_against_ground_truth(a, b, out, jnp.float32, implementation=implementation)
     # Under the suite's strict promotion the op raises where jnp.matmul does, and a
     # preferred_element_type makes both take the mixed operands.
     with pytest.raises(jax.dtypes.TypePromotionError):
@@ -86,7 +89,7 @@ def test_mixed_dtypes_promote_like_jnp_matmul(implementation, a_dtype, b_dtype):
     with pytest.raises(jax.dtypes.TypePromotionError):
         matmul(a, b, implementation=implementation)
     out = matmul(a, b, preferred_element_type=jnp.float32, implementation=implementation)
-    _check_against_ground_truth(a, b, out, jnp.float32)
+    _check_against_ground_truth(a, b, out, jnp.float32, implementation=implementation)
 
 
 def test_preferred_element_type(implementation):
@@ -94,7 +97,8 @@ def test_preferred_element_type(implementation):
     out = matmul(a, b, preferred_element_type=jnp.float32, implementation=implementation)
     assert out.dtype == jnp.float32
     # float32 output of float32 accumulation: float32's tolerance, not bfloat16's.
-    assert_close(out, as_f64(a) @ as_f64(b), jnp.float32, reduction_length=300, dot=True)
+    assert_close(out, as_f64(a) @ as_f64(b), jnp.float32, reduction_length=300, dot=True,
+                 platform=dot_platform(implementation))
 
 
 def test_precision_highest(implementation):
@@ -147,9 +151,9 @@ def test_nan_and_inf_propagate(implementation):
 def test_vmap(implementation):
     a, b = random((4, 17, 40), jnp.float32, 1), random((4, 40, 9), jnp.float32, 2)
     out = jax.vmap(lambda a, b: matmul(a, b, implementation=implementation))(a, b)
-    _check_against_ground_truth(a, b, out)
+    _check_against_ground_truth(a, b, out, implementation=implementation)
     out = jax.vmap(lambda a: matmul(a, b[0], implementation=implementation))(a)
-    _check_against_ground_truth(a, b[0], out)
+    _check_against_ground_truth(a, b[0], out, implementation=implementation)
 
 
 # jit and eager, no retrace, vmap of every operand: tests/test_contract.py, from this contract.
@@ -158,7 +162,8 @@ CONTRACT = Contract(
     example=lambda: (random((37, 130), jnp.bfloat16, 1), random((130, 18), jnp.bfloat16, 2)),
     repeated=lambda seed: (random((12, 20), jnp.float32, seed),
                            random((20, 7), jnp.float32, seed + 1)),
-    check=lambda out, a, b: _check_against_ground_truth(a, b, out),
+    check=lambda out, a, b, implementation: _check_against_ground_truth(
+        a, b, out, implementation=implementation),
     small=lambda **kw: matmul(jnp.ones((3, 3)), jnp.ones((3, 3)), **kw))
 
 
@@ -173,7 +178,7 @@ def test_repeated_eager_calls_trace_the_kernel_once(impl, monkeypatch):
     monkeypatch.setattr(module, "matmul", lambda *a, **k: traces.append(1) or kernel(*a, **k))
     for seed in range(3):
         a, b = random((11, 21), jnp.float32, seed), random((21, 6), jnp.float32, seed + 1)
-        _check_against_ground_truth(a, b, matmul(a, b, implementation=impl))
+        _check_against_ground_truth(a, b, matmul(a, b, implementation=impl), implementation=impl)
     assert len(traces) <= 1
 
 
@@ -195,7 +200,7 @@ def test_gradients_match_reference(implementation, a_shape, b_shape):
     for got, expected in zip(grads, want):
         chex.assert_equal_shape([got, expected])
         assert_close(got, expected, jnp.float32, reduction_length=2 * max(a_shape + b_shape),
-                     dot=True)
+                     dot=True, platform=dot_platform(implementation))
 
 
 @pytest.mark.parametrize("impl", KERNELS)
@@ -220,7 +225,8 @@ def test_grad_of_grad(implementation):
         return jax.grad(lambda a, b: jnp.sum(inner(a, b) ** 2), argnums=(0, 1))(a, b)
 
     for got, want in zip(second(implementation), second("reference")):
-        assert_close(got, want, jnp.float32, reduction_length=40, dot=True)
+        assert_close(got, want, jnp.float32, reduction_length=40, dot=True,
+                     platform=dot_platform(implementation))
 
 
 @pytest.mark.parametrize("impl", [i for i in ("xla", "triton") if SUPPORTS_FLOAT64[i]])
@@ -290,7 +296,7 @@ def test_explicit_config_with_ragged_edges(impl, config):
     # and the masked K edge (mosaic).
     a, b = random((2, 50, 300), jnp.bfloat16, 1), random((300, 140), jnp.bfloat16, 2)
     out = matmul(a, b, implementation=impl, config=config)
-    _check_against_ground_truth(a, b, out)
+    _check_against_ground_truth(a, b, out, implementation=impl)
 
 
 @pytest.mark.parametrize("a_shape,b_shape,config", [
@@ -307,14 +313,14 @@ def test_triton_split_k(a_shape, b_shape, config):
     p = common.make_problem(a, b, False, False, jnp.float32)
     assert triton.resolve_config(p, config).split_k > 1
     out = matmul(a, b, implementation="triton", config=config)
-    _check_against_ground_truth(a, b, out)
+    _check_against_ground_truth(a, b, out, implementation="triton")
     # The gradient kernels pick their own configs: dB of the last case splits K by shape.
     grads = jax.grad(_loss("triton"), argnums=(0, 1))(a, b)
     with x64():
         want = jax.grad(_loss("reference"), argnums=(0, 1))(as_f64(a), as_f64(b))
     for got, expected in zip(grads, want):
         assert_close(got, expected, jnp.float32, reduction_length=2 * max(a_shape + b_shape),
-                     dot=True)
+                     dot=True, platform="gpu")
 
 
 # Named shapes (dtype bfloat16) and the programs the Triton kernel launched for them before
@@ -401,8 +407,9 @@ def test_triton_float32_k_major_copies():
     grads = jax.grad(_loss("triton"), argnums=(0, 1))(a, b)
     want = jax.grad(_loss("reference"), argnums=(0, 1))(a, b)
     for got, expected in zip(grads, want):
-        assert_close(got, expected, jnp.float32, reduction_length=512, dot=True)
-    _check_against_ground_truth(a, b, matmul(a, b, implementation="triton"))
+        assert_close(got, expected, jnp.float32, reduction_length=512, dot=True, platform="gpu")
+    _check_against_ground_truth(a, b, matmul(a, b, implementation="triton"),
+                                implementation="triton")
 
 
 def test_triton_float32_highest_stays_off_the_tensor_cores():
@@ -425,13 +432,60 @@ def test_triton_float32_highest_stays_off_the_tensor_cores():
 
 
 def test_tolerance_rule_rejects_a_wrong_kernel():
-    """The tolerance is tight enough that a kernel dropping a 16-wide K slice would fail."""
+    """The tolerance is tight enough that a kernel dropping a 16-wide K slice would fail, on
+    this process's dots and as a GPU's TF32 dots."""
     a, b = random((16, 300), jnp.float32, 1), random((300, 8), jnp.float32, 2)
     truncated = as_f64(a)[:, :284] @ as_f64(b)[:284]
     error = np.max(np.abs(truncated - as_f64(a) @ as_f64(b)))
-    for dtype in FLOAT_DTYPES:
-        allowed = tolerance(dtype, 300)
+    for allowed in [tolerance(dtype, 300) for dtype in FLOAT_DTYPES] + [
+            tolerance(jnp.float32, 300, dot=True, platform="gpu")]:
         assert error > allowed["atol"] + allowed["rtol"] * np.max(np.abs(truncated))
+
+
+# A TF32 product's error against float64 truth, relative to its largest output, for this
+# suite's normal samples at 256x512x256 (`kernels._blocks.round_to_tf32`), on the host: 2.9e-4
+# with both operands rounded to nearest (what cuBLAS's TF32 products make), 8.7e-4 with both
+# truncated (what a TF32 instruction does to an operand that reaches it unrounded), 4.4e-4 with
+# one of each.
+TF32_ROUNDED_ERROR = 4e-4
+GPU_KERNELS = tuple(k for k in KERNELS if dot_platform(k) == "gpu")
+
+
+@pytest.mark.parametrize("layout", ["nn", "tn", "nt"])
+@pytest.mark.parametrize("impl", GPU_KERNELS)
+def test_float32_products_multiply_operands_rounded_to_tf32(impl, layout):
+    """The GPU kernels' float32 products are TF32 products of operands rounded to nearest, as
+    their device computes them and the interpreter now does too (the kernels round before the
+    MMA, whose products of rounded operands are exact in float32): equal to the float64
+    product of the rounded operands within float32 accumulation, far from the float32 product
+    (so nothing reaches the MMA unrounded), and within cuBLAS-like error of the truth."""
+    a, b = random((256, 512), jnp.float32, 1), random((512, 256), jnp.float32, 2)
+    stored_a = a.T if layout == "tn" else a  # the weight gradient's Aᵀ, dA's Bᵀ
+    stored_b = b.T if layout == "nt" else b
+    out = jax.jit(lambda a, b: matmul(a.T if layout == "tn" else a, b.T if layout == "nt" else b,
+                                      implementation=impl))(stored_a, stored_b)
+    rounded, truth = tf32_rounded(a) @ tf32_rounded(b), as_f64(a) @ as_f64(b)
+    assert_close(out, rounded, jnp.float32, reduction_length=512)
+    error, largest = np.max(np.abs(as_f64(out) - truth)), np.max(np.abs(truth))
+    exact = tolerance(jnp.float32, 512)  # what a float32 product would meet
+    assert error > 10 * (exact["atol"] + exact["rtol"] * largest)
+    assert error < TF32_ROUNDED_ERROR * largest
+
+
+def test_round_to_tf32_rounds_to_nearest_ties_away_and_keeps_special_values():
+    from kernels._blocks import round_to_tf32
+
+    ulp = 2.0 ** -10
+    x = np.array([1 + ulp / 2, 1 + ulp / 2 - 2.0 ** -23, 1 + 1.5 * ulp, -(1 + ulp / 2), 3e38,
+                  np.finfo(np.float32).max, np.inf, -np.inf, np.nan, 0.0, -0.0], np.float32)
+    got = np.asarray(round_to_tf32(jnp.asarray(x)), np.float64)
+    want = [1 + ulp, 1, 1 + 2 * ulp, -(1 + ulp), tf32_rounded(np.float32(3e38)), np.inf,
+            np.inf, -np.inf, np.nan, 0.0, -0.0]
+    np.testing.assert_array_equal(got, want)
+    assert np.signbit(got[-1])
+    normal = np.asarray(random((4096,), jnp.float32, 3))
+    np.testing.assert_array_equal(np.asarray(round_to_tf32(jnp.asarray(normal)), np.float64),
+                                  tf32_rounded(normal))
 
 
 def test_remat(implementation):
@@ -447,7 +501,8 @@ def test_remat(implementation):
     loss = _loss(implementation)
     got = jax.grad(jax.checkpoint(loss), argnums=(0, 1))(a, b)
     for g, want in zip(got, jax.grad(_loss("reference"), argnums=(0, 1))(a, b)):
-        assert_close(g, want, jnp.float32, reduction_length=20, dot=True)
+        assert_close(g, want, jnp.float32, reduction_length=20, dot=True,
+                     platform=dot_platform(implementation))
 
 
 @pytest.mark.parametrize("impl,dtype", [("triton", jnp.float64), ("mosaic", jnp.float32)])

@@ -15,8 +15,8 @@ from kernels import _targets
 from kernels.compile.launches import launches
 from kernels.matmul import MatmulConfig, matmul
 from kernels.reference.epilogue import ACTIVATIONS
-from tests.support import (as_f64, assert_close, implementations_of, kernels_of, random,
-                           standard_promotion, weighted_sum, x64)
+from tests.support import (as_f64, assert_close, dot_platform, implementations_of, kernels_of,
+                           random, standard_promotion, weighted_sum, x64)
 
 KERNELS = kernels_of("matmul")
 IMPLEMENTATIONS = implementations_of("matmul")
@@ -41,10 +41,11 @@ def _operands(a_shape, b_shape, dtype, residual_shape=None):
     return a, b, random((b_shape[-1],), dtype, 3), residual
 
 
-def _check(a, b, bias, activation, residual, out, dtype):
+def _check(a, b, bias, activation, residual, out, dtype, implementation=None):
     truth = epilogue_truth(np.matmul(as_f64(a), as_f64(b)), bias, activation, residual)
     assert out.shape == truth.shape
-    assert_close(out, truth, dtype, reduction_length=a.shape[-1], dot=True)
+    assert_close(out, truth, dtype, reduction_length=a.shape[-1], dot=True,
+                 platform=dot_platform(implementation))
 
 
 # Every activation in float32 and two in bfloat16 on xla and the fast-interpreted kernels; the
@@ -66,7 +67,7 @@ def test_epilogue_matches_float64_truth(implementation, activation, dtype):
     out = matmul(a, b, bias=bias, activation=activation, residual=residual,
                  implementation=implementation)
     assert out.dtype == dtype
-    _check(a, b, bias, activation, residual, out, dtype)
+    _check(a, b, bias, activation, residual, out, dtype, implementation)
 
 
 @pytest.mark.parametrize("activation", ACTIVATION_NAMES)
@@ -95,15 +96,16 @@ def test_epilogue_shapes(implementation, shape):
     a, b, bias, residual = _operands(a_shape, b_shape, jnp.float32, residual_shape)
     out = matmul(a, b, bias=bias, activation="gelu_tanh", residual=residual,
                  implementation=implementation)
-    _check(a, b, bias, "gelu_tanh", residual, out, jnp.float32)
+    _check(a, b, bias, "gelu_tanh", residual, out, jnp.float32, implementation)
 
 
 def test_bias_alone_and_residual_alone(implementation):
     a, b, bias, residual = _operands((9, 20), (20, 11), jnp.float32)
     _check(a, b, bias, None, None, matmul(a, b, bias=bias, implementation=implementation),
-           jnp.float32)
+           jnp.float32, implementation)
     _check(a, b, None, "relu", residual, matmul(a, b, activation="relu", residual=residual,
-                                                implementation=implementation), jnp.float32)
+                                                implementation=implementation), jnp.float32,
+           implementation)
 
 
 def test_output_dtype_is_the_formulas(implementation):
@@ -115,7 +117,7 @@ def test_output_dtype_is_the_formulas(implementation):
         out = matmul(a, b, bias=bias, activation="silu", residual=residual,
                      implementation=implementation)
         assert out.dtype == (jnp.matmul(a, b) + residual).dtype == jnp.float32
-    _check(a, b, bias, "silu", residual, out, jnp.float32)
+    _check(a, b, bias, "silu", residual, out, jnp.float32, implementation)
     with pytest.raises(jax.dtypes.TypePromotionError):
         matmul(a, b, residual=residual, implementation=implementation)
 
@@ -154,7 +156,8 @@ def test_epilogue_gradients_match_reference(implementation, activation):
     want = jax.grad(_loss("reference", activation), argnums=(0, 1, 2, 3))(a, b, bias, residual)
     for got, expected in zip(grads, want):
         assert got.shape == expected.shape and got.dtype == expected.dtype
-        assert_close(got, expected, jnp.float32, reduction_length=2 * 40, dot=True)
+        assert_close(got, expected, jnp.float32, reduction_length=2 * 40, dot=True,
+                     platform=dot_platform(implementation))
 
 
 def _bfloat16_gradients_against_float64(impl, shapes=((24, 40), (40, 9)),
@@ -219,7 +222,8 @@ def test_epilogue_grad_of_grad(implementation):
                         argnums=(0, 1, 2))(a, b, bias)
 
     for got, want in zip(second(implementation), second("reference")):
-        assert_close(got, want, jnp.float32, reduction_length=40, dot=True)
+        assert_close(got, want, jnp.float32, reduction_length=40, dot=True,
+                     platform=dot_platform(implementation))
 
 
 def _kernel_outputs(fn, *args, impl: str) -> list[int]:
@@ -249,14 +253,14 @@ def test_triton_split_k_applies_the_epilogue_after_the_sum():
     config = MatmulConfig(block_m=16, block_n=32, block_k=16, split_k=4)
     out = matmul(a, b, bias=bias, activation="gelu", residual=residual, implementation="triton",
                  config=config)
-    _check(a, b, bias, "gelu", residual, out, jnp.float32)
+    _check(a, b, bias, "gelu", residual, out, jnp.float32, "triton")
     grads = jax.grad(lambda a, b: weighted_sum(matmul(
         a, b, bias=bias, activation="gelu", residual=residual, implementation="triton",
         config=config)), (0, 1))(a, b)
     want = jax.grad(lambda a, b: weighted_sum(reference.matmul(
         a, b, bias=bias, activation="gelu", residual=residual)), (0, 1))(a, b)
     for got, expected in zip(grads, want):
-        assert_close(got, expected, jnp.float32, reduction_length=256, dot=True)
+        assert_close(got, expected, jnp.float32, reduction_length=256, dot=True, platform="gpu")
 
 
 @pytest.mark.parametrize("impl", KERNELS)

@@ -18,7 +18,8 @@ import pytest
 import kernels
 from kernels import reference
 from kernels import _dispatch
-from tests.support import as_f64, assert_close, fast_kernels_of, random, weighted_sum, x64
+from tests.support import (as_f64, assert_close, dot_platform, fast_kernels_of, random,
+                           weighted_sum, x64)
 
 
 @pytest.fixture(autouse=True)
@@ -36,14 +37,15 @@ def _gradients(fn, *args):
     return jax.grad(lambda *a: weighted_sum(fn(*a)), argnums=tuple(range(len(args))))(*args)
 
 
-def _check(op, reference_op, args, dtype, forward_terms, gradient_terms, dot=False):
+def _check(op, reference_op, args, dtype, forward_terms, gradient_terms, dot=False,
+           platform=None):
     """`op` (a kernel, default interpret) against `reference_op` in float64: values, and the
     gradients of a linear loss (so each gradient carries only the backward's rounding)."""
-    assert_close(op(*args), _float64(reference_op, *args), dtype, forward_terms, dot)
+    assert_close(op(*args), _float64(reference_op, *args), dtype, forward_terms, dot, platform)
     with x64():
         expected = _gradients(reference_op, *(jnp.asarray(as_f64(a)) for a in args))
     for got, want, terms in zip(_gradients(op, *args), expected, gradient_terms):
-        assert_close(got, want, dtype, terms, dot)
+        assert_close(got, want, dtype, terms, dot, platform)
 
 
 @pytest.mark.parametrize("kernel", fast_kernels_of("gather"))
@@ -77,7 +79,7 @@ def test_standardization_over_axis_0(kernel):
 def test_matmul(kernel):
     a, b = random((512, 1024), jnp.float32, seed=7), random((1024, 768), jnp.float32, seed=8)
     _check(lambda a, b: kernels.matmul(a, b, implementation=kernel), reference.matmul,
-           (a, b), jnp.float32, 1024, (768, 512), dot=True)
+           (a, b), jnp.float32, 1024, (768, 512), dot=True, platform=dot_platform(kernel))
 
 
 @pytest.mark.parametrize("kernel", fast_kernels_of("conv2d"))
@@ -86,7 +88,7 @@ def test_conv2d(kernel):
                                                                 seed=10)
     _check(lambda x, w: kernels.conv2d(x, w, padding="SAME", implementation=kernel),
            lambda x, w: reference.conv2d(x, w, padding="SAME"), (x, w), jnp.float32,
-           3 * 3 * 32, (3 * 3 * 64, 8 * 32 * 32), dot=True)
+           3 * 3 * 32, (3 * 3 * 64, 8 * 32 * 32), dot=True, platform=dot_platform(kernel))
 
 
 def _programs(fn, *args) -> list[int]:

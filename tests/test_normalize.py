@@ -298,7 +298,7 @@ CONTRACT = Contract(
     call=lambda impl: lambda x, s=None, o=None: normalize(x, s, o, implementation=impl),
     example=lambda: _inputs((37, 130), -1, jnp.bfloat16, seed=13),
     repeated=lambda seed: (random((12, 20), jnp.float32, seed),),
-    check=lambda y, x, s=None, o=None: _check(y, x, s, o, axis=-1),
+    check=lambda y, x, s=None, o=None, implementation=None: _check(y, x, s, o, axis=-1),
     small=lambda **kw: normalize(jnp.ones((4, 8)), **kw))
 
 

@@ -34,6 +34,9 @@ class KernelReport:
     num_stages: int | None = None
     load_bytes: dict[int, int] | None = None  # global loads in the PTX: bytes each -> count
     mma: tuple[str, ...] | None = None  # the tensor-core instructions in the PTX
+    # `and.b32` with TF32's mask in the PTX: float32 tiles rounded before a TF32 dot
+    # (`kernels._blocks.round_to_tf32`)
+    tf32_masks: int | None = None
     # Mosaic GPU: the TMA copy instructions in the PTX, {"load": n, "store": n}, and the
     # register budgets its warpgroups set (setmaxnreg), warp-specialized kernels only
     tma: dict[str, int] | None = None

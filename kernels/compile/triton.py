@@ -5,7 +5,7 @@ limit: Triton itself only fails when a driver loads the kernel), through ptxas's
 registers and spills, and from the PTX the width of every global load (16-byte vector loads
 and `cp.async` copies are what a pipelined kernel issues; 2-byte loads mean the compiler could
 not prove the addresses contiguous) and the tensor-core instructions (`wgmma` on sm_90,
-`mma.sync` on sm_80)."""
+`mma.sync` on sm_80) with the rounding of float32 tiles before them (`tf32_masks`)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import warnings
 
 import jax
 
+from kernels._blocks import TF32_DROPPED_BITS
 from kernels._pallas import TRITON_CALL_MARKER, lower
 from kernels._targets import Target
 from kernels.compile.launches import bind, operands
@@ -82,10 +83,11 @@ def _compile_triton(text: str, launch: dict[str, int], target: Target) -> dict[s
         if width:
             load_bytes[width] = load_bytes.get(width, 0) + 1
     spills = re.search(r"(\d+) bytes spill stores", log.getvalue())
+    tf32_mask = re.compile(rf"\band\.b32\s[^;]*,\s*{-(1 << TF32_DROPPED_BITS)};")
     return dict(shared_bytes=int(kernel.metadata.shared),
                 registers=int(registers.group(1)) if registers else None,
                 spill_bytes=int(spills.group(1)) if spills else None, load_bytes=load_bytes,
-                mma=mma)
+                mma=mma, tf32_masks=len(tf32_mask.findall(ptx)))
 
 
 def _load_width(ptx_line: str) -> int | None:

@@ -9,7 +9,8 @@ Forward (`conv`), GEMM path (C_in/G > 1):
   gathers a (block_m, block_k) patch tile (masked), loads the (block_k, block_n) weight tile
   (masked past K and past the group's channels), and accumulates their dot in float32 (float64
   for float64) registers; 16-bit inputs are multiplied on the tensor cores with float32
-  accumulation, float32 as TF32, whose instructions take K-major tiles only: there the weights
+  accumulation, float32 as TF32 (the tiles rounded to nearest TF32 in registers first:
+  `patches.dot`), whose instructions take K-major tiles only: there the weights
   are copied transposed to (O, K) by XLA first (a small copy, `_blocks.K_MAJOR_MIN_REUSE`) and
   loaded as (block_n, block_k) tiles 16 bytes at a time. The epilogue (bias, activation) is
   applied to the accumulator, and the tile is cast and stored once, masked to the array.

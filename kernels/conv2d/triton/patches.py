@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kernels._blocks import tensor_core_operand
 from kernels._pallas import pl, triton_load, triton_store
 from kernels.conv2d.common import Problem
 from kernels.conv2d.triton.config import tap_major
@@ -107,5 +108,6 @@ def arange_valid(start, size: int, limit: int):
 
 def dot(a, b, p: Problem, precision, transpose_a: bool = False, transpose_b: bool = False):
     dims = (((0,) if transpose_a else (1,), (1,) if transpose_b else (0,)), ((), ()))
-    return lax.dot_general(a.astype(p.compute_dtype), b.astype(p.compute_dtype), dims,
+    return lax.dot_general(tensor_core_operand(a, p.compute_dtype, precision),
+                           tensor_core_operand(b, p.compute_dtype, precision), dims,
                            precision=precision, preferred_element_type=p.accumulator_dtype)

@@ -42,6 +42,7 @@ from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels import _epilogue
+from kernels._blocks import round_to_tf32
 from kernels._pallas import pl
 from kernels._pallas.mosaic_gpu import mosaic_gpu_call, pad_to
 from kernels.matmul.common import MatmulConfig, Problem, flops_and_bytes, moved_bytes
@@ -207,12 +208,16 @@ def launch(a: jax.Array, b: jax.Array, bias: jax.Array | None, residual: jax.Arr
     """The kernel on operands laid out as `kernel_problem(p)` takes them (`p` is that problem):
     (num_batches, M, N) outputs, the epilogue applied (by XLA after the partials' sum where
     `plan` splits K). `bias` is (N,), or (num_batches, N) where each batch has its own
-    (unsplit plans); at most N columns, zero-padded to whole tiles."""
+    (unsplit plans); at most N columns, zero-padded to whole tiles. float32 operands (TF32
+    products) are rounded to TF32 here (`round_to_tf32`), in the XLA pass that lays them out
+    where there is one: TMA feeds the MMA from shared memory, with no register stage where the
+    kernel could round them, and the MMA would truncate them."""
     if interpret and jax.config.jax_enable_x64:
         raise NotImplementedError(
             "Mosaic GPU's interpreter (jax 0.12.0.1) fails MLIR verification on a "
             "warp-specialized pipeline under jax_enable_x64 (JAX's own Hopper matmul too); "
             "the compiled kernel is traced with 32-bit defaults and is unaffected")
+    a, b = (round_to_tf32(x) if x.dtype == jnp.float32 else x for x in (a, b))
     shape = (p.num_batches, p.m, p.n)
     bias = None if bias is None else bias.reshape(-1, bias.shape[-1])
     if plan.splits > 1:  # float32 partials; the epilogue runs in XLA's reduction

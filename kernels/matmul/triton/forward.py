@@ -14,7 +14,8 @@ One program loops over the cdiv(K, block_k) slices of the contraction. Each step
 loads: rows >= M, columns >= N and k >= K read as 0, so any M, N, K works without padding copies
 and the ragged K edge adds nothing to the sum. The tiles are cast to the operands' common dtype
 and multiplied into a float32 (float64 for float64) accumulator held in registers; `precision`
-becomes the dot's input precision (DEFAULT: TF32, HIGHEST: IEEE float32). After the loop the
+becomes the dot's input precision (DEFAULT: TF32, the float32 tiles rounded to nearest TF32 in
+registers first, `kernels._blocks.tensor_core_operand`; HIGHEST: IEEE float32). After the loop the
 epilogue (`kernels._epilogue`: bias, activation, residual) is applied to the accumulator tile,
 which is cast to the output dtype and stored once, masked to the array (with the pre-activation
 beside it where training saves it).
@@ -53,7 +54,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels import _epilogue
-from kernels._blocks import int32_loop
+from kernels._blocks import int32_loop, tensor_core_operand
 from kernels._pallas import pl, triton_call, triton_load, triton_store
 from kernels.matmul.common import (MatmulConfig, Problem, batch_index, dot, flops_and_bytes,
                                    moved_bytes)
@@ -133,8 +134,8 @@ def _matmul_kernel(*refs, p: Problem, config: MatmulConfig, precision):
         ks = _span(k_block * block_k, block_k, p.k)
         a_tile = _load_tile(a_ref, a_batch, *((ks, rows) if p.transpose_a else (rows, ks)))
         b_tile = _load_tile(b_ref, b_batch, *((cols, ks) if p.transpose_b else (ks, cols)))
-        return acc + dot(a_tile.astype(p.compute_dtype), b_tile.astype(p.compute_dtype), p,
-                         precision)
+        return acc + dot(tensor_core_operand(a_tile, p.compute_dtype, precision),
+                         tensor_core_operand(b_tile, p.compute_dtype, precision), p, precision)
 
     num_k_blocks = pl.cdiv(p.k, block_k)
     split = pl.program_id(2)  # partial sums of this split's K range, stored at [split, batch]
