@@ -151,12 +151,22 @@ def test_a_cta_walks_many_items(monkeypatch):
     (jnp.float32, jnp.float32), (jnp.bfloat16, jnp.float32), (jnp.float16, jnp.bfloat16)])
 def test_float32_and_mixed_products_as_split_bfloat16(a_dtype, b_dtype):
     """tcgen05 has no TF32 kind (jax 0.12.0.1): a float32 or mixed product runs as bfloat16
-    parts (hi + lo of each operand that is not bfloat16, `config.split_terms`) along a K two or
-    three times longer, one launch, forward and gradients. About 16 significant bits an
-    operand, so float32 meets the TF32 tolerance a GPU's dot gets (`DOT_FLOAT32_EPS`)."""
+    parts (hi + lo of each operand that is not bfloat16, `config.split_terms`), one launch,
+    forward and gradients, each operand's parts laid out once along K (its K two times the
+    padded K for hi + lo, once for a bfloat16 operand) and an MMA a term. About 16 significant
+    bits an operand, so float32 meets the TF32 tolerance a GPU's dot gets
+    (`DOT_FLOAT32_EPS`)."""
+    from kernels.compile import launches
+    from kernels.matmul.common import make_problem
     from kernels.matmul.mosaic_gpu.config import split_terms
 
+    def num_terms(x_dtype, y_dtype):  # the MMAs of a K slice of a product of these dtypes
+        x, y = (jax.ShapeDtypeStruct((8, 8), d) for d in (x_dtype, y_dtype))
+        with standard_promotion():
+            return len(split_terms(make_problem(x, y, False, False, jnp.float32)))
+
     a, b = random((40, 100), a_dtype, 1), random((100, 72), b_dtype, 2)
+    assert num_terms(a_dtype, b_dtype) == (3 if jnp.bfloat16 not in (a_dtype, b_dtype) else 2)
     loss = lambda a, b: weighted_sum(matmul(a, b, implementation="mosaic_gpu",
                                             interpret="strict"))
     with standard_promotion():
@@ -164,7 +174,15 @@ def test_float32_and_mixed_products_as_split_bfloat16(a_dtype, b_dtype):
         with on_target(B200):
             out = matmul(a, b, implementation="mosaic_gpu", interpret="strict")
             da, db = jax.grad(loss, argnums=(0, 1))(a, b)
-    assert jaxpr.count("tcgen05_mma") == 3 and "wgmma" not in jaxpr
+    # The forward's, dA = G·Bᵀ's and dB = Aᵀ·G's terms (G in the output's dtype).
+    assert jaxpr.count("tcgen05_mma") == (num_terms(a_dtype, b_dtype) + num_terms(
+        out.dtype, b_dtype) + num_terms(a_dtype, out.dtype)) and "wgmma" not in jaxpr
+    with standard_promotion():
+        (launch,) = launches(lambda a, b: matmul(a, b, implementation="mosaic_gpu",
+                                                 interpret=False), a, b, target=B200)
+    parts = [1 if dtype == jnp.bfloat16 else 2 for dtype in (a_dtype, b_dtype)]
+    a_k, b_k = launch.invars[0].aval.shape[-1], launch.invars[1].aval.shape[-2]
+    assert (a_k, b_k) == (parts[0] * 128, parts[1] * 128), launch.invars  # K 100 padded
     dtype = out.dtype
     assert_close(out, as_f64(a) @ as_f64(b), dtype, reduction_length=100, dot=True,
                  platform="gpu")
@@ -176,20 +194,17 @@ def test_float32_and_mixed_products_as_split_bfloat16(a_dtype, b_dtype):
     bfloat16_error = np.abs(as_f64(a.astype(jnp.bfloat16)) @ as_f64(b.astype(jnp.bfloat16))
                             - truth).max()
     assert np.abs(as_f64(out) - truth).max() < bfloat16_error / 16
-    from kernels.matmul.common import make_problem
-
-    terms = split_terms(make_problem(a, b, False, False, dtype))
-    assert len(terms) == (3 if jnp.bfloat16 not in (a_dtype, b_dtype) else 2)
 
 
 @pytest.mark.parametrize("op", ["matmul", "conv2d"])
 def test_split_parts_keep_nan_and_inf(op):
     """Inf and NaN land where XLA's float32 product puts them: an infinite operand's lo part
-    is 0 (not Inf - Inf), and the correction products take finite parts only (Inf times a
-    zero lo part, or one of the other sign, would make NaN)."""
+    is 0 (not Inf - Inf), and the corrections, summed apart, count only where the first
+    term's sum is finite (Inf times a zero lo part, or one of the other sign, would make
+    NaN): an Inf against a value whose lo part is 0 (1.0), against another Inf, and NaN."""
     if op == "matmul":
         x = random((9, 20), jnp.float32, 1).at[2, 3].set(jnp.nan).at[5, 0].set(jnp.inf)
-        y = jnp.abs(random((20, 11), jnp.float32, 2))
+        y = jnp.abs(random((20, 11), jnp.float32, 2)).at[0, 3].set(jnp.inf).at[0, 4].set(1.0)
         run, ref = matmul, jnp.matmul
     else:
         x = random((1, 7, 9, 3), jnp.float32, 1).at[0, 2, 3, 1].set(jnp.nan)
@@ -200,6 +215,8 @@ def test_split_parts_keep_nan_and_inf(op):
         out = run(x, y, implementation="mosaic_gpu", interpret="strict")
     want = ref(x, y)
     assert np.isinf(want).any() and np.isnan(want).any()
+    if op == "matmul":
+        assert np.isposinf(want[5, 3]) and np.isposinf(want[5, 4]) and np.isposinf(out[5, 3])
     np.testing.assert_array_equal(np.isnan(out), np.isnan(want))
     np.testing.assert_array_equal(np.isinf(out), np.isinf(want))
 

@@ -32,8 +32,9 @@ Depthwise convolutions run on their own kernels (`depthwise.py`: no product for 
 cores), and so does a grouped one of a few input channels and one output channel a group (a
 depthwise gradient with a channel multiplier), as summed depthwise convolutions. Declined: what
 the matmul kernel declines (float64, float32 at HIGHEST). float32 and mixed data run as TF32 on
-Hopper (rounded to nearest TF32 by the matmul's `launch`) and as split bfloat16 on Blackwell (the parts' tap rows side by side in each tap row's
-K: `config.forward_terms`, the `terms` above; one elsewhere); their weight gradient, whose
+Hopper (rounded to nearest TF32 by the matmul's `launch`) and as split bfloat16 on Blackwell
+(each part's tap rows once, side by side in each tap row's K: `config.forward_terms`, the
+`terms` above; one elsewhere); their weight gradient, whose
 pixels are K, gets each tap row's windows copied pixel-major by XLA for the matmul (TF32 takes
 K-major tiles only, and the split parts lie along K). Nothing here has run on a device.
 """

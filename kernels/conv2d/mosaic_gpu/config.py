@@ -17,9 +17,10 @@ from kernels._pallas.mosaic_gpu import pad_to
 from kernels.conv2d.common import Conv2dConfig, Problem
 from kernels.matmul.common import MatmulConfig, Problem as MatmulProblem
 from kernels.matmul.mosaic_gpu import config as matmul_config
+from kernels.matmul.mosaic_gpu.tiles import ONE_TERM
 
 __all__ = ["TapRows", "tap_rows", "tap_rows_matrix", "is_depthwise", "summed_depthwise",
-           "forward_problem", "forward_terms", "forward_config", "weight_grad_problem",
+           "forward_problem", "forward_plan", "forward_terms", "forward_config", "weight_grad_problem",
            "weight_grad_reads_shifted", "check", "resolve_config"]
 
 
@@ -116,18 +117,25 @@ def _forward_gemm(p: Problem) -> MatmulProblem:
 def forward_problem(p: Problem) -> MatmulProblem:
     """The forward as the matmul kernel's problem (`matmul_config.kernel_problem`: 16-bit
     operands of one dtype as they are, others as float32 on Hopper and as split bfloat16 on
-    Blackwell), one batch per group: A the tap rows (output grid rows x `width` a term of
-    `forward_terms`, shifted per K step), B the weights K-major (O/G padded, KH·terms·width),
-    out (output grid rows, O/G padded)."""
+    Blackwell), one batch per group: A the tap rows (output grid rows x `width` a part of x,
+    shifted per K step), B the weights K-major (O/G padded, KH·parts·width), out (output grid
+    rows, O/G padded); with split parts, the problem of one part (`forward_terms`)."""
     return matmul_config.kernel_problem(_forward_gemm(p))
+
+
+def forward_plan(p: Problem, config: Conv2dConfig | None) -> matmul_config.Plan:
+    """The forward's launch, planned for the problem as given (Blackwell's split parts take
+    narrower tiles: `matmul_config.tcgen05_columns`)."""
+    return matmul_config.plan_of(_forward_gemm(p), forward_config(config))
 
 
 def forward_terms(p: Problem) -> tuple[tuple[int, int], ...]:
     """The (part of x, part of w) products the forward sums along each tap row's K: on
     Blackwell, float32 and mixed data as the matmul's split bfloat16 parts
-    (`matmul_config.split_terms`), the parts' tap rows side by side in a row; else one."""
+    (`matmul_config.split_terms`), each operand's parts side by side in a tap row, once; else
+    one (`tiles.ONE_TERM`)."""
     gemm = _forward_gemm(p)
-    return matmul_config.split_terms(gemm) if matmul_config.is_split(gemm) else ((0, 0),)
+    return matmul_config.split_terms(gemm) if matmul_config.is_split(gemm) else ONE_TERM
 
 
 def forward_config(config: Conv2dConfig | None) -> MatmulConfig:
@@ -163,7 +171,7 @@ def weight_grad_reads_shifted(p: Problem, dy_dtype, dw_dtype) -> bool:
 
 def resolve_config(p: Problem, config: Conv2dConfig | None) -> Conv2dConfig:
     """The forward's tiles as the matmul kernel resolves them for `forward_problem`."""
-    resolved = matmul_config.resolve_config(forward_problem(p), forward_config(config))
+    resolved = matmul_config.resolve_config(_forward_gemm(p), forward_config(config))
     return Conv2dConfig(resolved.block_m, resolved.block_n, num_stages=resolved.num_stages)
 
 

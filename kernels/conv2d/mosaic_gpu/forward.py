@@ -26,13 +26,14 @@ from kernels._pallas import pl
 from kernels._pallas.mosaic_gpu import pad_to
 from kernels.conv2d.common import Conv2dConfig, Problem, flops_and_bytes
 from kernels.conv2d.mosaic_gpu import depthwise
-from kernels.conv2d.mosaic_gpu.config import (forward_config, forward_problem, forward_terms,
+from kernels.conv2d.mosaic_gpu.config import (forward_plan, forward_problem, forward_terms,
                                               is_depthwise, summed_depthwise, tap_rows,
                                               tap_rows_matrix, weight_grad_problem,
                                               weight_grad_reads_shifted)
 from kernels.matmul.common import make_problem as matmul_problem
 from kernels.matmul.mosaic_gpu.config import plan_of
-from kernels.matmul.mosaic_gpu.forward import Shifts, launch, matmul, term_parts
+from kernels.matmul.mosaic_gpu.forward import Shifts, Terms, bfloat16_parts, launch, matmul
+from kernels.matmul.mosaic_gpu.tiles import ONE_TERM
 
 __all__ = ["conv", "weight_grad"]
 
@@ -47,27 +48,30 @@ def conv(x: jax.Array, w: jax.Array, bias: jax.Array | None, p: Problem, *,
         return depthwise.conv(x, w, bias, p, interpret=interpret)
     if summed_depthwise(p):
         return depthwise.summed_conv(x, w, bias, p, interpret=interpret)
-    layout, gemm, terms = tap_rows(p), forward_problem(p), forward_terms(p)
-    plan = plan_of(gemm, forward_config(config))
-    x_terms, w_terms = term_parts(x, w, terms) if len(terms) > 1 else ([x], [w])
+    layout, gemm, pairs = tap_rows(p), forward_problem(p), forward_terms(p)
+    plan = forward_plan(p, config)
+    split = pairs != ONE_TERM  # Blackwell's float32: each operand's parts once (`Terms`)
+    x_parts, w_parts = (bfloat16_parts(x), bfloat16_parts(w)) if split else ([x], [w])
     # A config's tile of more than `ROW_BLOCK` rows reads past them: its last window whole.
     last_window = pl.cdiv(gemm.m, plan.block_m) * plan.block_m + layout.max_shift
     rows = max(layout.num_rows, last_window)
     a = jnp.concatenate([pad_to(tap_rows_matrix(part, p, layout, gemm.a_dtype), rows,
-                                layout.width) for part in x_terms], axis=-1)
+                                layout.width) for part in x_parts], axis=-1)
 
     def weights(part):  # (G, O/G padded, KH, width)
         b = part.reshape(p.kh, p.kw * p.cg, p.groups, p.og).transpose(2, 3, 0, 1)
         return pad_to(b.astype(gemm.b_dtype), gemm.n, p.kh, layout.width)
 
-    b = jnp.stack([weights(part) for part in w_terms], axis=3).reshape(
-        p.groups, gemm.n, gemm.k)
+    b = jnp.stack([weights(part) for part in w_parts], axis=3).reshape(
+        p.groups, gemm.n, len(w_parts) * gemm.k)
     if layout.width % plan.block_k or plan.splits != 1:
         raise AssertionError(f"tap rows of {layout.width} in K steps of {plan}")
+    terms = Terms(pairs, layout.width // plan.block_k)  # a segment a tap row
     shifts = Shifts(layout.shift, layout.max_shift, per_step=True,
-                    steps_per_shift=len(terms) * layout.width // plan.block_k)
+                    steps_per_shift=len(x_parts) * terms.blocks)
     outs = launch(a, b, None if bias is None else bias.reshape(p.groups, p.og), None, gemm,
-                  plan, len(terms) * flops_and_bytes(p)[0], interpret, shifts, name="conv2d")
+                  plan, len(pairs) * flops_and_bytes(p)[0], interpret, shifts, name="conv2d",
+                  terms=terms if split else None)
 
     def to_nhwc(out):
         out = out.reshape(p.groups, p.n, layout.rows, layout.cols, gemm.n)

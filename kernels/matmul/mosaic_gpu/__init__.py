@@ -25,8 +25,9 @@ work items' order and the epilogue: `tiles.py`):
 
 16-bit operands go to the MMA as stored, transposed or not (the backward's dA = dZ @ Bᵀ and
 dB = Aᵀ @ dZ read the same arrays). float32 and mixed products run on Hopper as TF32 on
-K-major copies rounded to nearest TF32 (`forward.launch`), on Blackwell (whose tcgen05 has no TF32 kind in jax 0.12.0.1) as bfloat16
-parts hi + lo along a longer K (`config.split_terms`); an M, K or N that is not a whole TMA
+K-major copies rounded to nearest TF32 (`forward.launch`), on Blackwell (whose tcgen05 has no
+TF32 kind in jax 0.12.0.1) as bfloat16 parts hi + lo, each laid out once along K, whose terms
+the kernel walks (`config.split_terms`, `tiles.Terms`); an M, K or N that is not a whole TMA
 tile is padded by XLA (`config.kernel_problem`, `forward._operands`). Declined: float64,
 float32 at HIGHEST precision, and the interpreter under `jax_enable_x64`. The interpreter
 (which has no compute capability) runs Hopper's kernel; under a B200's abstract device

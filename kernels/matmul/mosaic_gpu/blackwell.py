@@ -11,15 +11,21 @@ does (`tiles.item_of`); item i is the CTA's i-th. Per item:
     the (block_k, block_n) tile of B of each K step into a ring of `Plan.stages` shared-memory
     slots: the CTA's K step s, counted over all its items, fills slot s % stages once the MMA
     of K step s - stages has read it (`consumed`), and the two copies arrive on `loaded`
-    (2 arrivals);
+    (2 arrivals). A K step is a term of a K slice (`tiles.Terms`): one term, the slice itself,
+    or for float32 and mixed products the split parts' terms (`config.split_terms`: hi · hi,
+    hi · lo, lo · hi), each slice's terms in a row, each reading its parts' tiles where the
+    operand lays them out (each part once: `forward.split_parts`);
   - warp 1 of warpgroup 0 (the MMA issuer) waits for each slot (`loaded`) and issues one
     tcgen05 MMA of A's slot by B's slot into the item's accumulator, `block_n` float32 columns
     of tensor memory of 128 lanes (rows); the tensor core arrives on `consumed` when the MMA
-    has read the slot. Accumulators alternate between two halves of block_n columns each, so
-    item i's MMAs run while the epilogue drains item i - 1's; before item i it waits for the
-    epilogue to have read item i - 2's (`stored`), and after its last MMA commits to `ready`;
+    has read the slot. Split parts have two sums per item, the first term's and the
+    corrections' (`_summed`; hence at most 128 columns: `config.tcgen05_columns`).
+    Accumulators alternate between two halves (`ACCUMULATORS`), so item i's MMAs run while
+    the epilogue drains item i - 1's; before item i it waits for the epilogue to have read
+    item i - 2's (`stored`), and after its last MMA commits to `ready`;
   - warpgroup 1 (the epilogue) waits for `ready`, loads the accumulator from tensor memory in
-    column slices of `TCGEN05_EPILOGUE_COLUMNS` (one row a thread), applies bias, activation and
+    column slices of `TCGEN05_EPILOGUE_COLUMNS` (one row a thread; both sums' slices, added
+    where the first is finite, for split parts), applies bias, activation and
     residual (`tiles.epilogue_slice`) and stores each slice by TMA, then, once its loads from
     tensor memory are done (`wait_load_tmem`), frees the half (arrives on `stored`).
 `consumed`, `ready` and `stored` order the tensor core (`orders_tensor_core`): the MMAs' reads
@@ -43,15 +49,14 @@ from kernels import _epilogue
 from kernels._pallas import pl
 from kernels.matmul.common import Problem
 from kernels.matmul.mosaic_gpu import tiles
-from kernels.matmul.mosaic_gpu.config import TCGEN05, Plan, epilogue_columns
-from kernels.matmul.mosaic_gpu.tiles import Shifts
+from kernels.matmul.mosaic_gpu.config import ACCUMULATORS, TCGEN05, Plan, epilogue_columns
+from kernels.matmul.mosaic_gpu.tiles import ONE_TERM, Shifts, Terms
 
 __all__ = ["kernel", "WARPGROUPS"]
 
 WARPGROUPS = 2  # the producer and MMA warps' warpgroup, and the epilogue's
 _MMA_WG, _EPILOGUE_WG = 0, 1
 _PRODUCER_WARP, _MMA_WARP = 0, 1
-ACCUMULATORS = 2  # tensor-memory accumulators per CTA: one filling while one drains
 
 
 def _window(view, k, block: tuple[int, int], transposed: bool, shifts: Shifts | None):
@@ -65,20 +70,34 @@ def _window(view, k, block: tuple[int, int], transposed: bool, shifts: Shifts | 
     return view.at[ks, :] if transposed else view.at[:, ks]
 
 
+def _summed(values: list):
+    """The accumulator of a tile's slice: the first term's sum, plus the corrections' where
+    it is finite. Where it is not (an Inf or NaN part, or a product past float32's range),
+    the corrections multiplied the same Inf or NaN part by a part that may be 0 or of the
+    other sign, whose NaN is not the float32 product's: the first term's Inf or NaN is."""
+    if len(values) == 1:
+        return values[0]
+    first, corrections = values
+    return jnp.where(jnp.abs(first) < jnp.inf, first + corrections, first)
+
+
 def _smem_tile(rows: int, block_k: int, transposed: bool, stages: int, dtype):
     shape = (block_k, rows) if transposed else (rows, block_k)
     return plgpu.SMEM((stages, *shape), dtype, transforms=tiles.transforms(shape, dtype))
 
 
-def kernel(*refs, p: Problem, plan: Plan, shifts: Shifts | None):
+def kernel(*refs, p: Problem, plan: Plan, shifts: Shifts | None, terms: Terms | None):
     (a_gmem, b_gmem), bias, residual, out_gmem, z_gmem = _epilogue.split_refs(refs, p.epilogue, 2)
     block_m, block_n, block_k, stages = plan.block_m, plan.block_n, plan.block_k, plan.stages
-    per_split = plan.k_blocks_per_split(p)
+    terms = terms or Terms(ONE_TERM, 1)
+    per_split = plan.k_blocks_per_split(p)  # K slices of the product; a step a term of one
+    steps = per_split * len(terms.pairs)
+    sums = 1 if terms.pairs == ONE_TERM else 2  # the first term's, and the corrections'
     width = epilogue_columns(TCGEN05, block_n)
     scratch = dict(
         a_smem=_smem_tile(block_m, block_k, p.transpose_a, stages, a_gmem.dtype),
         b_smem=_smem_tile(block_n, block_k, not p.transpose_b, stages, b_gmem.dtype),
-        acc_tmem=plgpu.TMEM((block_m, ACCUMULATORS * block_n), jnp.float32),
+        acc_tmem=plgpu.TMEM((block_m, ACCUMULATORS * sums * block_n), jnp.float32),
         loaded=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         consumed=plgpu.Barrier(num_barriers=stages, orders_tensor_core=True),
         ready=plgpu.Barrier(num_barriers=ACCUMULATORS, orders_tensor_core=True),
@@ -92,32 +111,39 @@ def kernel(*refs, p: Problem, plan: Plan, shifts: Shifts | None):
 
         @plgpu.nd_loop((jnp.int32(plan.tiles(p) * plan.splits),), collective_axes="sm")
         def _item(info):
-            item = tiles.item_of(info.index[0], a_gmem, b_gmem, p, plan, shifts)
+            item = tiles.item_of(info.index[0], a_gmem, b_gmem, p, plan, shifts, terms)
             local = info.local_index
             half = lax.rem(local, ACCUMULATORS)
-            acc = acc_tmem.at[:, pl.ds(half * block_n, block_n)]
+            accs = [acc_tmem.at[:, pl.ds((half * sums + i) * block_n, block_n)]
+                    for i in range(sums)]
 
-            def produce(k, _):
-                step = local * per_split + k
-                slot = lax.rem(step, stages)
+            def produce(k, _):  # K slice k of the item: a step a term
+                slice_k = item.k_first + k
+                for t, (i, j) in enumerate(terms.pairs):
+                    step = local * steps + k * len(terms.pairs) + t
+                    slot = lax.rem(step, stages)
 
-                @pl.when(step >= stages)
-                def _():
-                    plgpu.barrier_wait(consumed.at[slot])
+                    @pl.when(step >= stages)
+                    def _():
+                        plgpu.barrier_wait(consumed.at[slot])
 
-                plgpu.copy_gmem_to_smem(_window(item.a, k, (block_m, block_k), p.transpose_a,
-                                                shifts), a_smem.at[slot], loaded.at[slot])
-                plgpu.copy_gmem_to_smem(_window(item.b, k, (block_n, block_k),
-                                                not p.transpose_b, None),
-                                        b_smem.at[slot], loaded.at[slot])
+                    plgpu.copy_gmem_to_smem(
+                        _window(item.a, terms.a_block(slice_k, i), (block_m, block_k),
+                                p.transpose_a, shifts), a_smem.at[slot], loaded.at[slot])
+                    plgpu.copy_gmem_to_smem(
+                        _window(item.b, terms.b_block(slice_k, j), (block_n, block_k),
+                                not p.transpose_b, None), b_smem.at[slot], loaded.at[slot])
 
             def multiply(k, _):
-                slot = lax.rem(local * per_split + k, stages)
-                plgpu.barrier_wait(loaded.at[slot])
-                a_tile, b_tile = a_smem.at[slot], b_smem.at[slot]
-                a_tile = a_tile.transpose((1, 0)) if p.transpose_a else a_tile
-                b_tile = b_tile.transpose((1, 0)) if p.transpose_b else b_tile
-                plgpu.tcgen05_mma(acc, a_tile, b_tile, consumed.at[slot], accumulate=k > 0)
+                for t in range(len(terms.pairs)):
+                    slot = lax.rem(local * steps + k * len(terms.pairs) + t, stages)
+                    plgpu.barrier_wait(loaded.at[slot])
+                    a_tile, b_tile = a_smem.at[slot], b_smem.at[slot]
+                    a_tile = a_tile.transpose((1, 0)) if p.transpose_a else a_tile
+                    b_tile = b_tile.transpose((1, 0)) if p.transpose_b else b_tile
+                    # The first term into its own sum; the corrections into the other.
+                    plgpu.tcgen05_mma(accs[min(t, 1)], a_tile, b_tile, consumed.at[slot],
+                                      accumulate=(k > 0) | (t > 1))
 
             @pl.when(wg == _MMA_WG)
             def _():
@@ -145,8 +171,9 @@ def kernel(*refs, p: Problem, plan: Plan, shifts: Shifts | None):
                            out=out_gmem, z=z_gmem, out_smem=out_smem, z_smem=z_smem,
                            res_smem=res_smem, barrier=barrier)
                 for column in range(0, block_n, width):
-                    values = plgpu.async_load_tmem(acc.at[:, pl.ds(column, width)])
-                    tiles.epilogue_slice(values, column, ctx, p)
+                    values = [plgpu.async_load_tmem(acc.at[:, pl.ds(column, width)])
+                              for acc in accs]
+                    tiles.epilogue_slice(_summed(values), column, ctx, p)
                 plgpu.wait_load_tmem()  # every slice has left tensor memory
                 plgpu.barrier_arrive(stored.at[half])
 

@@ -19,7 +19,8 @@ from kernels.matmul.common import MatmulConfig, Problem, flops_and_bytes, num_ti
 
 __all__ = ["Plan", "plan_of", "kernel_problem", "resolve_config", "check", "epilogue_bytes",
            "epilogue_columns", "mma_of", "split_terms", "is_split", "WGMMA", "TCGEN05",
-           "TCGEN05_ROWS", "TCGEN05_COLUMNS", "TCGEN05_EPILOGUE_COLUMNS", "CONSUMERS", "WG_ROWS",
+           "TCGEN05_ROWS", "TCGEN05_COLUMNS", "TENSOR_MEMORY_COLUMNS", "ACCUMULATORS",
+           "tcgen05_columns", "TCGEN05_EPILOGUE_COLUMNS", "CONSUMERS", "WG_ROWS",
            "EPILOGUE_COLUMNS", "SWIZZLE", "TMA_ROWS", "TMA_COLUMNS"]
 
 # The tensor-core instructions a plan multiplies with: Hopper's wgmma (`forward._kernel`, the
@@ -28,9 +29,11 @@ __all__ = ["Plan", "plan_of", "kernel_problem", "resolve_config", "check", "epil
 WGMMA, TCGEN05 = "wgmma", "tcgen05"
 # Blackwell's CTA tile: tcgen05's 128 rows (one CTA's MMA; 64 would take another tensor-memory
 # layout, and rows past M cost no more bytes, as TMA zero-fills them) by up to 256 columns,
-# two accumulators of which fill tensor memory's 512 float32 columns.
+# its accumulators within tensor memory's 512 float32 columns (`tcgen05_columns`).
 TCGEN05_ROWS = 128
 TCGEN05_COLUMNS = (64, 128, 256)
+TENSOR_MEMORY_COLUMNS = 512
+ACCUMULATORS = 2  # a Blackwell CTA's tiles in tensor memory: one filling while one drains
 CONSUMERS = 2  # compute warpgroups per CTA, each owning block_m / 2 rows of the CTA tile
 WG_ROWS = 64  # wgmma's M: a consumer's rows are a multiple of it
 SWIZZLE = 128  # bytes: the widest TMA swizzle; a K slice of this many bytes a row
@@ -125,12 +128,22 @@ def split_terms(p: Problem) -> tuple[tuple[int, int], ...]:
     bfloat16 parts hi + lo (hi = x rounded, lo = x - hi rounded: 16 significant bits, where
     TF32 keeps 11), a bfloat16 one is its own single part, and the product is the sum of the
     part products but lo·lo (XLA's BF16_BF16_F32_X3 for float32 · float32, two products for
-    float32 · bfloat16, such as a float32 layer's input against bfloat16 weights). The kernel
-    reads them as one product along a K that many times longer (`forward._operands`); the
-    corrections take finite parts only, so Inf and NaN come from hi · hi as in float32
-    (`forward.term_parts`)."""
+    float32 · bfloat16, such as a float32 layer's input against bfloat16 weights). Each
+    operand's parts are laid out once, side by side along K (`forward.split_parts`), and the
+    kernel walks each K slice once a term (`tiles.Terms`), summing the first term (hi · hi)
+    apart from the corrections, which its epilogue adds where that sum is finite: Inf and NaN
+    come from hi · hi as in float32, not from Inf · lo where lo is 0 or of the other sign
+    (`blackwell._summed`)."""
     parts = [1 if jnp.dtype(dtype) == jnp.bfloat16 else 2 for dtype in (p.a_dtype, p.b_dtype)]
     return tuple((i, j) for i in range(parts[0]) for j in range(parts[1]) if i + j < 2)
+
+
+def tcgen05_columns(p: Problem) -> tuple[int, ...]:
+    """Blackwell's tile widths for `p`: those whose `ACCUMULATORS` fit tensor memory's
+    columns, each one sum, or two for split parts (the first term's and the corrections':
+    `split_terms`), which leaves 128 columns at most."""
+    sums = 2 if is_split(p) else 1
+    return tuple(c for c in TCGEN05_COLUMNS if ACCUMULATORS * sums * c <= TENSOR_MEMORY_COLUMNS)
 
 
 def is_split(p: Problem) -> bool:
@@ -142,19 +155,18 @@ def is_split(p: Problem) -> bool:
 def kernel_problem(p: Problem) -> Problem:
     """The problem the kernel runs (`forward._operands` lays the arrays out so): 16-bit
     operands of one dtype as they are; anything else as float32 (TF32), both K-major, on
-    Hopper, and as bfloat16 parts along a K `len(split_terms(p))` times the padded K on
-    Blackwell (`split_terms`); M, K and N padded to TMA's tiles (`TMA_ROWS`, `TMA_COLUMNS`; M
-    to a row of `TMA_COLUMNS` where A is stored (K, M))."""
-    terms = 1
+    Hopper, and as bfloat16 parts on Blackwell (`split_terms`: the problem is one part's,
+    each term a product of it); M, K and N padded to TMA's tiles (`TMA_ROWS`, `TMA_COLUMNS`;
+    M to a row of `TMA_COLUMNS` where A is stored (K, M))."""
     if is_split(p):
-        bf16, terms = jnp.dtype(jnp.bfloat16), len(split_terms(p))
+        bf16 = jnp.dtype(jnp.bfloat16)
         p = p._replace(a_dtype=bf16, b_dtype=bf16)
     elif not (p.a_dtype == p.b_dtype and _itemsize(p.a_dtype) == 2):
         f32 = jnp.dtype(jnp.float32)
         p = p._replace(transpose_a=False, transpose_b=True, a_dtype=f32, b_dtype=f32)
     m_step = TMA_COLUMNS if p.transpose_a else TMA_ROWS
     return p._replace(m=pl.cdiv(p.m, m_step) * m_step, n=pl.cdiv(p.n, TMA_COLUMNS) * TMA_COLUMNS,
-                      k=terms * pl.cdiv(p.k, TMA_COLUMNS) * TMA_COLUMNS)
+                      k=pl.cdiv(p.k, TMA_COLUMNS) * TMA_COLUMNS)
 
 
 def _splits(p: Problem, tiles: int, num_k_blocks: int, asked: int | None) -> int:
@@ -174,15 +186,15 @@ def _splits(p: Problem, tiles: int, num_k_blocks: int, asked: int | None) -> int
     return nonempty_splits(num_k_blocks, wanted)
 
 
-def _tile(p: Problem, config: MatmulConfig, mma: str) -> tuple[int, int]:
+def _tile(p: Problem, config: MatmulConfig, mma: str, widths: tuple[int, ...]
+          ) -> tuple[int, int]:
     """The CTA tile (block_m, block_n) where `config` leaves it unset. wgmma: 2 x 128 rows by
     128 columns (64 rows a consumer where M fits in 128, 64 columns where N fits in 64),
     halved while its tiles leave SMs idle (`fill_sms`, down to 64 rows a consumer and 64
-    columns). tcgen05: `TCGEN05_ROWS` by 256 columns (fewer where N is narrower), the
-    columns halved (to 64) while the tiles leave SMs idle."""
+    columns). tcgen05: `TCGEN05_ROWS` by the widest of `widths` (fewer where N is narrower),
+    the columns halved (to 64) while the tiles leave SMs idle."""
     if mma == TCGEN05:
-        block_n = config.block_n or min(TCGEN05_COLUMNS[-1],
-                                        max(64, 1 << (p.n - 1).bit_length()))
+        block_n = config.block_n or min(widths[-1], max(64, 1 << (p.n - 1).bit_length()))
         if config.block_n is None:
             num_sms = _targets.current("gpu").num_sms
             while block_n > 64 and num_tiles(p, TCGEN05_ROWS, block_n) < num_sms:
@@ -207,9 +219,10 @@ def resolve_config(p: Problem, config: MatmulConfig | None) -> MatmulConfig:
     (`_splits`). Smaller tiles first: they cost no extra traffic, where split-K writes float32
     partials that XLA sums (the H100 record, `mosaic_gpu_runs`: at 1024^3 bfloat16, 32 tiles
     split 4 ways took 1.12x cuBLAS's time, where Triton's smaller tiles took 0.75x)."""
+    widths = tcgen05_columns(p)
     config, p = config or MatmulConfig(), kernel_problem(p)
     mma = mma_of(_targets.current("gpu").compute_capability)
-    block_m, block_n = _tile(p, config, mma)
+    block_m, block_n = _tile(p, config, mma, widths)
     block_k = config.block_k or SWIZZLE // _itemsize(p.compute_dtype)
 
     def plan(block_m):
@@ -267,13 +280,13 @@ def check(p: Problem, config: MatmulConfig | None) -> None:
     if mma_of(capability) == TCGEN05:
         # A's (128, block_k) tile and B's (block_k, block_n) one must share their swizzle.
         k_bytes = config.block_k * _itemsize(kernel_problem(p).compute_dtype)
-        if (config.block_m != TCGEN05_ROWS or config.block_n not in TCGEN05_COLUMNS
+        if (config.block_m != TCGEN05_ROWS or config.block_n not in tcgen05_columns(p)
                 or k_bytes % SWIZZLE):
             raise ValueError(
                 f"Mosaic GPU matmul tiles on Blackwell: block_m {TCGEN05_ROWS} (tcgen05's "
-                f"rows), block_n one of {TCGEN05_COLUMNS} (two accumulators in tensor "
-                f"memory's 512 columns) and a K slice of a multiple of {SWIZZLE} bytes (the "
-                f"operands' one swizzle), got {config}")
+                f"rows), block_n one of {tcgen05_columns(p)} (its accumulators in tensor "
+                f"memory's {TENSOR_MEMORY_COLUMNS} columns) and a K slice of a multiple of "
+                f"{SWIZZLE} bytes (the operands' one swizzle), got {config}")
     else:
         consumer_rows = config.block_m // CONSUMERS
         columns = min(EPILOGUE_COLUMNS, config.block_n)

@@ -50,9 +50,9 @@ from kernels.matmul.mosaic_gpu import blackwell, tiles
 from kernels.matmul.mosaic_gpu.config import (CONSUMERS, PRODUCER_REGISTERS, TCGEN05, WGMMA,
                                               Plan, epilogue_columns, is_split, kernel_problem,
                                               plan_of, split_terms)
-from kernels.matmul.mosaic_gpu.tiles import Shifts
+from kernels.matmul.mosaic_gpu.tiles import Shifts, Terms
 
-__all__ = ["matmul", "Shifts", "launch", "term_parts"]
+__all__ = ["matmul", "Shifts", "Terms", "launch", "bfloat16_parts", "split_parts"]
 
 
 def _kernel(*refs, p: Problem, plan: Plan, shifts: Shifts | None):
@@ -129,53 +129,41 @@ def bfloat16_parts(x: jax.Array) -> list[jax.Array]:
     return [hi, jnp.where(jnp.isfinite(wide), x - wide, 0).astype(jnp.bfloat16)]
 
 
-def term_parts(a: jax.Array, b: jax.Array, terms) -> tuple[list, list]:
-    """Per term of `terms` (`config.split_terms`), the parts of a and of b it multiplies
-    (`bfloat16_parts`): the first term's (hi · hi) as they are, so Inf and NaN reach the output
-    as in a float32 product; the corrections' with non-finite values zeroed (Inf · lo would
-    make NaN where lo is 0 or of the other sign)."""
-    a_parts, b_parts = bfloat16_parts(a), bfloat16_parts(b)
-
-    def finite(x):
-        return jnp.where(jnp.isfinite(x), x, jnp.zeros((), x.dtype))
-
-    a_terms = [a_parts[i] if t == 0 else finite(a_parts[i]) for t, (i, _) in enumerate(terms)]
-    b_terms = [b_parts[j] if t == 0 else finite(b_parts[j]) for t, (_, j) in enumerate(terms)]
-    return a_terms, b_terms
-
-
-def _split_operands(a: jax.Array, b: jax.Array, p: Problem, kernel: Problem
-                    ) -> tuple[jax.Array, jax.Array]:
-    """Blackwell's float32 and mixed products as one bfloat16 product along a longer K: the
-    operands' parts (`term_parts`), each padded to TMA's tiles, laid side by side along K in
-    `split_terms` order (one fused XLA pass an operand)."""
-    terms = split_terms(p)
-    k = kernel.k // len(terms)
-    a_terms, b_terms = term_parts(a, b, terms)
+def split_parts(a: jax.Array, b: jax.Array, p: Problem, kernel: Problem, plan: Plan
+                ) -> tuple[jax.Array, jax.Array, Terms]:
+    """Blackwell's float32 and mixed products as bfloat16 ones (`config.split_terms`): each
+    operand's parts (`bfloat16_parts`) laid side by side along K once, each padded to the
+    plan's K slices of every split (one fused XLA pass an operand), and the `Terms` the
+    kernel walks them by."""
+    terms = Terms(split_terms(p), plan.splits * plan.k_blocks_per_split(kernel))
+    k = terms.blocks * plan.block_k
     a_shape = (k, kernel.m) if p.transpose_a else (kernel.m, k)
     b_shape = (kernel.n, k) if p.transpose_b else (k, kernel.n)
-    a = jnp.concatenate([pad_to(part, *a_shape) for part in a_terms],
+    a = jnp.concatenate([pad_to(part, *a_shape) for part in bfloat16_parts(a)],
                         axis=-2 if p.transpose_a else -1)
-    b = jnp.concatenate([pad_to(part, *b_shape) for part in b_terms],
+    b = jnp.concatenate([pad_to(part, *b_shape) for part in bfloat16_parts(b)],
                         axis=-1 if p.transpose_b else -2)
-    return a, b
+    return a, b, terms
 
 
-def _operands(a: jax.Array, b: jax.Array, p: Problem) -> tuple[jax.Array, jax.Array, Problem]:
-    """The operands laid out as `kernel_problem(p)` takes them, and that problem: on Hopper
-    cast to float32 and copied K-major where the product runs as TF32 (one fused XLA pass), on
-    Blackwell split into bfloat16 parts (`_split_operands`); padded with zeros where M, K or N
-    is odd (zeros along K add nothing; the caller cuts the output back)."""
+def _operands(a: jax.Array, b: jax.Array, p: Problem, plan: Plan
+              ) -> tuple[jax.Array, jax.Array, Problem, Terms | None]:
+    """The operands laid out as `kernel_problem(p)` takes them, that problem and its split
+    parts' `Terms` (or None): on Hopper cast to float32 and copied K-major where the product
+    runs as TF32 (one fused XLA pass), on Blackwell split into bfloat16 parts (`split_parts`);
+    padded with zeros where M, K or N is odd (zeros along K add nothing; the caller cuts the
+    output back)."""
     kernel = kernel_problem(p)
     if is_split(p):
-        return (*_split_operands(a, b, p, kernel), kernel)
+        a, b, terms = split_parts(a, b, p, kernel, plan)
+        return a, b, kernel, terms
     a = jnp.swapaxes(a, -1, -2) if kernel.transpose_a != p.transpose_a else a
     b = jnp.swapaxes(b, -1, -2) if kernel.transpose_b != p.transpose_b else b
     a, b = a.astype(kernel.a_dtype), b.astype(kernel.b_dtype)
     m, k, n = kernel.m, kernel.k, kernel.n
     a = pad_to(a, *((k, m) if kernel.transpose_a else (m, k)))
     b = pad_to(b, *((n, k) if kernel.transpose_b else (k, n)))
-    return a, b, kernel
+    return a, b, kernel, None
 
 
 def matmul(a: jax.Array, b: jax.Array, bias: jax.Array | None, residual: jax.Array | None,
@@ -188,22 +176,22 @@ def matmul(a: jax.Array, b: jax.Array, bias: jax.Array | None, residual: jax.Arr
     del precision  # `p.highest`: declined by `check`
     products = len(split_terms(p)) if is_split(p) else 1  # the MMAs the split parts take
     flops, (m, n) = products * flops_and_bytes(p)[0], (p.m, p.n)
-    a, b, p = _operands(a, b, p)
     plan = plan_of(p, config)
+    a, b, p, terms = _operands(a, b, p, plan)
     a = a.reshape(math.prod(p.a_batch), *a.shape[-2:])
     b = b.reshape(math.prod(p.b_batch), *b.shape[-2:])
     # The epilogue's windows are swizzled in shared memory: TMA's tensor copy stores them, which
     # drops what falls past the rows (`stored_shape` needs no padding here).
     if residual is not None:
         residual = residual.reshape(p.num_batches, m, n)
-    outs = launch(a, b, bias, residual, p, plan, flops, interpret)
+    outs = launch(a, b, bias, residual, p, plan, flops, interpret, terms=terms)
     outs = jax.tree.map(lambda out: out[:, :m, :n], outs)
     return jax.tree.map(lambda out: out.reshape(*p.out_batch, m, n), outs)
 
 
 def launch(a: jax.Array, b: jax.Array, bias: jax.Array | None, residual: jax.Array | None,
            p: Problem, plan: Plan, flops: int, interpret: bool | str,
-           shifts: Shifts | None = None, name: str = "matmul"
+           shifts: Shifts | None = None, name: str = "matmul", terms: Terms | None = None
            ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """The kernel on operands laid out as `kernel_problem(p)` takes them (`p` is that problem):
     (num_batches, M, N) outputs, the epilogue applied (by XLA after the partials' sum where
@@ -224,7 +212,7 @@ def launch(a: jax.Array, b: jax.Array, bias: jax.Array | None, residual: jax.Arr
         partials = p._replace(epilogue=_epilogue.Epilogue())
         out = _launch(a, b, [], partials, plan, jax.ShapeDtypeStruct(
             (plan.splits * p.num_batches, p.m, p.n), jnp.float32), flops, interpret,
-            f"{name}_split_k_mosaic_gpu", shifts)
+            f"{name}_split_k_mosaic_gpu", shifts, terms)
         summed = out.reshape(plan.splits, *shape).sum(axis=0)
         if bias is not None:  # zeros past N, as the caller cuts the output back
             if bias.shape[0] > 1:
@@ -240,29 +228,35 @@ def launch(a: jax.Array, b: jax.Array, bias: jax.Array | None, residual: jax.Arr
         residual = pad_to(residual.astype(p.out_dtype), p.m, p.n)
     return _launch(a, b, _epilogue.operands(bias, residual), p, plan,
                    _epilogue.out_shapes(shape, p.out_dtype, p.epilogue), flops, interpret,
-                   f"{name}_mosaic_gpu", shifts)
+                   f"{name}_mosaic_gpu", shifts, terms)
 
 
 def _launch(a, b, epilogue_operands, p: Problem, plan: Plan, out_shape, flops: int,
-            interpret: bool | str, name: str, shifts: Shifts | None):
+            interpret: bool | str, name: str, shifts: Shifts | None, terms: Terms | None):
     shapes = jax.tree.leaves(out_shape)
     partial_bytes = 2 * math.prod(shapes[0].shape) * 4 if plan.splits > 1 else 0
     # Traced with 32-bit defaults: under x64, the warp-specialized pipeline's loops (jax
     # 0.12.0.1) would carry int64 steps beside its int32 indices.
     with jax.enable_x64(False):
         outs = _call(a, b, epilogue_operands, p, plan, shapes, flops, partial_bytes, interpret,
-                     name, shifts)
+                     name, shifts, terms)
     return outs[0] if len(shapes) == 1 else tuple(outs)
 
 
 def _call(a, b, epilogue_operands, p, plan, shapes, flops, partial_bytes, interpret, name,
-          shifts):
+          shifts, terms):
     if plan.mma == TCGEN05:
-        body, warpgroups = blackwell.kernel, blackwell.WARPGROUPS
+        body = functools.partial(blackwell.kernel, terms=terms)
+        warpgroups = blackwell.WARPGROUPS
+    elif terms is not None:
+        raise AssertionError("split parts are Blackwell's (tcgen05 has no TF32 kind)")
     else:
         body, warpgroups = _kernel, CONSUMERS + 1
+    # TMA loads each term's parts: the bytes of a product along a K that many times longer.
+    loaded = p if terms is None else p._replace(k=len(terms.pairs) * p.k)
     return mosaic_gpu_call(
         functools.partial(body, p=p, plan=plan, shifts=shifts), out_shape=shapes,
         grid=(plan.num_ctas,), grid_names=("sm",), interpret=interpret, name=name,
-        flops_and_bytes=(flops, moved_bytes(p, plan.block_m, plan.block_n, partial_bytes)),
+        flops_and_bytes=(flops, moved_bytes(loaded, plan.block_m, plan.block_n,
+                                            partial_bytes)),
         warpgroups=warpgroups)(a, b, *epilogue_operands)

@@ -18,7 +18,7 @@ from kernels._pallas import pl
 from kernels.matmul.common import Problem, batch_index
 from kernels.matmul.mosaic_gpu.config import Plan
 
-__all__ = ["Shifts", "Item", "item_of", "transforms", "operand_spec", "shifted_spec",
+__all__ = ["Shifts", "Terms", "ONE_TERM", "Item", "item_of", "transforms", "operand_spec", "shifted_spec",
            "epilogue_slice", "epilogue_scratch"]
 
 
@@ -41,11 +41,46 @@ class Shifts(NamedTuple):
     steps_per_shift: int = 1
 
 
+class Terms(NamedTuple):
+    """The products a Blackwell kernel sums per K slice: `pairs`, (part of A, part of B) per
+    term (`config.split_terms`: float32 and mixed products as bfloat16 parts; one term, (0, 0),
+    for any other). Each operand's parts lie side by side along K once (its hi and lo, or
+    itself), in segments of `blocks` K slices: the product's K slice r is slice r % `blocks`
+    of segment r // `blocks` (the matmul: one segment, all of K; conv2d's forward: a tap row's
+    width, a segment a tap row), whose part i starts (segment * parts + i) * `blocks` slices
+    into the operand (`a_block`, `b_block`). A part is zero past the product's K, so every
+    slice of a segment is whole."""
+
+    pairs: tuple[tuple[int, int], ...]
+    blocks: int
+
+    @property
+    def a_parts(self) -> int:
+        return 1 + max(i for i, _ in self.pairs)
+
+    @property
+    def b_parts(self) -> int:
+        return 1 + max(j for _, j in self.pairs)
+
+    def a_block(self, k, part: int):
+        return self._block(k, part, self.a_parts)
+
+    def b_block(self, k, part: int):
+        return self._block(k, part, self.b_parts)
+
+    def _block(self, k, part: int, parts: int):
+        return (k // self.blocks * parts + part) * self.blocks + k % self.blocks
+
+
+ONE_TERM = ((0, 0),)
+
+
 class Item(NamedTuple):
     """One work item of a persistent CTA: output tile (m_tile, n_tile) of output batch
     `out_index` (split-major: split · num_batches + batch), and the GMEM views of A and B its
     K steps read (A: the tile's rows over the split's K range, or with per-step shifts the
-    rows its shifts reach over all of K)."""
+    rows its shifts reach over all of K; over all of K too where `item_of` is given split
+    parts, `Terms`), whose K slice `k_first` is the item's first."""
 
     batch: Any
     out_index: Any
@@ -53,9 +88,11 @@ class Item(NamedTuple):
     n_tile: Any
     a: Any
     b: Any
+    k_first: Any = 0
 
 
-def item_of(index, a_gmem, b_gmem, p: Problem, plan: Plan, shifts: Shifts | None) -> Item:
+def item_of(index, a_gmem, b_gmem, p: Problem, plan: Plan, shifts: Shifts | None,
+            terms: Terms | None = None) -> Item:
     """Work item `index` of (split, batch, tile), the tiles of a batch in planar-snake order
     (bands of `plan.group` row tiles, so consecutive CTAs share B's panels in L2)."""
     block_m, block_n, block_k = plan.block_m, plan.block_n, plan.block_k
@@ -68,6 +105,12 @@ def item_of(index, a_gmem, b_gmem, p: Problem, plan: Plan, shifts: Shifts | None
     ks = pl.ds(split * per_split * block_k, per_split * block_k)
     a = a_gmem.at[batch_index(batch, p.out_batch, p.a_batch)]
     b = b_gmem.at[batch_index(batch, p.out_batch, p.b_batch)]
+    a_ks = b_ks = ks
+    k_first = 0
+    if terms is not None and terms.pairs != ONE_TERM:  # split parts: all of K (`Terms`)
+        a_ks = pl.ds(0, a.shape[-2 if p.transpose_a else -1])
+        b_ks = pl.ds(0, b.shape[-1 if p.transpose_b else -2])
+        k_first = split * per_split
     if shifts is not None and shifts.per_step:  # the tile's rows and the shifts'
         if plan.splits != 1 or p.transpose_a:
             raise AssertionError("per-step shifts take one K split of A as stored (M, K)")
@@ -75,9 +118,9 @@ def item_of(index, a_gmem, b_gmem, p: Problem, plan: Plan, shifts: Shifts | None
     else:
         if shifts is not None:  # this batch's matrix
             a = a.at[pl.ds(shifts.shift(batch), a.shape[0] - shifts.max_shift)]
-        a = a.at[ks, rows] if p.transpose_a else a.at[rows, ks]
-    b = b.at[cols, ks] if p.transpose_b else b.at[ks, cols]
-    return Item(batch, out_index, m_tile, n_tile, a, b)
+        a = a.at[a_ks, rows] if p.transpose_a else a.at[rows, a_ks]
+    b = b.at[cols, b_ks] if p.transpose_b else b.at[b_ks, cols]
+    return Item(batch, out_index, m_tile, n_tile, a, b, k_first)
 
 
 def transforms(shape: tuple[int, int], dtype) -> tuple:
