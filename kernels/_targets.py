@@ -24,6 +24,16 @@ from typing import Any
 import jax
 
 MIB = 2**20
+# What one SM holds at once, alike on compute capabilities 8.0, 9.0 and 10.0 (CUDA's occupancy
+# tables): 65,536 32-bit registers, allocated a warp at a time in units of 256; 2,048 threads;
+# 32 CTAs; and 1 KB of shared memory reserved per CTA, beside the per-block opt-in limit
+# (`Target.shared_memory`), the SM's total being that limit and one reservation (H100:
+# 233,472 bytes, 228 KB).
+SM_REGISTERS = 65_536
+REGISTER_UNIT = 256
+SM_THREADS = 2_048
+SM_CTAS = 32
+CTA_SHARED_RESERVE = 1_024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +68,17 @@ class Target:
     def lowering_platform(self) -> str:
         """The platform a program for this target is lowered for."""
         return "cuda" if self.platform == "gpu" else "tpu"
+
+    def ctas_per_sm(self, threads: int, registers: int, shared_bytes: int) -> int:
+        """CTAs of `threads` threads, `registers` registers a thread and `shared_bytes` of
+        shared memory that one SM holds at once (a GPU's occupancy, by `SM_REGISTERS`,
+        `SM_THREADS`, `SM_CTAS` and the shared memory): 0 where one does not fit."""
+        warps = -(-threads // 32)
+        per_warp = -(-registers * 32 // REGISTER_UNIT) * REGISTER_UNIT
+        by_registers = SM_REGISTERS // (warps * per_warp) if per_warp else SM_CTAS
+        by_shared = ((self.shared_memory + CTA_SHARED_RESERVE)
+                     // (shared_bytes + CTA_SHARED_RESERVE))
+        return min(by_registers, by_shared, SM_THREADS // threads, SM_CTAS)
 
     @property
     def min_programs(self) -> int:

@@ -70,7 +70,7 @@ def test_every_kernel_compiles_and_fits(op, index, target):
     for r in reports:
         if r.shared_limit is not None:  # Triton: the figures the verdict rests on
             assert 0 <= r.shared_bytes <= r.shared_limit and r.spill_bytes == 0
-            assert 0 < r.registers <= 255
+            assert 0 < r.registers <= 255 and r.ctas_per_sm >= 1
             _assert_triton_design(case, r)
         else:
             assert r.memory["argument"] > 0
@@ -109,6 +109,21 @@ def _assert_triton_design(case, r) -> None:
             or r.name == "conv2d_weight_grad_triton" and x.shape[0] % 4 == 0
             and min(x.shape[-1], case.args[1].shape[-1]) >= 64):
         assert set(r.load_bytes) == {16}, (r.name, r.operands, r.load_bytes)
+
+
+@pytest.mark.parametrize("threads,registers,shared_bytes,ctas", [
+    (512, 123, 16_384, 1),  # 16 warps of 128 registers (123 rounded to 8s): all 65,536
+    (512, 64, 16_384, 2),
+    (256, 128, 8_192, 2),
+    (128, 32, 100_000, 2),  # by shared memory: 233,472 bytes, 1 KB reserved a CTA
+    (1_024, 32, 0, 2),  # by threads: 2,048 an SM
+    (64, 16, 0, 32),  # by CTAs: 32 an SM
+    (1_024, 255, 0, 0),  # 32 warps of 256 registers: none fits
+])
+def test_ctas_per_sm_is_cudas_occupancy(threads, registers, shared_bytes, ctas):
+    """An H100 SM's resident CTAs of a kernel, as CUDA's occupancy calculator gives them: the
+    figure the compile reports and design rows state for every Triton kernel."""
+    assert _targets.TARGETS["sm_90"].ctas_per_sm(threads, registers, shared_bytes) == ctas
 
 
 def test_a_case_compiles_every_kernel_of_forward_and_backward():

@@ -32,6 +32,7 @@ class KernelReport:
     spill_bytes: int | None = None
     num_warps: int | None = None
     num_stages: int | None = None
+    ctas_per_sm: int | None = None  # `Target.ctas_per_sm` of its warps, registers, shared memory
     load_bytes: dict[int, int] | None = None  # global loads in the PTX: bytes each -> count
     mma: tuple[str, ...] | None = None  # the tensor-core instructions in the PTX
     # `and.b32` with TF32's mask in the PTX: float32 tiles rounded before a TF32 dot
@@ -99,6 +100,6 @@ def resources(r: KernelReport) -> str:
         text = f"smem {r.shared_bytes}/{r.shared_limit} regs {r.registers} spill {r.spill_bytes}"
         if r.tma is not None:  # Mosaic GPU: ptxas's report and the PTX's TMA copies
             return f"{text} tma {r.tma['load']}/{r.tma['store']} (loads/stores)"
-        return (f"{text} warps {r.num_warps} stages {r.num_stages} "
+        return (f"{text} warps {r.num_warps} ({r.ctas_per_sm} CTAs/SM) stages {r.num_stages} "
                 f"loads {'/'.join(f'{b}B' for b in sorted(r.load_bytes, reverse=True))}")
     return f"vmem {r.vmem_planned / 2**20:.1f}/{r.vmem_limit / 2**20:.0f} MiB (planned/limit)"

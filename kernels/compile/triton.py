@@ -117,6 +117,9 @@ def triton_report(eqn, target: Target, timeout_s: float | None) -> KernelReport:
         report.grid = (launch["grid_x"], launch["grid_y"], launch["grid_z"])
         resources = with_timeout(lambda: _compile_triton(text, launch, target), timeout_s)
         report = dataclasses.replace(report, compiled=True, **resources)
+        if report.registers is not None:
+            report.ctas_per_sm = target.ctas_per_sm(32 * report.num_warps, report.registers,
+                                                    report.shared_bytes)
     except Exception as error:  # noqa: BLE001 - the verdict is the report
         report.error = f"{name} for {target.name}: {first_line(error)}"
     report.seconds = time.perf_counter() - start
