@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -34,10 +35,13 @@ K_MAJOR_MIN_REUSE = 256
 
 
 def tensor_float32(dtype: Any, precision: Any) -> bool:
-    """Whether Triton multiplies `dtype` operands at `precision` on the tensor cores as TF32:
-    float32 at DEFAULT or HIGH (either operand's); HIGHEST keeps its IEEE float32 dot."""
+    """Whether the GPU kernels multiply `dtype` operands at `precision` on the tensor cores as
+    TF32: float32 at DEFAULT or HIGH (either operand's); HIGHEST keeps its IEEE float32 dot.
+    `None` is what `jax.default_matmul_precision` sets, as `lax.dot_general` resolves it."""
     if jnp.dtype(dtype) != jnp.float32:
         return False
+    if precision is None:
+        precision = jax.config.jax_default_matmul_precision
     if precision is None:
         return True
     pair = tuple(precision) if isinstance(precision, (tuple, list)) else (precision, precision)

@@ -472,6 +472,22 @@ def test_float32_products_multiply_operands_rounded_to_tf32(impl, layout):
     assert error < TF32_ROUNDED_ERROR * largest
 
 
+@pytest.mark.parametrize("impl", GPU_KERNELS)
+def test_default_matmul_precision_highest_keeps_float32(impl):
+    """`jax.default_matmul_precision("highest")` makes precision=None IEEE float32, as it does
+    for `lax.dot_general`: Triton multiplies the operands unrounded (float32's tolerance, which
+    TF32 products miss), and Mosaic GPU, which has no IEEE float32 product, declines as it does
+    HIGHEST."""
+    a, b = random((64, 256), jnp.float32, 1), random((256, 32), jnp.float32, 2)
+    with jax.default_matmul_precision("highest"):
+        if impl == "mosaic_gpu":
+            with pytest.raises(NotImplementedError, match="HIGHEST"):
+                matmul(a, b, implementation=impl)
+            return
+        out = matmul(a, b, implementation=impl)
+    assert_close(out, as_f64(a) @ as_f64(b), jnp.float32, reduction_length=256)
+
+
 def test_round_to_tf32_rounds_to_nearest_ties_away_and_keeps_special_values():
     from kernels._blocks import round_to_tf32
 
