@@ -42,8 +42,8 @@ def tensor_float32(dtype: Any, precision: Any) -> bool:
         return False
     if precision is None:
         precision = jax.config.jax_default_matmul_precision
-    if precision is None:
-        return True
+        if precision is None:
+            return True
     pair = tuple(precision) if isinstance(precision, (tuple, list)) else (precision, precision)
     try:
         return any(lax.Precision(p) != lax.Precision.HIGHEST for p in pair)

@@ -14,13 +14,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
+import jax.numpy as jnp
 import pytest
 
 from kernels import registry
 from kernels.ops import OPS
-from tests.support import (DOT_FLOAT32_EPS, IMPLEMENTATIONS, dot_platform, implementations_of,
-                           kernels_of)
+from tests.support import (IMPLEMENTATIONS, dot_platform, implementations_of, kernels_of,
+                           tolerance)
 
 HERE = Path(__file__).parent
 # Every op's sharded cases (kernels/<op>/cases.py: `sharded`), and those whose rule sums
@@ -207,21 +207,21 @@ def test_row_parallel_matmul_reduce_scatters_into_a_sharded_output(results, impl
     assert r["forward"]["all-gather"] == 0, r
 
 
-def _dot_eps(impl: str) -> float:
-    """The unit of `impl`'s float32 dots: TF32's for a GPU kernel, which rounds its operands
-    as its device does (`tests.support.dot_platform`), float32's for the others."""
-    return DOT_FLOAT32_EPS["gpu"] if dot_platform(impl) == "gpu" else float(np.finfo(np.float32).eps)
+def _dot_rtol(impl: str) -> float:
+    """The tolerance rule's relative allowance for `impl`'s float32 dots (`tolerance`, as
+    `dot_platform` says `impl` computes them: TF32's for a GPU kernel)."""
+    return tolerance(jnp.float32, dot=True, platform=dot_platform(impl))["rtol"]
 
 
 def _allowed(impl: str, op: str, float32_allowed: float, scale: float) -> float:
-    """`float32_allowed`, what float32 computations meet here; for a dot on a GPU kernel at
-    least four units of TF32 of `scale` (the largest magnitude compared), as `tolerance`
-    allows: a sum that differs in its last float32 bit can round to a TF32 value one unit
+    """`float32_allowed`, what float32 computations meet here; for a dot at least the rule's
+    relative allowance of `scale` (the largest magnitude compared), which for a GPU kernel is
+    TF32's: a sum that differs in its last float32 bit can round to a TF32 value one unit
     apart where it feeds the next product (a cotangent), and a reference in float32 differs
     by the TF32 rounding itself."""
     if op not in ("matmul", "conv2d"):
         return float32_allowed
-    return max(float32_allowed, 4 * _dot_eps(impl) * scale)
+    return max(float32_allowed, _dot_rtol(impl) * scale)
 
 
 def _free_port() -> int:
@@ -236,7 +236,7 @@ def test_two_processes(impl):
     proves the mesh kind in the README's command, as `_proving_kernel` does)."""
     port = _free_port()
     procs = [subprocess.Popen([sys.executable, str(HERE / "multiprocess_run.py"), str(i),
-                               str(port), impl, str(_dot_eps(impl))], stdout=subprocess.PIPE,
+                               str(port), impl, str(_dot_rtol(impl))], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=_env(), cwd=HERE.parent)
              for i in range(2)]
     outputs = [p.communicate(timeout=600) for p in procs]

@@ -89,10 +89,10 @@ def _smem_tile(rows: int, block_k: int, transposed: bool, stages: int, dtype):
 def kernel(*refs, p: Problem, plan: Plan, shifts: Shifts | None, terms: Terms | None):
     (a_gmem, b_gmem), bias, residual, out_gmem, z_gmem = _epilogue.split_refs(refs, p.epilogue, 2)
     block_m, block_n, block_k, stages = plan.block_m, plan.block_n, plan.block_k, plan.stages
-    terms = terms or Terms(ONE_TERM, 1)
+    walked = terms or Terms(ONE_TERM, 1)  # split parts' terms, or the one product
     per_split = plan.k_blocks_per_split(p)  # K slices of the product; a step a term of one
-    steps = per_split * len(terms.pairs)
-    sums = 1 if terms.pairs == ONE_TERM else 2  # the first term's, and the corrections'
+    steps = per_split * len(walked.pairs)
+    sums = 1 if terms is None else 2  # the first term's, and the corrections'
     width = epilogue_columns(TCGEN05, block_n)
     scratch = dict(
         a_smem=_smem_tile(block_m, block_k, p.transpose_a, stages, a_gmem.dtype),
@@ -119,8 +119,8 @@ def kernel(*refs, p: Problem, plan: Plan, shifts: Shifts | None, terms: Terms | 
 
             def produce(k, _):  # K slice k of the item: a step a term
                 slice_k = item.k_first + k
-                for t, (i, j) in enumerate(terms.pairs):
-                    step = local * steps + k * len(terms.pairs) + t
+                for t, (i, j) in enumerate(walked.pairs):
+                    step = local * steps + k * len(walked.pairs) + t
                     slot = lax.rem(step, stages)
 
                     @pl.when(step >= stages)
@@ -128,15 +128,15 @@ def kernel(*refs, p: Problem, plan: Plan, shifts: Shifts | None, terms: Terms | 
                         plgpu.barrier_wait(consumed.at[slot])
 
                     plgpu.copy_gmem_to_smem(
-                        _window(item.a, terms.a_block(slice_k, i), (block_m, block_k),
+                        _window(item.a, walked.a_block(slice_k, i), (block_m, block_k),
                                 p.transpose_a, shifts), a_smem.at[slot], loaded.at[slot])
                     plgpu.copy_gmem_to_smem(
-                        _window(item.b, terms.b_block(slice_k, j), (block_n, block_k),
+                        _window(item.b, walked.b_block(slice_k, j), (block_n, block_k),
                                 not p.transpose_b, None), b_smem.at[slot], loaded.at[slot])
 
             def multiply(k, _):
-                for t in range(len(terms.pairs)):
-                    slot = lax.rem(local * steps + k * len(terms.pairs) + t, stages)
+                for t in range(len(walked.pairs)):
+                    slot = lax.rem(local * steps + k * len(walked.pairs) + t, stages)
                     plgpu.barrier_wait(loaded.at[slot])
                     a_tile, b_tile = a_smem.at[slot], b_smem.at[slot]
                     a_tile = a_tile.transpose((1, 0)) if p.transpose_a else a_tile

@@ -18,8 +18,8 @@ from kernels._pallas import pl
 from kernels.matmul.common import Problem, batch_index
 from kernels.matmul.mosaic_gpu.config import Plan
 
-__all__ = ["Shifts", "Terms", "ONE_TERM", "Item", "item_of", "transforms", "operand_spec", "shifted_spec",
-           "epilogue_slice", "epilogue_scratch"]
+__all__ = ["Shifts", "Terms", "ONE_TERM", "Item", "item_of", "transforms", "operand_spec",
+           "shifted_spec", "epilogue_slice", "epilogue_scratch"]
 
 
 class Shifts(NamedTuple):
@@ -80,7 +80,7 @@ class Item(NamedTuple):
     `out_index` (split-major: split · num_batches + batch), and the GMEM views of A and B its
     K steps read (A: the tile's rows over the split's K range, or with per-step shifts the
     rows its shifts reach over all of K; over all of K too where `item_of` is given split
-    parts, `Terms`), whose K slice `k_first` is the item's first."""
+    parts' `Terms`), whose K slice `k_first` is the item's first."""
 
     batch: Any
     out_index: Any
@@ -107,7 +107,7 @@ def item_of(index, a_gmem, b_gmem, p: Problem, plan: Plan, shifts: Shifts | None
     b = b_gmem.at[batch_index(batch, p.out_batch, p.b_batch)]
     a_ks = b_ks = ks
     k_first = 0
-    if terms is not None and terms.pairs != ONE_TERM:  # split parts: all of K (`Terms`)
+    if terms is not None:  # split parts: all of K (`Terms`)
         a_ks = pl.ds(0, a.shape[-2 if p.transpose_a else -1])
         b_ks = pl.ds(0, b.shape[-1 if p.transpose_b else -2])
         k_first = split * per_split
