@@ -175,10 +175,14 @@ def test_every_kernel_compiles_without_spills(op, target, every):
         assert r["tma"]["load"] > 0 and r["tma"]["store"] > 0, r
         # Over 1 KiB: the dynamic shared memory was read (ptxas alone reports 1 byte); at most
         # half an SM's, with the 2 KiB Pallas takes beside the plan for cross-warp reductions
-        # (matmul's persistent CTAs take a whole SM each: `test_matmul.test_mosaic_gpu_plan`).
+        # (persistent CTAs take a whole SM each: matmul's, `test_matmul.test_mosaic_gpu_plan`,
+        # and normalize's backward, one CTA per SM walking blocks, a wave at most).
         persistent = op in MMA_OPS and "depthwise" not in r["name"]
-        limit = r["shared_limit"] if persistent else r["shared_limit"] // 2 + 4096
-        assert 1024 < r["shared_bytes"] <= limit, r
+        whole_sm = persistent or r["name"] == "normalize_backward_mosaic_gpu"
+        half = r["shared_limit"] // 2 + 4096
+        assert 1024 < r["shared_bytes"] <= (r["shared_limit"] if whole_sm else half), r
+        if persistent or r["shared_bytes"] > half:
+            assert r["grid"][0] <= TARGETS[target].num_sms, r
         if persistent and target == "sm_100":  # tcgen05 into tensor memory, no setmaxnreg
             assert r["mma"] and all(i.startswith("tcgen05.mma") for i in r["mma"]), r
             assert not r["max_registers"], r
@@ -190,8 +194,6 @@ def test_every_kernel_compiles_without_spills(op, target, every):
             # registers a thread slot split over the consumers (in steps of 8).
             consumers = (512 - PRODUCER_REGISTERS) // CONSUMERS // 8 * 8
             assert r["max_registers"] == [PRODUCER_REGISTERS, consumers], r
-        if persistent:
-            assert r["grid"][0] <= TARGETS[target].num_sms, r
 
 
 @pytest.mark.timeout(600)

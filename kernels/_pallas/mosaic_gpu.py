@@ -35,7 +35,7 @@ __all__ = ["WARPS", "LANES", "PIECE", "TMA_ALIGNMENT", "TMA_SMEM_ALIGNMENT", "RE
            "UNTILED",
            "smem_budget", "aligned_columns", "stored_shape", "pad_to", "mosaic_gpu_call",
            "row_layout", "load", "store", "per_row", "per_column", "smem", "piece_columns",
-           "StagedRows", "RowWriter"]
+           "StagedRows", "RowWriter", "BlockBuffers", "BlockWriter"]
 
 WARPS, LANES = 4, 32  # one warpgroup per CTA
 PIECE = 256  # columns one TMA copy moves: Mosaic GPU's limit of 256 elements per dimension
@@ -241,10 +241,79 @@ class RowWriter:
         block and the first of the next can share a slot)."""
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
+    def flush(self, first: jax.Array) -> None:
+        """After a block's last piece (each was stored as it was written)."""
+
     @staticmethod
     def finish() -> None:
         """Waits for every store (SMEM is freed when the kernel ends)."""
         plgpu.wait_smem_to_gmem(0)
+
+
+class BlockBuffers:
+    """Blocks of rows of the GMEM arrays `gmem` (name -> ref) in two whole-block buffers in
+    shared memory (`smem`: name -> a (2·num_pieces, block_rows, PIECE) scratch ref; buffer b's
+    pieces are slots b·num_pieces + piece), one barrier each (`barriers`: 2 of
+    num_pieces·len(gmem) arrivals). A CTA walking blocks reads one buffer while TMA fills the
+    other with its next block, so a whole block's copies are in flight while it computes, and
+    it waits once per block, not per piece."""
+
+    def __init__(self, gmem: dict, smem: dict, barriers: Any, block_rows: int, num_pieces: int):
+        self.gmem, self.smem, self.barriers = gmem, smem, barriers
+        self.block_rows, self.num_pieces = block_rows, num_pieces
+
+    def start(self, first: jax.Array, buffer: jax.Array) -> None:
+        """Starts copying the block of rows from `first` into `buffer`, whose previous block
+        every thread must have read (this waits for them all)."""
+        plgpu.commit_smem()
+        rows = pl.ds(first, self.block_rows)
+
+        def copy(piece, carry):
+            for name, ref in self.gmem.items():
+                plgpu.copy_gmem_to_smem(ref.at[rows, piece_columns(piece)],
+                                        self.smem[name].at[buffer * self.num_pieces + piece],
+                                        self.barriers.at[buffer])
+            return carry
+
+        jax.lax.fori_loop(0, self.num_pieces, copy, 0)
+
+    def wait(self, buffer: jax.Array) -> None:
+        plgpu.barrier_wait(self.barriers.at[buffer])
+
+    def read(self, buffer: jax.Array, piece: jax.Array, layout: Any) -> dict:
+        """Piece `piece` of each array of the block in `buffer`, in float32 registers."""
+        slot = buffer * self.num_pieces + piece
+        return {name: plgpu.load(ref.at[slot], layout=layout, optimized=False).astype(jnp.float32)
+                for name, ref in self.smem.items()}
+
+
+class BlockWriter(RowWriter):
+    """Writes a block of rows to the GMEM arrays `gmem` from a whole block staged in shared
+    memory (`smem`: name -> (num_pieces, block_rows, PIECE)): pieces are stored to it as they
+    are computed (no barrier), then `flush` issues every piece's TMA store at once. `start`
+    before a block's first piece, as `RowWriter`'s."""
+
+    def __init__(self, gmem: dict, smem: dict, block_rows: int, num_pieces: int):
+        super().__init__(gmem, smem, block_rows)
+        self.num_pieces = num_pieces
+
+    def write(self, first: jax.Array, piece: jax.Array, values: dict) -> None:
+        for name, value in values.items():
+            store(self.smem[name].at[piece], value.astype(self.smem[name].dtype))
+
+    def flush(self, first: jax.Array) -> None:
+        """Stores the staged block to the rows from `first` (every thread's pieces: this waits
+        for them all)."""
+        plgpu.commit_smem()
+        rows = pl.ds(first, self.block_rows)
+
+        def copy(piece, carry):
+            for name, ref in self.smem.items():
+                plgpu.copy_smem_to_gmem(ref.at[piece], self.gmem[name].at[
+                    rows, piece_columns(piece)])
+            return carry
+
+        jax.lax.fori_loop(0, self.num_pieces, copy, 0)
 
 
 def mosaic_gpu_call(body: Callable[..., None], *, out_shape: Sequence[jax.ShapeDtypeStruct],

@@ -12,14 +12,16 @@ k of its block of rows (`config.plan_of` sizes the blocks):
         pass 1: acc += x[k] (+ residual[k], the sum written)     -> a first mean m
         pass 2: acc_d += x[k] - m;  acc += (x[k] - m)²            -> mean, rstd (RMS: no pass 2)
         pass 3: y[k] = (x[k] - mean) * rstd * scale[k] + offset[k]
-    backward (`backward.py`), CTA q walks blocks q, q + programs, ...:
+    backward (`backward.py`), one CTA per SM, CTA q walks blocks q, q + programs, ...,
+    the next block's copies in flight while it computes on this one (two block buffers):
         pass 1: acc_gs += dy[k] * scale[k];  acc_gsx += dy[k] * scale[k] * x̂[k]
         pass 2: dx[k] = rstd * (gs - sum(acc_gs)/n - x̂ * sum(acc_gsx)/n) (+ dsum[k])
-                dscale_terms[k] += dy[k] * x̂[k];  doffset_terms[k] += dy[k]   # shared memory
+                dscale_terms[k] += Σ_rows dy[k] * x̂[k];  doffset_terms[k] += Σ_rows dy[k]
 
-A block stays in shared memory for its passes where it fits (x read from GMEM once); longer
-rows stream their pieces again per pass (`Plan.resident`). The dscale/doffset terms are the
-CTA's partial rows, summed by XLA (deterministic).
+The forward's block stays in shared memory for its passes where it fits (x read from GMEM
+once); the backward's two blocks do where they fit. Longer rows stream their pieces again per
+pass (`Plan.resident`). The dscale/doffset terms, summed over a CTA's rows in shared memory,
+are its partial rows (one per SM), summed by XLA (deterministic).
 """
 
 from __future__ import annotations

@@ -2,35 +2,40 @@
 
 Block schedule
 --------------
-On the forward's rows view and blocks (`forward.py`; `config.plan_of` with `backward=True`),
-x (the sum, with a residual), dy and the sum's cotangent dsum move by TMA in pieces of `PIECE`
-columns. Grid `(programs,)`; CTA q takes blocks q, q + programs, ... (`Plan.accumulate`), or
-one block each. Per block, with x̂ = (x - mean) * rstd and gs = dy * scale:
+On the forward's rows view, in blocks of `block_rows` rows (`config.plan_of` with
+`backward=True`), x (the sum, with a residual), dy and the sum's cotangent dsum move by TMA in
+pieces of `PIECE` columns. Grid `(programs,)`, one CTA (one warpgroup) per SM: CTA q walks
+blocks q, q + programs, ... With x̂ = (x - mean) * rstd and gs = dy * scale, per block:
 
-    pass 1:  acc_gs += gs[k];  acc_gsx += gs[k] * x̂[k]                  # registers
-    pass 2:  dx[k] = rstd * (gs - sum(acc_gs)/n - x̂ * sum(acc_gsx)/n) (+ dsum[k])
-             dscale_terms[k] += dy[k] * x̂[k];  doffset_terms[k] += dy[k]
+    wait for this block's buffer; start the next block's copies into the other   # BlockBuffers
+    pass 1:  acc_gs += gs[k];  acc_gsx += gs[k] * x̂[k]                            # registers
+    pass 2:  dx[k] = rstd * (gs - sum(acc_gs)/n - x̂ * sum(acc_gsx)/n) (+ dsum[k])  # staged
+             dscale_terms[k] += sum over rows(dy[k] * x̂[k]);  doffset_terms[k] += sum(dy[k])
+    store the block's dx (one TMA copy per piece)                                  # BlockWriter
 
-dx is written once through a 2-slot ring of pieces. The dscale/doffset terms are summed over
-the CTA's blocks in shared memory (float32, (block_rows, width) each), then over the block's
-rows (in registers: a piece's rows lie in one thread), and written at the end as the CTA's
-partial row; where they do not fit (very long rows) each CTA writes its block's partial row. `programs` is then at most `Target.min_programs` (two waves of
-the target's SMs), so the partial rows (`programs · block_rows` of the row's width, float32)
-stay a small fraction of the traffic; XLA sums them (no float atomics: the same result on every
-run). Resident blocks read x and dy from GMEM once: with dx written once, the backward's three
-passes over the data (`common.backward_flops_and_bytes`). Streamed blocks read them twice.
-The cotangents of the saved mean and 1/std (second order) are read per row when given.
+A resident plan holds two whole blocks of the inputs, dx's block, scale (staged once) and the
+two summed term rows (float32, the row's width each) in shared memory: the next block's copies,
+`_IN_FLIGHT_BYTES` or more, are in flight while the CTA computes on this one, and its passes
+wait once per block. Each loop step computes `Plan.unroll` pieces. At the end the CTA writes
+its terms as one partial row (one TMA copy), and XLA sums the `programs` rows (no float atomics:
+the same result on every run), so x and dy are read from GMEM once and dx written once
+(`common.backward_flops_and_bytes`), plus one float32 row per SM and term. Rows too long for two
+blocks stream their pieces through 2-slot rings, read again in the second pass; where even the
+summed terms do not fit, each block writes its own partial row. The cotangents of the saved
+mean and 1/std (second order) are read per row when given.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels._pallas import pl
-from kernels._pallas.mosaic_gpu import (PIECE, RowWriter, StagedRows, load, mosaic_gpu_call,
-                                        per_column, per_row, piece_columns, smem, store)
+from kernels._pallas.mosaic_gpu import (PIECE, BlockBuffers, BlockWriter, RowWriter, StagedRows,
+                                        load, mosaic_gpu_call, per_column, per_row, smem, store)
 from kernels.normalize import common
 from kernels.normalize.common import NormalizeConfig, Problem
 from kernels.normalize.mosaic_gpu.config import Plan, plan_of
@@ -40,28 +45,29 @@ from kernels.normalize.mosaic_gpu.rows import (fold, from_rows_view, layout_of, 
 __all__ = ["backward"]
 
 _PARTIALS = ("dscale", "doffset")
+_STATS = ("mean", "rstd", "gmean", "grstd")
+_MAX_BOX = 256  # elements a TMA copy moves along a dimension
 
 
-def _block_gradient(refs: dict, io: StagedRows, writer: RowWriter, terms: dict, first,
-                    p: Problem, plan: Plan) -> None:
-    """dx of rows [first, first + block_rows), written; their dscale/doffset terms added to
-    the shared-memory accumulators `terms` (or, where empty, written as partial rows)."""
+def _block_gradient(refs: dict, read: Callable, writer: RowWriter, terms: dict, stats: dict,
+                    first, p: Problem, plan: Plan) -> None:
+    """dx of rows [first, first + block_rows) (`read(pass, piece)`: their inputs' pieces;
+    `stats`: their per-row statistics), written through `writer`; their dscale/doffset terms
+    summed over the rows into the shared-memory rows `terms` (or, where empty, written as the
+    block's partial rows)."""
     shape = (plan.block_rows, PIECE)
     layout = layout_of(plan)
-    io.start(first)
-    stat = {name: per_row(load(refs[name].at[pl.ds(first, plan.block_rows)]), shape)
-            for name in ("mean", "rstd", "gmean", "grstd") if name in refs}
+    stat = {name: per_row(value, shape) for name, value in stats.items()}
 
-    def read(pass_index, piece):
-        values = io.read(first, piece, pass_index * plan.num_pieces + piece,
-                         2 * plan.num_pieces, layout)
+    def inputs(pass_index, piece):
+        values = read(pass_index, piece)
         g = values["gy"]
-        gs = g * per_column(load(refs["scale"].at[piece_columns(piece)]), shape) \
+        gs = g * per_column(_load_row(refs["scale"], piece, layout), shape) \
             if "scale" in refs else g
         return g, gs, common.normalized(values["x"], stat.get("mean"), stat["rstd"], p), values
 
     def sums(piece, accumulators):
-        _, gs, xhat, _ = read(0, piece)
+        _, gs, xhat, _ = inputs(0, piece)
         return accumulators[0] + gs, accumulators[1] + gs * xhat
 
     zeros = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), layout)
@@ -70,43 +76,53 @@ def _block_gradient(refs: dict, io: StagedRows, writer: RowWriter, terms: dict, 
                                   per_row(jnp.sum(acc_gsx, axis=1), shape))
 
     def gradient(piece, carry):
-        g, gs, xhat, values = read(1, piece)
+        g, gs, xhat, values = inputs(1, piece)
         dx = common.input_gradient(gs, xhat, stat["rstd"], group_sums, stat.get("gmean"),
                                    stat.get("grstd"), p)
         if "gsum" in values:
             dx = dx + values["gsum"]
         for name, value in (("dscale", g * xhat), ("doffset", g)):
             if name in terms:
-                accumulator = terms[name].at[piece]
-                accumulator[...] = plgpu.load(accumulator, layout=layout) + value
+                _add_to_row(terms[name], piece, value, layout)
             elif name in refs:  # this block's partial row
                 _store_row(refs[name], first // plan.block_rows, piece, value)
         writer.write(first, piece, {"dx": dx})
         return carry
 
+    writer.start()
     fold(plan, gradient, 0)
+    writer.flush(first)
+
+
+def _load_row(ref, piece, layout) -> jax.Array:
+    """Piece `piece` of a (num_pieces, PIECE) row (in shared memory or GMEM), in the layout of
+    a block's piece summed over its rows."""
+    return plgpu.load(ref.at[piece], layout=layout.reduce(0), optimized=False)
+
+
+def _add_to_row(ref, piece, value: jax.Array, layout) -> None:
+    """Adds a block's piece, summed over its rows (in each thread's registers: the rows of a
+    piece lie in one thread), to piece `piece` of the shared-memory row `ref`."""
+    if value.shape[0] == 1:  # added as it lies (Mosaic GPU's layouts take no such reshape)
+        target = ref.at[pl.ds(piece, 1)]
+        target[...] = plgpu.load(target, layout=layout, optimized=False) + value
+    else:
+        ref.at[piece][...] = _load_row(ref, piece, layout) + jnp.sum(value, axis=0)
 
 
 def _store_row(partial, row, piece, value) -> None:
-    """Piece `piece` of partial row `row`: the block's terms summed over its rows (in each
-    thread's registers: the rows of a piece lie in one thread)."""
-    if value.shape[0] == 1:  # stored as it lies (Mosaic GPU's layouts take no such reshape)
-        store(partial.at[pl.ds(row, 1), piece_columns(piece)], value)
+    """Piece `piece` of the (rows, num_pieces, PIECE) partial row `row`: the block's terms
+    summed over its rows."""
+    if value.shape[0] == 1:
+        store(partial.at[row, pl.ds(piece, 1)], value)
     else:
-        store(partial.at[row, piece_columns(piece)], jnp.sum(value, axis=0))
+        store(partial.at[row, piece], jnp.sum(value, axis=0))
 
 
-def _store_terms(refs: dict, terms: dict, program, plan: Plan) -> None:
-    """The CTA's summed terms, as its partial row."""
-    layout = layout_of(plan)
-
-    def row_piece(piece, carry):
-        for name, accumulator in terms.items():
-            _store_row(refs[name], program, piece,
-                       plgpu.load(accumulator.at[piece], layout=layout))
-        return carry
-
-    fold(plan, row_piece, 0)
+def _copy_rows(copy, num_pieces: int) -> None:
+    """`copy(pieces)` for the pieces of a (num_pieces, PIECE) row, at most `_MAX_BOX` a copy."""
+    for start in range(0, num_pieces, _MAX_BOX):
+        copy(pl.ds(start, min(_MAX_BOX, num_pieces - start)))
 
 
 def _cost(p: Problem, plan: Plan, partial_rows: int, stat_cotangents: bool,
@@ -130,7 +146,8 @@ def backward(x, scale, mean, rstd, gy, gmean, grstd, gsum, p: Problem, *,
     staged_inputs = {name: rows_view(a, p, plan) for name, a in
                      (("x", x), ("gy", gy), ("gsum", gsum)) if a is not None}
     inputs = dict(staged_inputs)
-    inputs.update(params_view(scale, None, plan))
+    inputs.update((name, v.reshape(plan.num_pieces, PIECE))
+                  for name, v in params_view(scale, None, plan).items())
     per_row_inputs = {"mean": mean if p.subtract_mean else None, "rstd": rstd,
                       "gmean": gmean if p.subtract_mean else None, "grstd": grstd}
     inputs.update((name, padded_rows(v, plan)) for name, v in per_row_inputs.items()
@@ -139,49 +156,94 @@ def backward(x, scale, mean, rstd, gy, gmean, grstd, gsum, p: Problem, *,
     outputs = {"dx": jax.ShapeDtypeStruct(output_matrix(plan), p.dtype)}
     for name, present in zip(_PARTIALS, (p.has_scale, p.has_offset)):
         if present:
-            outputs[name] = jax.ShapeDtypeStruct((partial_rows, plan.width), jnp.float32)
-    staged = {name: smem((plan.slots, plan.block_rows, PIECE), a.dtype)
+            outputs[name] = jax.ShapeDtypeStruct((partial_rows, plan.num_pieces, PIECE),
+                                                 jnp.float32)
+    slots = 2 * plan.num_pieces if plan.resident else 2
+    staged = {name: smem((slots, plan.block_rows, PIECE), a.dtype)
               for name, a in staged_inputs.items()}
-    written = ["dx"]
-    rings = {name: smem((2, plan.block_rows, PIECE), outputs[name].dtype)
-             for name in written}
-    terms = {name: smem((plan.num_pieces, plan.block_rows, PIECE), jnp.float32)
-             for name in _PARTIALS if name in outputs and plan.accumulate}
-    scratch = [*staged.values(), *rings.values(), *terms.values(),
-               plgpu.Barrier(num_arrivals=len(staged), num_barriers=plan.slots)]
+    dx_slots = plan.num_pieces if plan.resident else 2
+    buffers = {"dx": smem((dx_slots, plan.block_rows, PIECE), p.dtype)}
+    buffers.update((name, smem((plan.num_pieces, PIECE), jnp.float32))
+                   for name in ("scale", *_PARTIALS) if name in inputs | outputs
+                   and plan.accumulate)  # else scale is read from GMEM
+    copies = len(staged) * (plan.num_pieces if plan.resident else 1)
+    scratch = [*staged.values(), *buffers.values(),
+               plgpu.Barrier(num_arrivals=copies, num_barriers=2)]
+    if "scale" in buffers:
+        scratch.append(plgpu.Barrier(num_arrivals=pl.cdiv(plan.num_pieces, _MAX_BOX)))
 
     def body(*refs):
         names = [*inputs, *outputs]
         named = dict(zip(names, refs))
-        buffers = dict(zip([*staged, *rings, *terms], refs[len(names):]))
-        io = StagedRows({n: named[n] for n in staged}, {n: buffers[n] for n in staged}, refs[-1],
-                        plan.block_rows, plan.num_pieces, plan.resident)
-        writer = RowWriter({n: named[n] for n in written}, {n: buffers[n] for n in rings},
-                           plan.block_rows)
-        accumulators = {n: buffers[n] for n in terms}
+        scratch_refs = dict(zip([*staged, *buffers], refs[len(names):]))
+        barriers = refs[len(names) + len(staged) + len(buffers)]
+        params_barrier = refs[-1]
         program = jax.lax.axis_index("programs")
-        if not plan.accumulate:
-            _block_gradient(named, io, writer, {}, program * plan.block_rows, p, plan)
-            RowWriter.finish()
-            return
-        zeros = plgpu.layout_cast(jnp.zeros((plan.block_rows, PIECE), jnp.float32),
-                                  layout_of(plan))
+        if "scale" in buffers:  # staged once: every block reads it from shared memory
+            _copy_rows(lambda pieces: plgpu.copy_gmem_to_smem(
+                named["scale"].at[pieces], scratch_refs["scale"].at[pieces], params_barrier),
+                plan.num_pieces)
+            named["scale"] = scratch_refs["scale"]
+        terms = {n: scratch_refs[n] for n in _PARTIALS if n in scratch_refs}
+        for accumulator in terms.values():
+            _clear_row(accumulator, plan)
+        gmem = {n: named[n] for n in staged}
+        smem_inputs = {n: scratch_refs[n] for n in staged}
+        if plan.resident:
+            blocks = BlockBuffers(gmem, smem_inputs, barriers, plan.block_rows, plan.num_pieces)
+            writer = BlockWriter({"dx": named["dx"]}, {"dx": scratch_refs["dx"]},
+                                 plan.block_rows, plan.num_pieces)
+        else:
+            rows = StagedRows(gmem, smem_inputs, barriers, plan.block_rows, plan.num_pieces,
+                              resident=False)
+            writer = RowWriter({"dx": named["dx"]}, {"dx": scratch_refs["dx"]},
+                               plan.block_rows)
+        count = (plan.num_blocks - program + plan.programs - 1) // plan.programs
 
-        def clear(piece, carry):
-            for accumulator in accumulators.values():
-                accumulator.at[piece][...] = zeros
-            return carry
+        def stats_of(block):
+            rows_of_block = pl.ds(block * plan.block_rows, plan.block_rows)
+            return {n: load(named[n].at[rows_of_block]) for n in _STATS if n in named}
 
-        def walk(i, carry):
+        def walk(i, stats):
+            """Block program + i·programs, whose statistics are `stats`; returns the next
+            block's, loaded before this block computes."""
             block = program + i * plan.programs
-            RowWriter.start()
-            _block_gradient(named, io, writer, accumulators, block * plan.block_rows, p, plan)
-            return carry
+            first = block * plan.block_rows
+            following = jnp.minimum(block + plan.programs, plan.num_blocks - 1)
+            if plan.resident:
+                buffer = i % 2
 
-        fold(plan, clear, 0)
-        jax.lax.fori_loop(0, (plan.num_blocks - program + plan.programs - 1) // plan.programs,
-                          walk, 0)
-        _store_terms(named, accumulators, program, plan)
+                @pl.when(i + 1 < count)
+                def _():
+                    blocks.start(following * plan.block_rows, 1 - buffer)
+
+                upcoming = stats_of(following)
+                blocks.wait(buffer)
+
+                def read(pass_index, piece):
+                    return blocks.read(buffer, piece, layout_of(plan))
+            else:
+                upcoming = stats_of(following)
+                rows.start(first)
+
+                def read(pass_index, piece):
+                    return rows.read(first, piece, pass_index * plan.num_pieces + piece,
+                                     2 * plan.num_pieces, layout_of(plan))
+            _block_gradient(named, read, writer, terms, stats, first, p, plan)
+            return upcoming
+
+        if plan.resident:
+            blocks.start(program * plan.block_rows, 0)
+        if "scale" in buffers:
+            plgpu.barrier_wait(params_barrier)
+        jax.lax.fori_loop(0, count, walk, stats_of(program))
+        if terms:  # the CTA's summed terms, as its partial row
+            plgpu.commit_smem()
+            for name, accumulator in terms.items():
+                _copy_rows(lambda pieces, name=name, accumulator=accumulator:
+                           plgpu.copy_smem_to_gmem(accumulator.at[pieces],
+                                                   named[name].at[program, pieces]),
+                           plan.num_pieces)
         RowWriter.finish()
 
     results = dict(zip(outputs, mosaic_gpu_call(
@@ -190,5 +252,18 @@ def backward(x, scale, mean, rstd, gy, gmean, grstd, gsum, p: Problem, *,
         flops_and_bytes=_cost(p, plan, partial_rows, gmean is not None, gsum is not None))(
             *inputs.values())))
     return (from_rows_view(results["dx"], p, plan),
-            *(jnp.sum(results[name][:, :plan.reduced], axis=0).reshape(p.param_shape)
+            *(jnp.sum(results[name].reshape(partial_rows, plan.width)[:, :plan.reduced],
+                      axis=0).reshape(p.param_shape)
               if name in results else None for name in _PARTIALS))
+
+
+def _clear_row(ref, plan: Plan) -> None:
+    """Zeros a shared-memory (num_pieces, PIECE) float32 row."""
+    layout = layout_of(plan).reduce(0)
+    zeros = plgpu.layout_cast(jnp.zeros((PIECE,), jnp.float32), layout)
+
+    def clear(piece, carry):
+        ref.at[piece][...] = zeros
+        return carry
+
+    jax.lax.fori_loop(0, plan.num_pieces, clear, 0)

@@ -19,31 +19,39 @@ from kernels.normalize.common import NormalizeConfig, Problem
 __all__ = ["Plan", "plan_of", "resolve_config", "check"]
 
 _DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
-# Bytes of input rows one CTA moves per block: two CTAs per SM keep up to 128 KiB in flight,
-# well over the ~20 KiB an H100 SM needs to cover HBM's latency at full bandwidth (3.35 TB/s x
-# ~800 ns over 132 SMs; an estimate, not measured), while a CTA computes on one block and its
-# neighbour waits on the next. Fewer, larger blocks also run faster in Mosaic GPU's interpreter,
+# Bytes of input rows one forward CTA moves per block: two CTAs per SM keep up to 128 KiB in
+# flight, well over the ~20 KiB an H100 SM needs to cover HBM's latency at full bandwidth
+# (3.35 TB/s x ~800 ns over 132 SMs; an estimate, not measured), while a CTA computes on one
+# block and its neighbour waits on the next. Fewer, larger blocks also run faster in Mosaic GPU's interpreter,
 # whose cost is per operation: 33 CTAs of 4 rows of 4096 float32 took about half the time of
 # 66 CTAs of 2 (this CPU, jax 0.12.0.1).
 _BLOCK_BYTES = 64 * 1024
 # Rows per CTA at most, a config's too: a pass carries float32 accumulators of (rows, PIECE),
-# 2 values a thread per row each. 16 rows took up to 127 registers, no spills (the forward of
-# 129x1000 bfloat16, sm_90a, jax 0.12.0.1); twice that would spill.
+# 2 values a thread per row each. 16 rows took up to 158 registers, no spills (the forward of
+# 8192x1024 bfloat16 with a residual, sm_90a, jax 0.12.0.1); twice that would spill.
 _MAX_BLOCK_ROWS = 16
 # A resident block has one barrier per piece, and Mosaic GPU takes at most 32 barriers in one
 # allocation ("Only up to 32 barriers per group supported", compiling a 16384-column float32
 # row for sm_90a, jax 0.12.0.1): rows of more pieces are streamed.
 _MAX_RESIDENT_PIECES = 32
+# The backward's blocks: bytes of input rows one block moves, copied while the CTA computes on
+# the block before (`BlockBuffers`). With one CTA per SM, each SM has one to two blocks in
+# flight, over the ~20 KiB an SM needs (`_BLOCK_BYTES`).
+_IN_FLIGHT_BYTES = 32 * 1024
+# Rows of a piece one loop step computes (`Plan.unroll`): 8 rows give each thread 16 values
+# per input, against 2 for a one-row block's piece.
+_STEP_ROWS = 8
 
 
 class Plan(NamedTuple):
     """One call of a Mosaic GPU normalize kernel on the rows view: `rows` rows of `reduced`
     elements (`aligned` in GMEM, padded to TMA's 16 bytes where `reduced` is not), in blocks
-    of `block_rows`, each row `num_pieces` pieces of `PIECE` columns. `resident`: a block's
-    pieces stay in shared memory for every pass (else each pass streams them again).
-    `programs`: CTAs; the backward's walk the blocks and `accumulate` their dscale/doffset
-    terms in shared memory (else each CTA writes its block's terms as partial rows): two waves
-    of the target's SMs, or `config.num_partials`."""
+    of `block_rows`, each row `num_pieces` pieces of `PIECE` columns. `resident`: the forward's
+    block stays in shared memory for every pass (`StagedRows`); the backward's CTA holds two
+    whole blocks, computing on one while TMA fills the other with its next (`BlockBuffers`).
+    Else each pass streams the pieces again. `programs`: CTAs; the backward's walk the blocks
+    and `accumulate` their dscale/doffset terms, summed over the rows, in shared memory (else
+    each CTA writes its block's terms as partial rows): one per SM, or `config.num_partials`."""
 
     rows: int
     reduced: int
@@ -67,6 +75,17 @@ class Plan(NamedTuple):
     def slots(self) -> int:
         return self.num_pieces if self.resident else 2
 
+    @property
+    def unroll(self) -> int:
+        """Pieces one loop step computes: about `_STEP_ROWS` rows of a piece at once, so each
+        thread has independent values to hide its shared-memory loads' latency (a power of 2
+        that divides the row's pieces)."""
+        unroll = 1
+        while (2 * unroll * self.block_rows <= _STEP_ROWS
+               and self.num_pieces % (2 * unroll) == 0):
+            unroll *= 2
+        return unroll
+
 
 def _aligned(p: Problem) -> int:
     return aligned_columns(p.reduced, min(jnp.dtype(p.dtype).itemsize, p.y_dtype.itemsize))
@@ -75,51 +94,83 @@ def _aligned(p: Problem) -> int:
 def plan_of(p: Problem, config: NormalizeConfig | None, backward: bool = False,
             has_gsum: bool = False) -> Plan:
     """The plan of the forward (or the `backward`, `has_gsum`: it reads the sum's cotangent)
-    for a problem `check` accepted. Preferred first: the block resident in shared memory (read
-    from GMEM once; not where the row is longer than `config.block_reduced` or than
-    `_MAX_RESIDENT_PIECES`), and the backward's dscale/doffset terms summed in the CTA. Rows
-    per CTA: `config.block_groups`, else `_BLOCK_BYTES` of what the CTA holds of its input rows
-    (at most `_MAX_BLOCK_ROWS`), fewer where the shared memory budget asks."""
+    for a problem `check` accepted: `_forward_plan` or `_backward_plan`."""
     config = config or NormalizeConfig()
     rows, n = max(p.outer * p.groups, 1), max(p.reduced, 1)  # size zero: planned, never run
     num_pieces = pl.cdiv(n, PIECE)
+    may_stay = n <= (config.block_reduced or n)
+    plan = (_backward_plan(p, config, has_gsum, rows, num_pieces, may_stay) if backward
+            else _forward_plan(p, config, rows, num_pieces, may_stay))
+    return plan._replace(rows=rows, reduced=n, aligned=_aligned(p), num_pieces=num_pieces)
+
+
+def _fitting_rows(config: NormalizeConfig, wanted: int, rows: int, smem, budget: int) -> int:
+    """`config.block_groups`, else `wanted` rows (at most `_MAX_BLOCK_ROWS`, the problem's),
+    fewer while `smem(block_rows)` is over `budget`; 0 where the caller's rows or one row do
+    not fit."""
+    block_rows = min(config.block_groups or max(1, min(_MAX_BLOCK_ROWS, wanted)), rows)
+    while not config.block_groups and block_rows > 1 and smem(block_rows) > budget:
+        block_rows -= 1
+    return block_rows if smem(block_rows) <= budget else 0
+
+
+def _forward_plan(p: Problem, config: NormalizeConfig, rows: int, num_pieces: int,
+                  may_stay: bool) -> Plan:
+    """One block per CTA, two CTAs an SM (half its shared memory each), resident where the
+    block fits (at most `_MAX_RESIDENT_PIECES`): rows per CTA `config.block_groups`, else
+    `_BLOCK_BYTES` of its input rows."""
     item = jnp.dtype(p.dtype).itemsize
-    if backward:  # x and the sum's cotangent in x's dtype, dy in y's
-        input_bytes = item * (1 + has_gsum) + p.y_dtype.itemsize
-        accumulator_bytes = 4 * (p.has_scale + p.has_offset)
-    else:
-        input_bytes = item * (1 + p.has_residual)
-        accumulator_bytes = 0
+    input_bytes = item * (1 + p.has_residual)
     width, budget = num_pieces * PIECE, smem_budget(whole=bool(config.block_groups))
-    may_stay = n <= (config.block_reduced or n) and num_pieces <= _MAX_RESIDENT_PIECES
-
-    def smem(block_rows, resident, accumulate):
-        """Bytes of the staged inputs, the output rings and the summed terms."""
-        inputs = width if resident else 2 * PIECE
-        rings = 2 * PIECE * (item if backward else p.y_dtype.itemsize + item * p.has_residual)
-        return block_rows * (inputs * input_bytes + rings
-                             + accumulate * width * accumulator_bytes)
-
-    accumulates = bool(accumulator_bytes)
-    for resident, accumulate in ((True, accumulates), (False, accumulates), (True, False),
-                                 (False, False)):
-        if resident and not may_stay:
+    for resident in (True, False):
+        if resident and not (may_stay and num_pieces <= _MAX_RESIDENT_PIECES):
             continue
         held = (width if resident else 2 * PIECE) * input_bytes
-        block_rows = min(config.block_groups or max(
-            1, min(_MAX_BLOCK_ROWS, _BLOCK_BYTES // held)), rows)
-        while not config.block_groups and block_rows > 1 and (
-                smem(block_rows, resident, accumulate) > budget):
-            block_rows -= 1
-        if smem(block_rows, resident, accumulate) <= budget:
+        rings = 2 * PIECE * (p.y_dtype.itemsize + item * p.has_residual)
+        block_rows = _fitting_rows(config, _BLOCK_BYTES // held, rows,
+                                   lambda r: r * (held + rings), budget)
+        if block_rows:
+            return Plan(rows, 0, 0, block_rows, num_pieces, resident, pl.cdiv(rows, block_rows))
+    raise ValueError(f"config.block_groups={config.block_groups}: blocks of that many rows of "
+                     f"{p.reduced} are over the {budget} bytes of shared memory a CTA plans")
+
+
+def _backward_plan(p: Problem, config: NormalizeConfig, has_gsum: bool, rows: int,
+                   num_pieces: int, may_stay: bool) -> Plan:
+    """One CTA per SM (all its shared memory) walking blocks. Preferred first: two whole blocks
+    in shared memory (`Plan.resident`; not where a row is longer than `config.block_reduced`),
+    each of `config.block_groups` rows, else of `_IN_FLIGHT_BYTES` of input rows; dx staged
+    whole; scale staged once; and the dscale/doffset terms summed over the CTA's rows in
+    shared memory (`Plan.accumulate`). Else blocks stream their pieces through 2-slot rings,
+    and where the summed terms do not fit, each block writes its own."""
+    item = jnp.dtype(p.dtype).itemsize
+    input_bytes = item * (1 + has_gsum) + p.y_dtype.itemsize  # x, dsum in x's dtype; dy in y's
+    width, budget = num_pieces * PIECE, smem_budget(whole=True)
+    params = 4 * width * p.has_scale
+    terms = 4 * width * (p.has_scale + p.has_offset)
+    for resident, accumulate in ((True, True), (False, True), (False, False)):
+        if resident and not may_stay:
+            continue
+
+        def smem(block_rows, resident=resident, accumulate=accumulate):
+            if resident:  # two blocks of inputs and dx's whole block
+                held = block_rows * width * (2 * input_bytes + item)
+            else:  # 2-slot rings of each input and of dx
+                held = block_rows * 2 * PIECE * (input_bytes + item)
+            return held + accumulate * (params + terms)  # scale staged beside the terms
+
+        wanted = pl.cdiv(_IN_FLIGHT_BYTES, width * input_bytes)
+        block_rows = _fitting_rows(config, wanted, rows, smem, budget)
+        if block_rows:
             break
     else:
-        raise ValueError(f"config.block_groups={block_rows}: blocks of {block_rows} rows of "
-                         f"{n} are over the {budget} bytes of shared memory a CTA plans")
+        raise ValueError(f"config.block_groups={config.block_groups}: blocks of that many rows "
+                         f"of {p.reduced} are over the {budget} bytes of shared memory a CTA "
+                         f"plans")
     num_blocks = pl.cdiv(rows, block_rows)
-    wanted = config.num_partials or _targets.current("gpu").min_programs
-    programs = min(num_blocks, wanted) if accumulate else num_blocks
-    return Plan(rows, n, _aligned(p), block_rows, num_pieces, resident, programs, accumulate)
+    wanted = config.num_partials or _targets.current("gpu").num_sms
+    programs = num_blocks if terms and not accumulate else min(num_blocks, wanted)
+    return Plan(rows, 0, 0, block_rows, num_pieces, resident, programs, accumulate and terms > 0)
 
 
 def resolve_config(p: Problem, config: NormalizeConfig | None) -> NormalizeConfig:

@@ -25,8 +25,9 @@ def layout_of(plan: Plan) -> object:
 
 
 def fold(plan: Plan, step, carry):
-    """carry = step(piece, carry) for each piece of the row, in order."""
-    return jax.lax.fori_loop(0, plan.num_pieces, step, carry)
+    """carry = step(piece, carry) for each piece of the row, in order, `Plan.unroll` pieces a
+    loop step."""
+    return jax.lax.fori_loop(0, plan.num_pieces, step, carry, unroll=plan.unroll)
 
 
 def rows_view(a: jax.Array | None, p: Problem, plan: Plan) -> jax.Array | None:
