@@ -34,6 +34,11 @@ REGISTER_UNIT = 256
 SM_THREADS = 2_048
 SM_CTAS = 32
 CTA_SHARED_RESERVE = 1_024
+# The share of a GPU's memory bandwidth a kernel streaming its bytes is expected to reach (the
+# design model of `Target.streaming_seconds`): the fastest row of the H100's device record
+# (bench/records/nvidia_h100_80gb_hbm3.json), Triton's layer norm of 8192x1024 float32, moved
+# 2,529 GB/s, 0.754 of the H100's 3.35 TB/s.
+STREAMING_SHARE = 0.75
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +84,11 @@ class Target:
         by_shared = ((self.shared_memory + CTA_SHARED_RESERVE)
                      // (shared_bytes + CTA_SHARED_RESERVE))
         return min(by_registers, by_shared, SM_THREADS // threads, SM_CTAS)
+
+    def streaming_seconds(self, nbytes: int) -> float:
+        """The expected time of a kernel that moves `nbytes` to and from GPU memory and keeps
+        enough bytes in flight to stream them: at `STREAMING_SHARE` of the bandwidth."""
+        return nbytes / (STREAMING_SHARE * self.memory_bandwidth)
 
     @property
     def min_programs(self) -> int:

@@ -113,3 +113,35 @@ def test_float64_declines_and_a_sequence_falls_through():
         with pytest.raises(NotImplementedError, match="float64 is not supported on Mosaic GPU"):
             layer_norm(x, implementation="mosaic_gpu")
         assert layer_norm(x, implementation=("mosaic_gpu", "xla")).dtype == jnp.float64
+
+
+@needs_mosaic_gpu
+@pytest.mark.parametrize("target", ["sm_90", "sm_100"])
+@pytest.mark.parametrize("shape", [(4096, 8192), (8192, 1024)], ids=["4096x8192", "8192x1024"])
+@pytest.mark.parametrize("subtract_mean,residual", [(True, False), (False, False), (True, True),
+                                                    (False, True)],
+                         ids=["layer", "rms", "layer+residual", "rms+residual"])
+def test_design_shapes_stream(target, shape, subtract_mean, residual):
+    """By design, at the bench's bfloat16 shapes on an H100 and a B200: every kernel's SM has
+    32 KiB or more of input rows in flight (the forward's CTAs each their resident block, the
+    backward's one CTA the next block while it computes), the backward writes one partial row
+    per SM at most, and moves at most 5% more than x, dy (and dsum) read and dx written once."""
+    from kernels import _targets
+    from kernels._pallas.lowering import on_target
+    from kernels.normalize.common import Problem, backward_flops_and_bytes
+    from kernels.normalize.mosaic_gpu.backward import _cost
+    from kernels.normalize.mosaic_gpu.config import plan_of
+
+    bf16 = jnp.dtype(jnp.bfloat16)
+    p = Problem(1, *shape, True, bf16, subtract_mean, 1e-5, True, subtract_mean, residual)
+    with on_target(_targets.TARGETS[target]):
+        forward_plan = plan_of(p, None)
+        backward_plan = plan_of(p, None, backward=True, has_gsum=residual)
+        num_sms = _targets.current("gpu").num_sms
+        for plan in (forward_plan, backward_plan):
+            assert plan.resident and plan.in_flight_per_sm >= 32 * 1024, plan
+        assert backward_plan.accumulate and backward_plan.programs <= num_sms
+        assert backward_plan.ctas_per_sm == 1
+        _, moved = _cost(p, backward_plan, backward_plan.programs, False, residual)
+        _, minimum = backward_flops_and_bytes(p, 0, False, residual)
+        assert moved <= 1.05 * minimum, (moved, minimum)

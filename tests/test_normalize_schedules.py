@@ -104,10 +104,10 @@ def test_triton_programs_fill_an_h100(op, shape, dtype, axis):
 def test_triton_backward_reads_a_row_of_up_to_16384_once(shape, dtype):
     """Issue 25, item 4: the backward of a row of up to 16384 elements is one kernel that reads
     x and dy from HBM once (3 passes: x, dy, dx), not a sums pass re-reading both first (5
-    passes: rows over 4096 before). Up to 8192 a row is one chunk on 16 warps; rows up to
-    16384 two chunks of 8192, each program reading the other chunk for the sums (mostly from
-    L2; an estimate, not measured). `test_compile` compiles them for sm_90 and sm_80 without
-    spills."""
+    passes: rows over 4096 before). Up to 4096 a row is one chunk; rows up to 8192 two chunks
+    of 4096 (`config._BACKWARD_MAX_CHUNK`), up to 16384 two of 8192, each program reading the
+    other chunk for the sums (mostly from L2; an estimate, not measured). `test_compile`
+    compiles them for sm_90 and sm_80 without spills, two CTAs an SM at the bench's shapes."""
     calls = _triton_kernels("layer_norm", shape, dtype, -1)
     backward = [eqn for eqn in calls if eqn.params["name"] != "normalize_forward_triton"]
     assert [eqn.params["name"] for eqn in backward] == ["normalize_backward_triton"]

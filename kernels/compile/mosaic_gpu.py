@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import math
 import os
 import re
 import tempfile
@@ -80,7 +81,14 @@ def _ptxas(folder: str) -> dict:
                     for direction, pattern in _TMA_COPIES.items()},
             "mma": tuple(sorted(set(re.findall(r"\b(?:wgmma\.mma_async|tcgen05\.mma)\S*", ptx)))),
             "max_registers": tuple(sorted({int(n) for n in re.findall(
-                r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}))}
+                r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)})),
+            "threads": _threads(ptx)}
+
+
+def _threads(ptx: str) -> int | None:
+    """Threads per CTA: the PTX's `.reqntid` (or `.maxntid`) directive."""
+    found = re.search(r"\.(?:reqntid|maxntid)\s+(\d+)(?:\s*,\s*(\d+))?(?:\s*,\s*(\d+))?", ptx)
+    return math.prod(int(n) for n in found.groups() if n) if found else None
 
 
 def mosaic_gpu_report(eqn, target: Target, timeout_s: float | None) -> KernelReport:
@@ -128,5 +136,8 @@ def _compile(eqn, target: Target, timeout_s: float | None, report: dict) -> Kern
             return KernelReport(compiled=False, error=f"{name} for {target.name}: "
                                 f"{first_line(error)}", seconds=time.perf_counter() - start,
                                 **report)
+    threads = resources.pop("threads")
+    ctas = None if threads is None else target.ctas_per_sm(threads, resources["registers"],
+                                                           resources["shared_bytes"])
     return KernelReport(compiled=True, error=None, seconds=time.perf_counter() - start,
-                        **report, **resources)
+                        ctas_per_sm=ctas, **report, **resources)

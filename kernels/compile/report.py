@@ -99,7 +99,8 @@ def resources(r: KernelReport) -> str:
             return ""
         text = f"smem {r.shared_bytes}/{r.shared_limit} regs {r.registers} spill {r.spill_bytes}"
         if r.tma is not None:  # Mosaic GPU: ptxas's report and the PTX's TMA copies
-            return f"{text} tma {r.tma['load']}/{r.tma['store']} (loads/stores)"
+            return (f"{text} ({r.ctas_per_sm} CTAs/SM) tma {r.tma['load']}/{r.tma['store']} "
+                    f"(loads/stores)")
         return (f"{text} warps {r.num_warps} ({r.ctas_per_sm} CTAs/SM) stages {r.num_stages} "
                 f"loads {'/'.join(f'{b}B' for b in sorted(r.load_bytes, reverse=True))}")
     return f"vmem {r.vmem_planned / 2**20:.1f}/{r.vmem_limit / 2**20:.0f} MiB (planned/limit)"

@@ -12,7 +12,8 @@ import jax.numpy as jnp
 from kernels import _targets
 from kernels._blocks import is_positive_int
 from kernels._pallas import pl
-from kernels._pallas.mosaic_gpu import PIECE, aligned_columns, smem_budget
+from kernels._pallas.mosaic_gpu import (LANES, PIECE, RESERVED_SMEM, WARPS, aligned_columns,
+                                        smem_budget)
 from kernels.normalize import common
 from kernels.normalize.common import NormalizeConfig, Problem
 
@@ -61,6 +62,24 @@ class Plan(NamedTuple):
     resident: bool
     programs: int
     accumulate: bool = False
+    shared_bytes: int = 0  # the planned buffers of one CTA
+    in_flight: int = 0  # bytes of input rows one CTA's copies have in flight at once
+
+    @property
+    def ctas_per_sm(self) -> int:
+        """CTAs an SM of the program's GPU runs at once: by their shared memory (with
+        `RESERVED_SMEM`) and threads (registers: the compile report's `ctas_per_sm`), and by
+        the grid."""
+        target = _targets.current("gpu")
+        held = target.ctas_per_sm(WARPS * LANES, 0, self.shared_bytes + RESERVED_SMEM)
+        return min(held, pl.cdiv(self.programs, target.num_sms))
+
+    @property
+    def in_flight_per_sm(self) -> int:
+        """Bytes of input rows an SM's CTAs have in flight when each has issued its copies:
+        a forward CTA its block (resident) or the next piece (streamed) as it starts, a
+        backward CTA the next block as it starts computing on one."""
+        return self.ctas_per_sm * self.in_flight
 
     @property
     def num_blocks(self) -> int:
@@ -130,7 +149,9 @@ def _forward_plan(p: Problem, config: NormalizeConfig, rows: int, num_pieces: in
         block_rows = _fitting_rows(config, _BLOCK_BYTES // held, rows,
                                    lambda r: r * (held + rings), budget)
         if block_rows:
-            return Plan(rows, 0, 0, block_rows, num_pieces, resident, pl.cdiv(rows, block_rows))
+            return Plan(rows, 0, 0, block_rows, num_pieces, resident, pl.cdiv(rows, block_rows),
+                        shared_bytes=block_rows * (held + rings),
+                        in_flight=block_rows * held // (1 if resident else 2))
     raise ValueError(f"config.block_groups={config.block_groups}: blocks of that many rows of "
                      f"{p.reduced} are over the {budget} bytes of shared memory a CTA plans")
 
@@ -170,7 +191,9 @@ def _backward_plan(p: Problem, config: NormalizeConfig, has_gsum: bool, rows: in
     num_blocks = pl.cdiv(rows, block_rows)
     wanted = config.num_partials or _targets.current("gpu").num_sms
     programs = num_blocks if terms and not accumulate else min(num_blocks, wanted)
-    return Plan(rows, 0, 0, block_rows, num_pieces, resident, programs, accumulate and terms > 0)
+    in_flight = block_rows * (width if resident else PIECE) * input_bytes
+    return Plan(rows, 0, 0, block_rows, num_pieces, resident, programs, accumulate and terms > 0,
+                shared_bytes=smem(block_rows), in_flight=in_flight)
 
 
 def resolve_config(p: Problem, config: NormalizeConfig | None) -> NormalizeConfig:

@@ -35,6 +35,13 @@ leading axes, e.g. (1M, 64) over axis 0: 2 group blocks of 8192 chunks), the gro
 along the reduced axis into `splits` ranges of `per_split` chunks (`schedule_of`), at least two
 waves of them, reduced in parallel and merged by XLA, and the elementwise pass gets one
 program per tile.
+
+CTAs vs an SM: the backward's programs keep their partial dscale/doffset accumulators in
+registers, so a program holding a whole row of 8192 takes 16 warps of 123 registers, one CTA
+an SM, whose next row's loads wait for this row's reductions and stores. Its chunks are at most
+`config._BACKWARD_MAX_CHUNK` elements where a row would be one chunk (`backward_config`): two
+CTAs an SM, one loading while the other computes, as the forward's (the figures beside that
+constant; each kernel's `ctas_per_sm` in the compile reports).
 """
 
 from kernels.normalize.triton.backward import backward

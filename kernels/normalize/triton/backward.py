@@ -10,12 +10,14 @@ blocks q, q + num_partials, ... of slab o in chunk c: loads x and dy (with two c
 the whole group, for the sums: below), writes dx once, and adds the tile's column
 sums of dy·x̂ and dy to register accumulators; at the end it writes its chunk of partial row
 o·num_partials + q of dscale and doffset, which XLA sums (no float atomics: the same result on
-every run). dx needs two per-group sums, sum(dy·scale) and sum(dy·scale·x̂): with one chunk per
-group the tile holds them; with up to `config._MAX_REREAD_CHUNKS` (rows up to that many
-`_MAX_ROW` chunks; float32 rows with a residual in smaller chunks: `_chunked_float32_residual`;
-the register counts are beside those constants) the program reads both chunks for them, in
-half-chunk tiles, then its own again (`config.sums_in_program`), mostly from L2, where
-its neighbour, the program of the other chunk, is reading the same rows: x and dy come from
+every run). Its chunks are `config.backward_config`'s (a row the forward holds in one chunk of
+more than `_BACKWARD_MAX_CHUNK` is two here: two CTAs an SM). dx needs two per-group sums,
+sum(dy·scale) and sum(dy·scale·x̂): with one chunk per group the tile holds them; with up to
+`config._MAX_REREAD_CHUNKS` (rows up to that many `_MAX_ROW` chunks; float32 rows with a
+residual in smaller chunks: `_chunked_float32_residual`; the register counts are beside those
+constants) the program reads both chunks for them, in half-chunk tiles, then its own again
+(`config.sums_in_program`), mostly from L2, where its neighbour, the program of the other
+chunk, is reading the same rows: x and dy come from
 HBM about once (an estimate, not measured on a GPU). Longer groups get them from
 `_sums_kernel` (grid (outer, num_blocks, splits), like `_moments_kernel`), run first, and XLA
 adds the splits: a second read of x and dy. So a long row never makes the backward write a
@@ -35,8 +37,8 @@ from kernels._blocks import int32_loop
 from kernels._pallas import pl, triton_store
 from kernels.normalize import common
 from kernels.normalize.common import NormalizeConfig, Problem
-from kernels.normalize.triton.config import (Schedule, num_partials, reduction_traffic,
-                                             resolve_config, schedule_of, sums_in_program)
+from kernels.normalize.triton.config import (Schedule, backward_config, num_partials,
+                                             reduction_traffic, schedule_of, sums_in_program)
 from kernels.normalize.triton.tiles import Tiles, fold, launch, split_range, split_shape
 
 __all__ = ["backward"]
@@ -133,7 +135,7 @@ def backward(x, scale, mean, rstd, gy, gmean, grstd, gsum, p: Problem, *,
     """(dx, dscale or None, doffset or None); dscale/doffset in `p.param_shape`. `x` is the
     normalized array (the forward's sum, with a residual); `gsum`, the sum's cotangent or
     None, is added to dx."""
-    config = resolve_config(p, config)
+    config = backward_config(p, config)
     schedule = schedule_of(p, config)
     partials = num_partials(p, config, schedule)
     sums = (None, None)

@@ -6,6 +6,7 @@ blocks, chunks, and the reduction splits that fill the GPU), the backward's part
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax.numpy as jnp
@@ -17,7 +18,7 @@ from kernels._pallas import pl
 from kernels.normalize import common
 from kernels.normalize.common import NormalizeConfig, Problem
 
-__all__ = ["resolve_config", "check", "Schedule", "schedule_of", "sums_in_program", "num_partials",
+__all__ = ["resolve_config", "backward_config", "check", "Schedule", "schedule_of", "sums_in_program", "num_partials",
            "reduction_traffic"]
 
 _DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
@@ -28,6 +29,16 @@ _MAX_TILE = 4096  # elements per tile (per input): what 4-8 warps hold in regist
 # warps, without spills; rows of 16384 in one chunk spilled 260 and 576 bytes. Longer rows
 # are chunks of this many elements.
 _MAX_ROW = 8192
+# The backward's chunks of a row that one chunk would hold: at most this many elements, so a
+# row of up to twice that is two chunks (`backward_config`). In one chunk a 16-warp program of
+# the bfloat16 4096x8192 backward took 123 registers (sm_90 and sm_80), one CTA an SM: its next
+# row's loads wait for this row's reductions and stores, so the SM's memory idles while it
+# computes (the Triton forward, 62 registers, runs two). In two chunks of 4096, on 8 warps, it
+# took 124 registers on sm_90 and 105 on sm_80, no spills, two CTAs an SM: one loads while the
+# other computes, as in the forward (16 warps spilled 8 bytes on sm_80). Each program reads
+# its row's other chunk for the sums (`sums_in_program`, mostly from L2), and the partial rows
+# of dscale/doffset halve (one chunk a program).
+_BACKWARD_MAX_CHUNK = 4096
 # Groups of up to this many chunks get their per-group sums inside the backward's programs
 # (`sums_in_program`), which re-read the group's other chunk in half-chunk tiles: rows up to
 # 16384 in one pass. Compiled at 4096x16384 and 4096x12000 (sm_90 and sm_80): bfloat16 up to
@@ -74,6 +85,20 @@ def resolve_config(p: Problem, config: NormalizeConfig | None) -> NormalizeConfi
                     else 4 if tile >= 1024 else 1)
     return NormalizeConfig(block_groups, block_reduced, config.num_partials, num_warps,
                            _or(config.num_stages, 2))
+
+
+def backward_config(p: Problem, config: NormalizeConfig | None) -> NormalizeConfig:
+    """The backward's config: `resolve_config`'s, but a row of more than
+    `_BACKWARD_MAX_CHUNK` elements that it holds in one chunk is two chunks (on the warps
+    `resolve_config` gives such a tile), unless the caller chose `block_reduced`."""
+    resolved = resolve_config(p, config)
+    whole = p.rows and resolved.block_groups == 1 and resolved.block_reduced >= p.reduced
+    if (config is not None and config.block_reduced is not None) or not whole or (
+            resolved.block_reduced <= _BACKWARD_MAX_CHUNK):
+        return resolved
+    halved = dataclasses.replace(config or NormalizeConfig(),
+                                 block_reduced=resolved.block_reduced // 2)
+    return resolve_config(p, halved)
 
 
 def _chunked_float32_residual(p: Problem) -> bool:
