@@ -18,8 +18,8 @@ from kernels._pallas import pl
 from kernels.normalize import common
 from kernels.normalize.common import NormalizeConfig, Problem
 
-__all__ = ["resolve_config", "backward_config", "check", "Schedule", "schedule_of", "sums_in_program", "num_partials",
-           "reduction_traffic"]
+__all__ = ["resolve_config", "backward_config", "check", "Schedule", "schedule_of",
+           "sums_in_program", "num_partials", "reduction_traffic"]
 
 _DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
 _MAX_TILE = 4096  # elements per tile (per input): what 4-8 warps hold in registers comfortably.
