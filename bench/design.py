@@ -39,7 +39,7 @@ from kernels.ops import OPS
 DEVICE_NAMES = {"sm_90": "H100", "v5e": "TPU v5e"}  # the design targets, as the summary names them
 TARGETS = tuple(DEVICE_NAMES)
 _FIGURE_COLUMNS = ["kernel", "grid", "programs", "waves/steps", "flops vs op", "HBM MB est.",
-                   "operands MB", "compiled"]
+                   "operands MB", "streamed us", "compiled"]
 
 
 def _bytes(avals) -> int:
@@ -146,6 +146,7 @@ def _row(case, eqn, target, implementation: str, compile_kernels: bool) -> dict:
            "flops": cost.flops if cost else None, "op_flops": _op_flops(case),
            "bytes": cost.bytes_accessed if cost else None, "min_bytes": min_bytes,
            "resources": "not compiled"}
+    row["streamed_us"] = _streamed_us(case, target, row["bytes"])
     missing = missing_package(implementation)
     if compile_kernels and missing:
         row["resources"] = f"not compiled: {missing} is not installed (the test extra)"
@@ -168,7 +169,7 @@ def _program_row(case, target, mode: str, implementation: str) -> dict:
            "launch": MODES[mode], "count": 1, "grid": "-", "programs": None,
            "waves": None,
            "flops": None, "op_flops": _op_flops(case), "bytes": None, "min_bytes": None,
-           "resources": "not compiled"}
+           "streamed_us": None, "resources": "not compiled"}
     missing = missing_package("mosaic_gpu")  # XLA's GPU compiler: the CUDA plugin
     if missing:
         row["resources"] = f"not compiled: {missing} is not installed (the test extra)"
@@ -182,6 +183,16 @@ def _program_row(case, target, mode: str, implementation: str) -> dict:
     once = [*case.args, out, out, *floats] if mode == "training" else [*case.args, out]
     return {**row, "grid": f"{kernels} kernels", "bytes": nbytes, "min_bytes": _bytes(once),
             "resources": "XLA" if implementation == registry.REFERENCE else "XLA program"}
+
+
+def _streamed_us(case, target, nbytes: int | None) -> float | None:
+    """The design model of a memory-bound launch's time on a GPU: its bytes at
+    `_targets.STREAMING_SHARE` of the bandwidth (`Target.streaming_seconds`); None for the
+    compute-bound ops (`_op_flops`) and on a TPU. Not for XLA's programs: its cost analysis
+    counts each fusion's operands whole, more than its recorded times can have moved."""
+    if target.platform != "gpu" or nbytes is None or _op_flops(case) is not None:
+        return None
+    return target.streaming_seconds(nbytes) * 1e6
 
 
 def _ratio(value, floor) -> str:
@@ -202,7 +213,8 @@ def table(design_rows: list[dict]) -> str:
 def _figures(r: dict) -> list[str]:
     return [r["kernel"], r["grid"], str(r["programs"] or "-"), _occupancy(r),
             _ratio(r["flops"], r["op_flops"]), _megabytes(r["bytes"]),
-            _megabytes(r["min_bytes"]), r["resources"]]
+            _megabytes(r["min_bytes"]),
+            "-" if r["streamed_us"] is None else f"{r['streamed_us']:.1f}", r["resources"]]
 
 
 def _occupancy(r: dict) -> str:
@@ -325,4 +337,7 @@ LEGEND = ("Design figures (no device needed): every launch of the forward and ba
           "gradient from a cotangent) as XLA itself compiles it for an H100, its kernels and "
           "the bytes XLA's cost analysis states; each case's last lines sum every "
           "implementation's launches, as often as each runs (not the small XLA work around "
-          "them: the backward's sort of the ids, a padding copy).")
+          "them: the backward's sort of the ids, a padding copy). streamed us: a memory-bound "
+          f"kernel launch's HBM bytes at {_targets.STREAMING_SHARE:.0%} of the H100's "
+          "bandwidth (`_targets.STREAMING_SHARE`: the H100 record's fastest row), the time it "
+          "is expected at where it keeps enough bytes in flight.")

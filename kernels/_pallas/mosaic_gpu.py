@@ -31,22 +31,25 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels import _targets
 
-__all__ = ["WARPS", "LANES", "PIECE", "TMA_ALIGNMENT", "TMA_SMEM_ALIGNMENT", "RESERVED_SMEM",
-           "UNTILED",
-           "smem_budget", "aligned_columns", "stored_shape", "pad_to", "mosaic_gpu_call",
-           "row_layout", "load", "store", "per_row", "per_column", "smem", "piece_columns",
-           "StagedRows", "RowWriter", "BlockBuffers", "BlockWriter"]
+__all__ = ["WARPS", "LANES", "TMA_MAX_BOX", "PIECE", "TMA_ALIGNMENT", "TMA_SMEM_ALIGNMENT",
+           "PALLAS_SMEM", "RESERVED_SMEM", "UNTILED", "smem_budget", "aligned_columns",
+           "stored_shape", "pad_to", "mosaic_gpu_call", "row_layout", "load", "store", "per_row",
+           "per_column", "smem", "piece_columns", "StagedRows", "RowWriter", "BlockBuffers",
+           "BlockWriter"]
 
 WARPS, LANES = 4, 32  # one warpgroup per CTA
-PIECE = 256  # columns one TMA copy moves: Mosaic GPU's limit of 256 elements per dimension
+TMA_MAX_BOX = 256  # elements one TMA copy moves along a dimension at most (Mosaic GPU's limit)
+PIECE = TMA_MAX_BOX  # columns of a row one TMA copy moves
 TMA_ALIGNMENT = 16  # bytes: TMA needs every GMEM stride but the last a multiple of 16 bytes
 # Bytes: a TMA copy's shared-memory address must be a multiple of this. Nothing checks it before
 # the device: Mosaic GPU's compiler and interpreter both took the gather's rows at 16-byte
 # offsets, and an H100 raised CUDA_ERROR_MISALIGNED_ADDRESS on them (2026-11-26).
 TMA_SMEM_ALIGNMENT = 128
 # Shared memory a CTA holds beyond a kernel's planned buffers: Pallas' 2 KiB cross-warp
-# reduction scratch, up to 32 barriers of 8 bytes, and the 1 KiB the hardware reserves per CTA.
-RESERVED_SMEM = 2048 + 32 * 8 + 1024
+# reduction scratch and up to 32 barriers of 8 bytes (`PALLAS_SMEM`), and the 1 KiB the
+# hardware reserves per CTA.
+PALLAS_SMEM = 2048 + 32 * 8
+RESERVED_SMEM = PALLAS_SMEM + _targets.CTA_SHARED_RESERVE
 
 
 def smem_budget(whole: bool = False) -> int:

@@ -47,7 +47,8 @@ class NormalizeConfig:
         longer row is streamed, its pieces read again in each pass.
     num_partials: GPU backward only: programs (Triton: per outer slab and chunk; Mosaic GPU:
         CTAs) each accumulating one partial sum of dscale/doffset over the group blocks it
-        walks (reduced afterwards, no atomics); by default enough for two waves of the GPU.
+        walks (reduced afterwards, no atomics); by default enough for two waves of the GPU
+        (Triton) or one CTA per SM (Mosaic GPU).
     num_warps, num_stages: Triton only; compiler params.
     """
 

@@ -4,9 +4,9 @@ sm_90a and sm_100a): every layout, row length and dtype but float64, forward and
 The kernels work on rows: the columns layout (normalized axes followed by others) is
 transposed to rows first, and a row that is not a multiple of 16 bytes is padded (each a copy
 by XLA, `rows.rows_view`). A block of rows moves by TMA in pieces of 256 columns
-(`_pallas.mosaic_gpu.StagedRows`), which zero-fills past the array's edges, so ragged rows and
-blocks need no masks on loads and stores. The loop nests, per CTA (one warpgroup), over the pieces
-k of its block of rows (`config.plan_of` sizes the blocks):
+(`_pallas.mosaic_gpu`'s `StagedRows` and `BlockBuffers`), which zero-fills past the array's
+edges, so ragged rows and blocks need no masks on loads and stores. The loop nests, per CTA
+(one warpgroup), over the pieces k of its block of rows (`config.plan_of` sizes the blocks):
 
     forward (`forward.py`), one block per CTA:
         pass 1: acc += x[k] (+ residual[k], the sum written)     -> a first mean m
@@ -21,7 +21,8 @@ k of its block of rows (`config.plan_of` sizes the blocks):
 The forward's block stays in shared memory for its passes where it fits (x read from GMEM
 once); the backward's two blocks do where they fit. Longer rows stream their pieces again per
 pass (`Plan.resident`). The dscale/doffset terms, summed over a CTA's rows in shared memory,
-are its partial rows (one per SM), summed by XLA (deterministic).
+are its partial row (one per SM, or per `config.num_partials` CTA; per block where a summed
+row does not fit), summed by XLA (deterministic).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ blocks q, q + programs, ... With x̂ = (x - mean) * rstd and gs = dy * scale, pe
 
 A resident plan holds two whole blocks of the inputs, dx's block, scale (staged once) and the
 two summed term rows (float32, the row's width each) in shared memory: the next block's copies,
-`_IN_FLIGHT_BYTES` or more, are in flight while the CTA computes on this one, and its passes
+`config._IN_FLIGHT_BYTES` or more, are in flight while the CTA computes on this one, and its passes
 wait once per block. Each loop step computes `Plan.unroll` pieces. At the end the CTA writes
 its terms as one partial row (one TMA copy), and XLA sums the `programs` rows (no float atomics:
 the same result on every run), so x and dy are read from GMEM once and dx written once
@@ -46,15 +46,15 @@ __all__ = ["backward"]
 
 _PARTIALS = ("dscale", "doffset")
 _STATS = ("mean", "rstd", "gmean", "grstd")
-_MAX_BOX = 256  # elements a TMA copy moves along a dimension
 
 
-def _block_gradient(refs: dict, read: Callable, writer: RowWriter, terms: dict, stats: dict,
-                    first, p: Problem, plan: Plan) -> None:
+def _block_gradient(refs: dict, read: Callable, writer: RowWriter, scale, terms: dict,
+                    stats: dict, first, p: Problem, plan: Plan) -> None:
     """dx of rows [first, first + block_rows) (`read(pass, piece)`: their inputs' pieces;
-    `stats`: their per-row statistics), written through `writer`; their dscale/doffset terms
-    summed over the rows into the shared-memory rows `terms` (or, where empty, written as the
-    block's partial rows)."""
+    `stats`: their per-row statistics; `scale`: the (num_pieces, PIECE) row, staged or in
+    GMEM, or None), written through `writer`; their dscale/doffset terms summed over the rows
+    into the shared-memory rows `terms` (or, where empty, written as the block's partial
+    rows)."""
     shape = (plan.block_rows, PIECE)
     layout = layout_of(plan)
     stat = {name: per_row(value, shape) for name, value in stats.items()}
@@ -62,8 +62,7 @@ def _block_gradient(refs: dict, read: Callable, writer: RowWriter, terms: dict, 
     def inputs(pass_index, piece):
         values = read(pass_index, piece)
         g = values["gy"]
-        gs = g * per_column(_load_row(refs["scale"], piece, layout), shape) \
-            if "scale" in refs else g
+        gs = g if scale is None else g * per_column(_load_row(scale, piece, layout), shape)
         return g, gs, common.normalized(values["x"], stat.get("mean"), stat["rstd"], p), values
 
     def sums(piece, accumulators):
@@ -85,7 +84,7 @@ def _block_gradient(refs: dict, read: Callable, writer: RowWriter, terms: dict, 
             if name in terms:
                 _add_to_row(terms[name], piece, value, layout)
             elif name in refs:  # this block's partial row
-                _store_row(refs[name], first // plan.block_rows, piece, value)
+                _store_row(refs[name], first // plan.block_rows, piece, value, layout)
         writer.write(first, piece, {"dx": dx})
         return carry
 
@@ -100,29 +99,27 @@ def _load_row(ref, piece, layout) -> jax.Array:
     return plgpu.load(ref.at[piece], layout=layout.reduce(0), optimized=False)
 
 
-def _add_to_row(ref, piece, value: jax.Array, layout) -> None:
-    """Adds a block's piece, summed over its rows (in each thread's registers: the rows of a
-    piece lie in one thread), to piece `piece` of the shared-memory row `ref`."""
-    if value.shape[0] == 1:  # added as it lies (Mosaic GPU's layouts take no such reshape)
-        target = ref.at[pl.ds(piece, 1)]
-        target[...] = plgpu.load(target, layout=layout, optimized=False) + value
-    else:
-        ref.at[piece][...] = _load_row(ref, piece, layout) + jnp.sum(value, axis=0)
+def _over_rows(row, piece, value: jax.Array, layout) -> tuple:
+    """(ref, summed, its layout): piece `piece` of the (num_pieces, PIECE) row `row`, and the
+    block's piece `value` summed over its rows (in each thread's registers: a piece's rows lie
+    in one thread), shaped alike; a one-row block's piece as it lies (Mosaic GPU's layouts take
+    no such reshape)."""
+    if value.shape[0] == 1:
+        return row.at[pl.ds(piece, 1)], value, layout
+    return row.at[piece], jnp.sum(value, axis=0), layout.reduce(0)
 
 
-def _store_row(partial, row, piece, value) -> None:
+def _add_to_row(row, piece, value: jax.Array, layout) -> None:
+    """Adds a block's piece, summed over its rows, to the shared-memory row `row`."""
+    target, summed, summed_layout = _over_rows(row, piece, value, layout)
+    target[...] = plgpu.load(target, layout=summed_layout, optimized=False) + summed
+
+
+def _store_row(partial, row, piece, value, layout) -> None:
     """Piece `piece` of the (rows, num_pieces, PIECE) partial row `row`: the block's terms
     summed over its rows."""
-    if value.shape[0] == 1:
-        store(partial.at[row, pl.ds(piece, 1)], value)
-    else:
-        store(partial.at[row, piece], jnp.sum(value, axis=0))
-
-
-def _copy_rows(copy, num_pieces: int) -> None:
-    """`copy(pieces)` for the pieces of a (num_pieces, PIECE) row, at most `_MAX_BOX` a copy."""
-    for start in range(0, num_pieces, _MAX_BOX):
-        copy(pl.ds(start, min(_MAX_BOX, num_pieces - start)))
+    target, summed, _ = _over_rows(partial.at[row], piece, value, layout)
+    store(target, summed)
 
 
 def _cost(p: Problem, plan: Plan, partial_rows: int, stat_cotangents: bool,
@@ -170,20 +167,19 @@ def backward(x, scale, mean, rstd, gy, gmean, grstd, gsum, p: Problem, *,
     scratch = [*staged.values(), *buffers.values(),
                plgpu.Barrier(num_arrivals=copies, num_barriers=2)]
     if "scale" in buffers:
-        scratch.append(plgpu.Barrier(num_arrivals=pl.cdiv(plan.num_pieces, _MAX_BOX)))
+        scratch.append(plgpu.Barrier(num_arrivals=1))
 
     def body(*refs):
         names = [*inputs, *outputs]
         named = dict(zip(names, refs))
         scratch_refs = dict(zip([*staged, *buffers], refs[len(names):]))
         barriers = refs[len(names) + len(staged) + len(buffers)]
-        params_barrier = refs[-1]
         program = jax.lax.axis_index("programs")
-        if "scale" in buffers:  # staged once: every block reads it from shared memory
-            _copy_rows(lambda pieces: plgpu.copy_gmem_to_smem(
-                named["scale"].at[pieces], scratch_refs["scale"].at[pieces], params_barrier),
-                plan.num_pieces)
-            named["scale"] = scratch_refs["scale"]
+        scale = named.get("scale")
+        if "scale" in buffers:  # staged once (one copy: a row the plan sums has fewer than
+            # PIECE pieces), every block reads it from shared memory
+            plgpu.copy_gmem_to_smem(scale, scratch_refs["scale"], refs[-1])
+            scale = scratch_refs["scale"]
         terms = {n: scratch_refs[n] for n in _PARTIALS if n in scratch_refs}
         for accumulator in terms.values():
             _clear_row(accumulator, plan)
@@ -229,21 +225,18 @@ def backward(x, scale, mean, rstd, gy, gmean, grstd, gsum, p: Problem, *,
                 def read(pass_index, piece):
                     return rows.read(first, piece, pass_index * plan.num_pieces + piece,
                                      2 * plan.num_pieces, layout_of(plan))
-            _block_gradient(named, read, writer, terms, stats, first, p, plan)
+            _block_gradient(named, read, writer, scale, terms, stats, first, p, plan)
             return upcoming
 
         if plan.resident:
             blocks.start(program * plan.block_rows, 0)
         if "scale" in buffers:
-            plgpu.barrier_wait(params_barrier)
+            plgpu.barrier_wait(refs[-1])
         jax.lax.fori_loop(0, count, walk, stats_of(program))
-        if terms:  # the CTA's summed terms, as its partial row
+        if terms:  # the CTA's summed terms, as its partial row (one copy each, as scale)
             plgpu.commit_smem()
             for name, accumulator in terms.items():
-                _copy_rows(lambda pieces, name=name, accumulator=accumulator:
-                           plgpu.copy_smem_to_gmem(accumulator.at[pieces],
-                                                   named[name].at[program, pieces]),
-                           plan.num_pieces)
+                plgpu.copy_smem_to_gmem(accumulator, named[name].at[program])
         RowWriter.finish()
 
     results = dict(zip(outputs, mosaic_gpu_call(

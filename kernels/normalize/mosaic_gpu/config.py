@@ -12,8 +12,8 @@ import jax.numpy as jnp
 from kernels import _targets
 from kernels._blocks import is_positive_int
 from kernels._pallas import pl
-from kernels._pallas.mosaic_gpu import (LANES, PIECE, RESERVED_SMEM, WARPS, aligned_columns,
-                                        smem_budget)
+from kernels._pallas.mosaic_gpu import (LANES, PALLAS_SMEM, PIECE, TMA_MAX_BOX, WARPS,
+                                        aligned_columns, smem_budget)
 from kernels.normalize import common
 from kernels.normalize.common import NormalizeConfig, Problem
 
@@ -23,9 +23,9 @@ _DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
 # Bytes of input rows one forward CTA moves per block: two CTAs per SM keep up to 128 KiB in
 # flight, well over the ~20 KiB an H100 SM needs to cover HBM's latency at full bandwidth
 # (3.35 TB/s x ~800 ns over 132 SMs; an estimate, not measured), while a CTA computes on one
-# block and its neighbour waits on the next. Fewer, larger blocks also run faster in Mosaic GPU's interpreter,
-# whose cost is per operation: 33 CTAs of 4 rows of 4096 float32 took about half the time of
-# 66 CTAs of 2 (this CPU, jax 0.12.0.1).
+# block and its neighbour waits on the next. Fewer, larger blocks also run faster in Mosaic
+# GPU's interpreter, whose cost is per operation: 33 CTAs of 4 rows of 4096 float32 took about
+# half the time of 66 CTAs of 2 (this CPU, jax 0.12.0.1).
 _BLOCK_BYTES = 64 * 1024
 # Rows per CTA at most, a config's too: a pass carries float32 accumulators of (rows, PIECE),
 # 2 values a thread per row each. 16 rows took up to 158 registers, no spills (the forward of
@@ -68,10 +68,10 @@ class Plan(NamedTuple):
     @property
     def ctas_per_sm(self) -> int:
         """CTAs an SM of the program's GPU runs at once: by their shared memory (with
-        `RESERVED_SMEM`) and threads (registers: the compile report's `ctas_per_sm`), and by
-        the grid."""
+        `PALLAS_SMEM`) and threads (registers: the compile report's `ctas_per_sm`), and by the
+        grid."""
         target = _targets.current("gpu")
-        held = target.ctas_per_sm(WARPS * LANES, 0, self.shared_bytes + RESERVED_SMEM)
+        held = target.ctas_per_sm(WARPS * LANES, 0, self.shared_bytes + PALLAS_SMEM)
         return min(held, pl.cdiv(self.programs, target.num_sms))
 
     @property
@@ -89,10 +89,6 @@ class Plan(NamedTuple):
     def width(self) -> int:
         """Columns a block's pieces span (padded: TMA zero-fills them on loads)."""
         return self.num_pieces * PIECE
-
-    @property
-    def slots(self) -> int:
-        return self.num_pieces if self.resident else 2
 
     @property
     def unroll(self) -> int:
@@ -169,8 +165,10 @@ def _backward_plan(p: Problem, config: NormalizeConfig, has_gsum: bool, rows: in
     width, budget = num_pieces * PIECE, smem_budget(whole=True)
     params = 4 * width * p.has_scale
     terms = 4 * width * (p.has_scale + p.has_offset)
+    # A summed row (and scale) moves as one TMA copy of (num_pieces, PIECE).
+    sums = num_pieces <= TMA_MAX_BOX
     for resident, accumulate in ((True, True), (False, True), (False, False)):
-        if resident and not may_stay:
+        if resident and not may_stay or accumulate and not sums:
             continue
 
         def smem(block_rows, resident=resident, accumulate=accumulate):
@@ -180,14 +178,14 @@ def _backward_plan(p: Problem, config: NormalizeConfig, has_gsum: bool, rows: in
                 held = block_rows * 2 * PIECE * (input_bytes + item)
             return held + accumulate * (params + terms)  # scale staged beside the terms
 
-        wanted = pl.cdiv(_IN_FLIGHT_BYTES, width * input_bytes)
+        wanted = pl.cdiv(_IN_FLIGHT_BYTES, (width if resident else PIECE) * input_bytes)
         block_rows = _fitting_rows(config, wanted, rows, smem, budget)
         if block_rows:
             break
     else:
-        raise ValueError(f"config.block_groups={config.block_groups}: blocks of that many rows "
-                         f"of {p.reduced} are over the {budget} bytes of shared memory a CTA "
-                         f"plans")
+        raise ValueError(f"config.block_groups={config.block_groups}: the backward's blocks of "
+                         f"that many rows of {p.reduced} are over the {budget} bytes of shared "
+                         f"memory a CTA plans")
     num_blocks = pl.cdiv(rows, block_rows)
     wanted = config.num_partials or _targets.current("gpu").num_sms
     programs = num_blocks if terms and not accumulate else min(num_blocks, wanted)

@@ -127,12 +127,13 @@ def forward(x: jax.Array, residual: jax.Array | None, scale: jax.Array | None,
     if p.subtract_mean:
         outputs["mean"] = per_block_row
     outputs["rstd"] = per_block_row
-    staged = {name: smem((plan.slots, plan.block_rows, PIECE), a.dtype)
+    slots = plan.num_pieces if plan.resident else 2  # the block's pieces, or a 2-piece ring
+    staged = {name: smem((slots, plan.block_rows, PIECE), a.dtype)
               for name, a in inputs.items()}
     rings = {name: smem((2, plan.block_rows, PIECE), outputs[name].dtype)
              for name in ("y", "sum") if name in outputs}
     scratch = [*staged.values(), *rings.values(),
-               plgpu.Barrier(num_arrivals=len(inputs), num_barriers=plan.slots)]
+               plgpu.Barrier(num_arrivals=len(inputs), num_barriers=slots)]
 
     def body(*refs):
         names = [*inputs, *params, *outputs]
