@@ -324,13 +324,19 @@ def mosaic_gpu_call(body: Callable[..., None], *, out_shape: Sequence[jax.ShapeD
                     name: str, scratch: Sequence[Any] = (),
                     flops_and_bytes: tuple[int, int] = (0, 0),
                     transcendentals: int = 0,
-                    warpgroups: int | None = None) -> Callable[..., Any]:
+                    warpgroups: int | None = None,
+                    auto_barriers: bool = True) -> Callable[..., Any]:
     """`plgpu.kernel(body, ...)`, one warpgroup per CTA (or `warpgroups` of them, the axis
     "wg": a warp-specialized kernel), launched as `name`. `interpret` (the dispatch's mode):
     False compiles; True and "strict" run Mosaic GPU's interpreter on the device's schedule,
     "strict" with its race detector (Pallas' HLO interpreter cannot run `plgpu.kernel`). Its
     cost estimate states `flops_and_bytes` (the bytes its TMA copies and loads move, re-reads
-    included, as `triton_call`'s) and `transcendentals`."""
+    included, as `triton_call`'s) and `transcendentals`. `auto_barriers=False`: Pallas puts
+    no warpgroup barrier before and after each shared-memory store (two per store, where a
+    streaming kernel stores a piece at a time), for a kernel whose every handoff of shared
+    memory between threads already passes a barrier of its own (`plgpu.commit_smem`,
+    `plgpu.wait_smem_to_gmem`, a TMA barrier) and whose threads read-modify-write only
+    the elements they own (`CompilerParams.unsafe_no_auto_barriers`)."""
     params = (plgpu.InterpretGPUParams(detect_races=interpret == "strict") if interpret
               else None)
     body.__name__ = name  # the launch's name in jaxprs, HLO and the compile reports
@@ -341,5 +347,6 @@ def mosaic_gpu_call(body: Callable[..., None], *, out_shape: Sequence[jax.ShapeD
         cost_estimate=pl.CostEstimate(flops=flops_and_bytes[0], bytes_accessed=flops_and_bytes[1],
                                       transcendentals=transcendentals),
         compiler_params=plgpu.CompilerParams(
-            lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
+            unsafe_no_auto_barriers=not auto_barriers),
         interpret=params)

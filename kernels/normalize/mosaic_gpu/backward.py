@@ -242,6 +242,7 @@ def backward(x, scale, mean, rstd, gy, gmean, grstd, gsum, p: Problem, *,
     results = dict(zip(outputs, mosaic_gpu_call(
         body, out_shape=list(outputs.values()), grid=(plan.programs,), grid_names=("programs",),
         interpret=interpret, name="normalize_backward_mosaic_gpu", scratch=scratch,
+        auto_barriers=False,
         flops_and_bytes=_cost(p, plan, partial_rows, gmean is not None, gsum is not None))(
             *inputs.values())))
     return (from_rows_view(results["dx"], p, plan),

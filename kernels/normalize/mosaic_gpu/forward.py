@@ -150,6 +150,7 @@ def forward(x: jax.Array, residual: jax.Array | None, scale: jax.Array | None,
     results = dict(zip(outputs, mosaic_gpu_call(
         body, out_shape=list(outputs.values()), grid=(plan.num_blocks,), grid_names=("blocks",),
         interpret=interpret, name="normalize_forward_mosaic_gpu", scratch=scratch,
+        auto_barriers=False,
         flops_and_bytes=_cost(p, plan), transcendentals=plan.rows)(
             *inputs.values(), *params.values())))
     stats = functools.partial(_stats, p=p, plan=plan)
