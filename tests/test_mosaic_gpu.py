@@ -115,6 +115,29 @@ SM_90_CASES = {"matmul": ("7x5", "8x1000x1000"),
 SAME_ON_BLACKWELL = ("normalize",)
 
 
+def _planned_shared_memory(case, target: str) -> dict | None:
+    """The shared memory normalize's Mosaic GPU plans state (`Plan.shared_bytes`) for a layer
+    or RMS norm case over the last axis, by kernel name; None for other cases."""
+    op, *_ = case.description.split()
+    if op not in ("layer_norm", "rms_norm") or not case.description.endswith("axis=-1"):
+        return None
+    import jax.numpy as jnp
+
+    from kernels import _targets
+    from kernels._pallas.lowering import on_target
+    from kernels.normalize.common import Problem
+    from kernels.normalize.mosaic_gpu.config import plan_of
+
+    x, residual = case.args[0], "+ residual" in case.description
+    layer = op == "layer_norm"
+    p = Problem(1, x.shape[0], x.shape[1], True, jnp.dtype(x.dtype), layer, 1e-5, True, layer,
+                residual)
+    with on_target(_targets.TARGETS[target]):
+        return {"normalize_forward_mosaic_gpu": plan_of(p, None).shared_bytes,
+                "normalize_backward_mosaic_gpu": plan_of(p, None, backward=True,
+                                                         has_gsum=residual).shared_bytes}
+
+
 def _cases(op: str, target: str, every: bool = False) -> list:
     """The README's command compiles, for sm_90a and sm_100a, each op's design cases and an odd
     small one (`SM_100_CASES`; on sm_100a the odd one alone for `SAME_ON_BLACKWELL`); `every`:
@@ -148,7 +171,7 @@ def test_every_kernel_compiles_without_spills(op, target, every):
         "import json, dataclasses\n"
         "from kernels.compile import use_compile_only_devices; use_compile_only_devices()\n"
         "from kernels.compile import CASES, compile_kernels\n"
-        "from tests.test_mosaic_gpu import _cases\n"
+        "from tests.test_mosaic_gpu import _cases, _planned_shared_memory\n"
         f"for case in _cases({op!r}, {target!r}, {every!r}):\n"
         "    try:\n"
         "        reports = compile_kernels(case.function('mosaic_gpu'), *case.args, "
@@ -157,6 +180,7 @@ def test_every_kernel_compiles_without_spills(op, target, every):
         "        print(json.dumps({'case': case.description, 'declined': str(e)}))\n"
         "        continue\n"
         "    print(json.dumps({'case': case.description, 'declined': None,\n"
+        f"                      'planned': _planned_shared_memory(case, {target!r}),\n"
         "                      'reports': [dataclasses.asdict(r) for r in reports]}))\n")
     assert len(cases) == len(_cases(op, target, every)) >= 1
     declined = [c for c in cases if c["declined"]]
@@ -168,6 +192,11 @@ def test_every_kernel_compiles_without_spills(op, target, every):
     # distinct kernel compiled once (a small square product's three launches are one kernel).
     assert len(rows) >= (1 if every else 2) * (len(cases) - len(declined))
     assert every or len({r["name"] for r in rows}) >= 2
+    from kernels._pallas.mosaic_gpu import PALLAS_SMEM
+
+    for c in cases:  # the plans' figures (CTAs an SM, bytes in flight) rest on these
+        for r in c.get("reports", []) if c.get("planned") else []:
+            assert 0 <= r["shared_bytes"] - c["planned"][r["name"]] <= PALLAS_SMEM, (c, r)
     for r in rows:
         assert r["name"].endswith("_mosaic_gpu") and r["compiled"], r
         assert r["spill_bytes"] == 0 and r["registers"] <= 255, r
