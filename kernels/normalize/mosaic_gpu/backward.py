@@ -23,6 +23,13 @@ the same result on every run), so x and dy are read from GMEM once and dx writte
 blocks stream their pieces through 2-slot rings, read again in the second pass; where even the
 summed terms do not fit, each block writes its own partial row. The cotangents of the saved
 mean and 1/std (second order) are read per row when given.
+
+Against the GPU: one CTA an SM (`Plan.ctas_per_sm`), its next block in flight
+(`Plan.in_flight_per_sm`: 32 KiB or more at the bench's bfloat16 shapes); it moves its minimum
+bytes plus one float32 row per SM and term (`_cost`: within 5% of the minimum there), so its
+expected time is those bytes over `Target.streaming_seconds`, with the pass loops' instructions
+under that time (the estimate beside `config._STEP_ROWS`). tests/test_normalize_mosaic_gpu.py
+holds those bounds.
 """
 
 from __future__ import annotations

@@ -18,14 +18,21 @@ over its pieces k:
 (RMS norm makes passes 1 and 3.) Each pass carries (block_rows, PIECE) float32 accumulators in
 registers and reduces them across the warps once. Pass 2 corrects pass 1's mean, whose sums of
 large values round (a mean of 1e4 with a unit spread), by the mean deviation from it, whose
-terms are small (the shifted two-pass algorithm): y is then closer to float64 than XLA's. Resident blocks (`Plan.resident`, those
-within the plan's shared memory budget) are read from GMEM once, the first pass computing on the
-first pieces while the others land; longer rows stream their pieces again in each pass (x read
-2-3 times, mostly from L2). y (and the sum) are written once through a 2-slot ring of pieces;
-mean and 1/std per row (float32); the launch's cost estimate states those bytes (`_cost`).
-TMA zero-fills the columns past the row and the rows past the
-array, and drops their stores, so no shape needs a padding copy unless a row is not a multiple
-of 16 bytes (`Plan.aligned`: then x is padded in the wrapper, one more copy).
+terms are small (the shifted two-pass algorithm): y is then closer to float64 than XLA's.
+Resident blocks (`Plan.resident`, those within the plan's shared memory budget) are read from
+GMEM once, the first pass computing on the first pieces while the others land; longer rows
+stream their pieces again in each pass (x read 2-3 times, mostly from L2). y (and the sum) are
+written once through a 2-slot ring of pieces; mean and 1/std per row (float32); the launch's
+cost estimate states those bytes (`_cost`). TMA zero-fills the columns past the row and the
+rows past the array, and drops their stores, so no shape needs a padding copy unless a row is
+not a multiple of 16 bytes (`Plan.aligned`: then x is padded in the wrapper, one more copy).
+
+Against the GPU: a CTA plans at most half an SM's shared memory, so two to four run on an SM
+(`Plan.ctas_per_sm`), each with its whole block's copies in flight as it starts
+(`Plan.in_flight_per_sm`); a resident plan moves the op's minimum bytes
+(`common.minimum_bytes`), so its expected time is those bytes over `Target.streaming_seconds`.
+tests/test_normalize_mosaic_gpu.py holds the bench's bfloat16 shapes to 32 KiB or more in
+flight an SM.
 """
 
 from __future__ import annotations
