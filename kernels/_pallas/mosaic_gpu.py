@@ -158,6 +158,13 @@ def piece_columns(piece: jax.Array, width: int = PIECE) -> Any:
     return pl.ds(piece * width, width)
 
 
+def _read_slot(smem: dict, slot: jax.Array, layout: Any) -> dict:
+    """Slot `slot` of each staged array (name -> a (slots, block_rows, PIECE) ref), in float32
+    registers."""
+    return {name: plgpu.load(ref.at[slot], layout=layout, optimized=False).astype(jnp.float32)
+            for name, ref in smem.items()}
+
+
 class StagedRows:
     """A block of rows of the GMEM arrays `gmem` (name -> ref), copied piece by piece by TMA
     into `smem` (name -> a (slots, block_rows, PIECE) scratch ref) and read into registers.
@@ -213,8 +220,7 @@ class StagedRows:
                 self._copy(first, (step + 1) % self.num_pieces, 1 - slot)
 
             plgpu.barrier_wait(self.barriers.at[slot])
-        return {name: plgpu.load(ref.at[slot], layout=layout, optimized=False).astype(jnp.float32)
-                for name, ref in self.smem.items()}
+        return _read_slot(self.smem, slot, layout)
 
 
 class RowWriter:
@@ -286,8 +292,7 @@ class BlockBuffers:
     def read(self, buffer: jax.Array, piece: jax.Array, layout: Any) -> dict:
         """Piece `piece` of each array of the block in `buffer`, in float32 registers."""
         slot = buffer * self.num_pieces + piece
-        return {name: plgpu.load(ref.at[slot], layout=layout, optimized=False).astype(jnp.float32)
-                for name, ref in self.smem.items()}
+        return _read_slot(self.smem, slot, layout)
 
 
 class BlockWriter(RowWriter):

@@ -119,9 +119,10 @@ def plan_of(p: Problem, config: NormalizeConfig | None, backward: bool = False,
     rows, n = max(p.outer * p.groups, 1), max(p.reduced, 1)  # size zero: planned, never run
     num_pieces = pl.cdiv(n, PIECE)
     may_stay = n <= (config.block_reduced or n)
-    plan = (_backward_plan(p, config, has_gsum, rows, num_pieces, may_stay) if backward
-            else _forward_plan(p, config, rows, num_pieces, may_stay))
-    return plan._replace(rows=rows, reduced=n, aligned=_aligned(p), num_pieces=num_pieces)
+    rows_view = (rows, n, _aligned(p))  # a Plan's first fields
+    if backward:
+        return _backward_plan(p, config, has_gsum, rows_view, num_pieces, may_stay)
+    return _forward_plan(p, config, rows_view, num_pieces, may_stay)
 
 
 def _fitting_rows(config: NormalizeConfig, wanted: int, rows: int, smem, budget: int) -> int:
@@ -134,12 +135,12 @@ def _fitting_rows(config: NormalizeConfig, wanted: int, rows: int, smem, budget:
     return block_rows if smem(block_rows) <= budget else 0
 
 
-def _forward_plan(p: Problem, config: NormalizeConfig, rows: int, num_pieces: int,
-                  may_stay: bool) -> Plan:
+def _forward_plan(p: Problem, config: NormalizeConfig, rows_view: tuple[int, int, int],
+                  num_pieces: int, may_stay: bool) -> Plan:
     """One block per CTA, two CTAs an SM (half its shared memory each), resident where the
     block fits (at most `_MAX_RESIDENT_PIECES`): rows per CTA `config.block_groups`, else
     `_BLOCK_BYTES` of its input rows."""
-    item = jnp.dtype(p.dtype).itemsize
+    rows, item = rows_view[0], jnp.dtype(p.dtype).itemsize
     input_bytes = item * (1 + p.has_residual)
     width, budget = num_pieces * PIECE, smem_budget(whole=bool(config.block_groups))
     for resident in (True, False):
@@ -150,22 +151,22 @@ def _forward_plan(p: Problem, config: NormalizeConfig, rows: int, num_pieces: in
         block_rows = _fitting_rows(config, _BLOCK_BYTES // held, rows,
                                    lambda r: r * (held + rings), budget)
         if block_rows:
-            return Plan(rows, 0, 0, block_rows, num_pieces, resident, pl.cdiv(rows, block_rows),
+            return Plan(*rows_view, block_rows, num_pieces, resident, pl.cdiv(rows, block_rows),
                         shared_bytes=block_rows * (held + rings),
                         in_flight=block_rows * held // (1 if resident else 2))
     raise ValueError(f"config.block_groups={config.block_groups}: blocks of that many rows of "
                      f"{p.reduced} are over the {budget} bytes of shared memory a CTA plans")
 
 
-def _backward_plan(p: Problem, config: NormalizeConfig, has_gsum: bool, rows: int,
-                   num_pieces: int, may_stay: bool) -> Plan:
+def _backward_plan(p: Problem, config: NormalizeConfig, has_gsum: bool,
+                   rows_view: tuple[int, int, int], num_pieces: int, may_stay: bool) -> Plan:
     """One CTA per SM (all its shared memory) walking blocks. Preferred first: two whole blocks
     in shared memory (`Plan.resident`; not where a row is longer than `config.block_reduced`),
     each of `config.block_groups` rows, else of `_IN_FLIGHT_BYTES` of input rows; dx staged
     whole; scale staged once; and the dscale/doffset terms summed over the CTA's rows in
     shared memory (`Plan.accumulate`). Else blocks stream their pieces through 2-slot rings,
     and where the summed terms do not fit, each block writes its own."""
-    item = jnp.dtype(p.dtype).itemsize
+    rows, item = rows_view[0], jnp.dtype(p.dtype).itemsize
     input_bytes = item * (1 + has_gsum) + p.y_dtype.itemsize  # x, dsum in x's dtype; dy in y's
     width, budget = num_pieces * PIECE, smem_budget(whole=True)
     params = 4 * width * p.has_scale
@@ -195,8 +196,8 @@ def _backward_plan(p: Problem, config: NormalizeConfig, has_gsum: bool, rows: in
     wanted = config.num_partials or _targets.current("gpu").num_sms
     programs = num_blocks if terms and not accumulate else min(num_blocks, wanted)
     in_flight = block_rows * (width if resident else PIECE) * input_bytes
-    return Plan(rows, 0, 0, block_rows, num_pieces, resident, programs, accumulate and terms > 0,
-                shared_bytes=smem(block_rows), in_flight=in_flight)
+    return Plan(*rows_view, block_rows, num_pieces, resident, programs,
+                accumulate and terms > 0, shared_bytes=smem(block_rows), in_flight=in_flight)
 
 
 def resolve_config(p: Problem, config: NormalizeConfig | None) -> NormalizeConfig:
