@@ -95,6 +95,34 @@ def test_backward_dscale_and_doffset_terms(shape, config, resident, accumulate):
 
 
 @needs_mosaic_gpu
+@pytest.mark.parametrize("shape,config,resident,staged,programs", [
+    ((270, 130), NormalizeConfig(block_groups=1), True, True, 132),
+    ((3, 7300), None, True, False, 3),
+    ((2, 16384), None, False, False, 1)],
+    ids=["walking", "outputs-through-rings", "streamed"])
+def test_forward_blocks(shape, config, resident, staged, programs):
+    """The forward's ways through its blocks, with a residual, scale and offset: CTAs walking
+    one-row blocks (270 over an H100's 132 SMs: two or three each) in two buffers, the next
+    block's copies in flight while one computes, y and the sum staged whole, scale and offset
+    staged once; rows whose staged outputs do not fit beside two blocks (7300 float32 columns
+    of x and the residual) writing through rings and reading scale/offset from GMEM; rows too
+    long for two blocks (2 x 16384 float32 inputs), streamed per pass. Against float64."""
+    from kernels.normalize.common import Problem
+    from kernels.normalize.mosaic_gpu.config import plan_of
+
+    problem = Problem(1, *shape, True, jnp.dtype(jnp.float32), True, 1e-5, True, True, True)
+    plan = plan_of(problem, config)
+    assert (plan.resident, plan.staged, plan.programs) == (resident, staged, programs)
+    x, residual = random(shape, jnp.float32, seed=16), random(shape, jnp.float32, seed=17)
+    scale, offset = random(shape[-1:], jnp.float32, 18), random(shape[-1:], jnp.float32, 19)
+    y, summed = layer_norm(x, scale, offset, residual=residual, implementation="mosaic_gpu",
+                           config=config)
+    want_sum = np.asarray(x, np.float64) + np.asarray(residual, np.float64)
+    assert_close(summed, want_sum, jnp.float32)
+    assert_close(y, _truth(want_sum, scale, offset), jnp.float32, reduction_length=2 * shape[1])
+
+
+@needs_mosaic_gpu
 @pytest.mark.parametrize("config,message", [
     (NormalizeConfig(block_reduced=0), "config.block_reduced must be a positive int"),
     (NormalizeConfig(block_groups=0), "config.block_groups must be an int in"),
@@ -121,14 +149,18 @@ def test_float64_declines_and_a_sequence_falls_through():
                                                     (False, True)],
                          ids=["layer", "rms", "layer+residual", "rms+residual"])
 def test_design_shapes_stream(target, shape, subtract_mean, residual):
-    """By design, at the bench's bfloat16 shapes on an H100 and a B200: every kernel's SM has
-    32 KiB or more of input rows in flight (the forward's CTAs each their resident block, the
-    backward's one CTA the next block while it computes), the backward writes one partial row
-    per SM at most, and moves at most 5% more than x, dy (and dsum) read and dx written once."""
+    """By design, at the bench's bfloat16 shapes on an H100 and a B200: each kernel runs one
+    CTA an SM, walking blocks with 32 KiB or more of input rows in flight (the next block while
+    it computes on one); the forward moves its minimum bytes (x and the residual read once, y
+    and the sum written once) and stages scale/offset once a CTA; the backward writes one
+    partial row per SM at most and moves at most 5% more than x, dy (and dsum) read and dx
+    written once."""
     from kernels import _targets
     from kernels._pallas.lowering import on_target
-    from kernels.normalize.common import Problem, backward_flops_and_bytes
-    from kernels.normalize.mosaic_gpu.backward import _cost
+    from kernels.normalize.common import (Problem, backward_flops_and_bytes,
+                                          forward_flops_and_bytes, minimum_bytes)
+    from kernels.normalize.mosaic_gpu.backward import _cost as backward_cost
+    from kernels.normalize.mosaic_gpu.forward import _cost as forward_cost
     from kernels.normalize.mosaic_gpu.config import plan_of
 
     bf16 = jnp.dtype(jnp.bfloat16)
@@ -139,8 +171,10 @@ def test_design_shapes_stream(target, shape, subtract_mean, residual):
         num_sms = _targets.current("gpu").num_sms
         for plan in (forward_plan, backward_plan):
             assert plan.resident and plan.in_flight_per_sm >= 32 * 1024, plan
-        assert backward_plan.accumulate and backward_plan.programs <= num_sms
-        assert backward_plan.ctas_per_sm == 1
-        _, moved = _cost(p, backward_plan, backward_plan.programs, False, residual)
+            assert plan.programs <= num_sms and plan.ctas_per_sm == 1, plan
+        assert forward_plan.staged and backward_plan.accumulate
+        _, moved = forward_cost(p, forward_plan)
+        assert moved == forward_flops_and_bytes(p)[1] <= 1.01 * minimum_bytes(p)
+        _, moved = backward_cost(p, backward_plan, backward_plan.programs, False, residual)
         _, minimum = backward_flops_and_bytes(p, 0, False, residual)
         assert moved <= 1.05 * minimum, (moved, minimum)

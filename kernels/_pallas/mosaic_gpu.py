@@ -1,8 +1,8 @@
 """Mosaic GPU kernel calls (jax >= 0.12, `kernels.registry`'s `mosaic_gpu` entry): the launch
 (`mosaic_gpu_call`), the register layout of a block of rows (`row_layout`), plain GMEM loads
-and stores, and blocks of rows moved by TMA in pieces (`StagedRows`, `RowWriter`). Imported
-only by Mosaic GPU kernels, which the registry imports only where the installed jax has the
-backend.
+and stores, and blocks of rows moved by TMA in pieces (`BlockBuffers`, `StreamedRows`,
+`RowWriter`, `BlockWriter`). Imported only by Mosaic GPU kernels, which the registry imports
+only where the installed jax has the backend.
 
 One CTA is one warpgroup (4 warps of 32 threads) under Warpgroup lowering semantics: the kernel
 body is array code for the whole warpgroup, and a grid point is a CTA.
@@ -34,7 +34,7 @@ from kernels import _targets
 __all__ = ["WARPS", "LANES", "TMA_MAX_BOX", "PIECE", "TMA_ALIGNMENT", "TMA_SMEM_ALIGNMENT",
            "PALLAS_SMEM", "RESERVED_SMEM", "UNTILED", "smem_budget", "aligned_columns",
            "stored_shape", "pad_to", "mosaic_gpu_call", "row_layout", "load", "store", "per_row",
-           "per_column", "smem", "piece_columns", "StagedRows", "RowWriter", "BlockBuffers",
+           "per_column", "smem", "piece_columns", "StreamedRows", "RowWriter", "BlockBuffers",
            "BlockWriter"]
 
 WARPS, LANES = 4, 32  # one warpgroup per CTA
@@ -77,7 +77,8 @@ def stored_shape(shape: tuple[int, ...], window: tuple[int, int]) -> tuple[int, 
     window, as the matmul's epilogue stores, is always a tensor copy). A ragged such window
     overwrites the rows after it: on an H100 (2026-11-26) a gather of one id per batch slice
     and a scatter-add's one-row partial sums lost their neighbours' rows, which its
-    interpreter wrote correctly. Rows past the last are harmless where nothing follows them (one matrix)."""
+    interpreter wrote correctly. Rows past the last are harmless where nothing follows them
+    (one matrix)."""
     *outer, rows, columns = shape
     block_rows, block_columns = window
     if block_rows > 1 and block_columns != columns:  # a tensor copy
@@ -165,20 +166,16 @@ def _read_slot(smem: dict, slot: jax.Array, layout: Any) -> dict:
             for name, ref in smem.items()}
 
 
-class StagedRows:
-    """A block of rows of the GMEM arrays `gmem` (name -> ref), copied piece by piece by TMA
-    into `smem` (name -> a (slots, block_rows, PIECE) scratch ref) and read into registers.
+class StreamedRows:
+    """A block of rows of the GMEM arrays `gmem` (name -> ref), streamed piece by piece by TMA
+    through a 2-slot ring in `smem` (name -> a (2, block_rows, PIECE) scratch ref) into
+    registers, for rows too long to stay in shared memory: each read copies its piece again,
+    the next one in flight while this one is read, so a kernel making several passes reads the
+    rows from GMEM (mostly L2) once per pass. `barriers`: 2 barriers of len(gmem) arrivals."""
 
-    Resident (`slots` == the row's pieces): every piece is copied once (`start`) and stays for
-    every pass over the row; the first pass waits for each piece as it reaches it, so it
-    computes on the first pieces while the others land. Streamed (2 slots): each read copies
-    its piece again, the next one in flight while this one is read; x is then read from GMEM
-    (mostly L2) once per pass. `barriers`: `slots` barriers of len(gmem) arrivals."""
-
-    def __init__(self, gmem: dict, smem: dict, barriers: Any, block_rows: int, num_pieces: int,
-                 resident: bool):
+    def __init__(self, gmem: dict, smem: dict, barriers: Any, block_rows: int, num_pieces: int):
         self.gmem, self.smem, self.barriers = gmem, smem, barriers
-        self.block_rows, self.num_pieces, self.resident = block_rows, num_pieces, resident
+        self.block_rows, self.num_pieces = block_rows, num_pieces
 
     def _copy(self, first, piece, slot) -> None:
         rows = pl.ds(first, self.block_rows)
@@ -187,39 +184,24 @@ class StagedRows:
                                     self.barriers.at[slot])
 
     def start(self, first: jax.Array) -> None:
-        """Starts copying the block of rows from `first` (the reads of the previous block, if
-        any, must be done: this waits for every thread's)."""
+        """Starts copying the first piece of the block of rows from `first` (the reads of the
+        previous block, if any, must be done: this waits for every thread's)."""
         plgpu.commit_smem()
-        if not self.resident:
-            self._copy(first, jnp.int32(0), 0)
-            return
+        self._copy(first, jnp.int32(0), 0)
 
-        def copy(piece, carry):
-            self._copy(first, piece, piece)
-            return carry
+    def read(self, first: jax.Array, step: jax.Array, total_steps: int, layout: Any) -> dict:
+        """The block's next piece of each array in float32 registers. `step`: this read's place
+        among the block's `total_steps` reads, in order (pass · num_pieces + piece)."""
+        slot = step % 2
+        plgpu.commit_smem()  # every thread has read the other slot: it may be refilled
 
-        jax.lax.fori_loop(0, self.num_pieces, copy, 0)
+        # pl.when, not the copy's predicate: Mosaic GPU's interpreter (jax 0.12.0.1) takes a
+        # predicate operand for a transform of the barrier and fails.
+        @pl.when(step + 1 < total_steps)
+        def _():
+            self._copy(first, (step + 1) % self.num_pieces, 1 - slot)
 
-    def read(self, first: jax.Array, piece: jax.Array, step: jax.Array, total_steps: int,
-             layout: Any) -> dict:
-        """Piece `piece` of each array in float32 registers. `step`: this read's place among
-        the block's `total_steps` reads, in order (pass · num_pieces + piece)."""
-        if self.resident:
-            @pl.when(step < self.num_pieces)  # the first pass: wait for the piece to land
-            def _():
-                plgpu.barrier_wait(self.barriers.at[piece])
-            slot = piece
-        else:
-            slot = step % 2
-            plgpu.commit_smem()  # every thread has read the other slot: it may be refilled
-
-            # pl.when, not the copy's predicate: Mosaic GPU's interpreter (jax 0.12.0.1)
-            # takes a predicate operand for a transform of the barrier and fails.
-            @pl.when(step + 1 < total_steps)
-            def _():
-                self._copy(first, (step + 1) % self.num_pieces, 1 - slot)
-
-            plgpu.barrier_wait(self.barriers.at[slot])
+        plgpu.barrier_wait(self.barriers.at[slot])
         return _read_slot(self.smem, slot, layout)
 
 

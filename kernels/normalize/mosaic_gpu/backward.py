@@ -41,13 +41,14 @@ import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels._pallas import pl
-from kernels._pallas.mosaic_gpu import (PIECE, BlockBuffers, BlockWriter, RowWriter, StagedRows,
-                                        load, mosaic_gpu_call, per_column, per_row, smem, store)
+from kernels._pallas.mosaic_gpu import (PIECE, BlockWriter, RowWriter, load, mosaic_gpu_call,
+                                        per_column, per_row, smem, store)
 from kernels.normalize import common
 from kernels.normalize.common import NormalizeConfig, Problem
 from kernels.normalize.mosaic_gpu.config import Plan, plan_of
 from kernels.normalize.mosaic_gpu.rows import (fold, from_rows_view, layout_of, output_matrix,
-                                               padded_rows, params_view, rows_view)
+                                               padded_rows, param_piece, params_view, rows_view,
+                                               stage_rows, walk_blocks)
 
 __all__ = ["backward"]
 
@@ -69,7 +70,7 @@ def _block_gradient(refs: dict, read: Callable, writer: RowWriter, scale, terms:
     def inputs(pass_index, piece):
         values = read(pass_index, piece)
         g = values["gy"]
-        gs = g if scale is None else g * per_column(_load_row(scale, piece, layout), shape)
+        gs = g if scale is None else g * per_column(param_piece(scale, piece, layout), shape)
         return g, gs, common.normalized(values["x"], stat.get("mean"), stat["rstd"], p), values
 
     def sums(piece, accumulators):
@@ -98,12 +99,6 @@ def _block_gradient(refs: dict, read: Callable, writer: RowWriter, scale, terms:
     writer.start()
     fold(plan, gradient, 0)
     writer.flush(first)
-
-
-def _load_row(ref, piece, layout) -> jax.Array:
-    """Piece `piece` of a (num_pieces, PIECE) row (in shared memory or GMEM), in the layout of
-    a block's piece summed over its rows."""
-    return plgpu.load(ref.at[piece], layout=layout.reduce(0), optimized=False)
 
 
 def _over_rows(row, piece, value: jax.Array, layout) -> tuple:
@@ -150,8 +145,7 @@ def backward(x, scale, mean, rstd, gy, gmean, grstd, gsum, p: Problem, *,
     staged_inputs = {name: rows_view(a, p, plan) for name, a in
                      (("x", x), ("gy", gy), ("gsum", gsum)) if a is not None}
     inputs = dict(staged_inputs)
-    inputs.update((name, v.reshape(plan.num_pieces, PIECE))
-                  for name, v in params_view(scale, None, plan).items())
+    inputs.update(params_view(scale, None, plan))
     per_row_inputs = {"mean": mean if p.subtract_mean else None, "rstd": rstd,
                       "gmean": gmean if p.subtract_mean else None, "grstd": grstd}
     inputs.update((name, padded_rows(v, plan)) for name, v in per_row_inputs.items()
@@ -181,67 +175,28 @@ def backward(x, scale, mean, rstd, gy, gmean, grstd, gsum, p: Problem, *,
         named = dict(zip(names, refs))
         scratch_refs = dict(zip([*staged, *buffers], refs[len(names):]))
         barriers = refs[len(names) + len(staged) + len(buffers)]
-        program = jax.lax.axis_index("programs")
-        scale = named.get("scale")
-        if "scale" in buffers:  # staged once (one copy: a row the plan sums has fewer than
-            # PIECE pieces), every block reads it from shared memory
-            plgpu.copy_gmem_to_smem(scale, scratch_refs["scale"], refs[-1])
+        scale, ready = named.get("scale"), None
+        if "scale" in buffers:  # staged once, every block reads it from shared memory
+            ready = stage_rows({"scale": scale}, scratch_refs, refs[-1])
             scale = scratch_refs["scale"]
         terms = {n: scratch_refs[n] for n in _PARTIALS if n in scratch_refs}
         for accumulator in terms.values():
             _clear_row(accumulator, plan)
-        gmem = {n: named[n] for n in staged}
-        smem_inputs = {n: scratch_refs[n] for n in staged}
-        if plan.resident:
-            blocks = BlockBuffers(gmem, smem_inputs, barriers, plan.block_rows, plan.num_pieces)
-            writer = BlockWriter({"dx": named["dx"]}, {"dx": scratch_refs["dx"]},
-                                 plan.block_rows, plan.num_pieces)
-        else:
-            rows = StagedRows(gmem, smem_inputs, barriers, plan.block_rows, plan.num_pieces,
-                              resident=False)
-            writer = RowWriter({"dx": named["dx"]}, {"dx": scratch_refs["dx"]},
-                               plan.block_rows)
-        count = (plan.num_blocks - program + plan.programs - 1) // plan.programs
+        dx = ({"dx": named["dx"]}, {"dx": scratch_refs["dx"]}, plan.block_rows)
+        writer = BlockWriter(*dx, plan.num_pieces) if plan.resident else RowWriter(*dx)
 
         def stats_of(block):
             rows_of_block = pl.ds(block * plan.block_rows, plan.block_rows)
             return {n: load(named[n].at[rows_of_block]) for n in _STATS if n in named}
 
-        def walk(i, stats):
-            """Block program + i·programs, whose statistics are `stats`; returns the next
-            block's, loaded before this block computes."""
-            block = program + i * plan.programs
-            first = block * plan.block_rows
-            following = jnp.minimum(block + plan.programs, plan.num_blocks - 1)
-            if plan.resident:
-                buffer = i % 2
-
-                @pl.when(i + 1 < count)
-                def _():
-                    blocks.start(following * plan.block_rows, 1 - buffer)
-
-                upcoming = stats_of(following)
-                blocks.wait(buffer)
-
-                def read(pass_index, piece):
-                    return blocks.read(buffer, piece, layout_of(plan))
-            else:
-                upcoming = stats_of(following)
-                rows.start(first)
-
-                def read(pass_index, piece):
-                    return rows.read(first, piece, pass_index * plan.num_pieces + piece,
-                                     2 * plan.num_pieces, layout_of(plan))
+        def compute(first, read, stats):
             _block_gradient(named, read, writer, scale, terms, stats, first, p, plan)
-            return upcoming
 
-        if plan.resident:
-            blocks.start(program * plan.block_rows, 0)
-        if "scale" in buffers:
-            plgpu.barrier_wait(refs[-1])
-        jax.lax.fori_loop(0, count, walk, stats_of(program))
+        walk_blocks(plan, {n: named[n] for n in staged}, {n: scratch_refs[n] for n in staged},
+                    barriers, 2, compute, prefetch=stats_of, ready=ready)
         if terms:  # the CTA's summed terms, as its partial row (one copy each, as scale)
             plgpu.commit_smem()
+            program = jax.lax.axis_index("programs")
             for name, accumulator in terms.items():
                 plgpu.copy_smem_to_gmem(accumulator, named[name].at[program])
         RowWriter.finish()

@@ -1,7 +1,7 @@
 """How the Mosaic GPU normalize kernels' blocks are sized (the kernels are in `forward.py` and
-`backward.py`): the config (`resolve_config`), the plan of one call (`plan_of`: rows per CTA,
-pieces, whether a block stays in shared memory, CTAs) and the checks that decline a problem or
-reject a config (`check`)."""
+`backward.py`): the config (`resolve_config`), the plan of one call (`plan_of`: rows per block,
+pieces, whether CTAs walk blocks held whole in shared memory, what else they stage, CTAs) and
+the checks that decline a problem or reject a config (`check`)."""
 
 from __future__ import annotations
 
@@ -20,24 +20,19 @@ from kernels.normalize.common import NormalizeConfig, Problem
 __all__ = ["Plan", "plan_of", "resolve_config", "check"]
 
 _DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
-# Bytes of input rows one forward CTA moves per block: two CTAs per SM keep up to 128 KiB in
-# flight, well over the ~20 KiB an H100 SM needs to cover HBM's latency at full bandwidth
-# (3.35 TB/s x ~800 ns over 132 SMs; an estimate, not measured), while a CTA computes on one
-# block and its neighbour waits on the next. Fewer, larger blocks also run faster in Mosaic
-# GPU's interpreter, whose cost is per operation: 33 CTAs of 4 rows of 4096 float32 took about
-# half the time of 66 CTAs of 2 (this CPU, jax 0.12.0.1).
+# Bytes of input rows one streamed forward CTA moves per block (`Plan.resident` False: rows
+# too long to stay in shared memory): two CTAs per SM keep up to 128 KiB in flight, well over
+# the ~20 KiB an H100 SM needs to cover HBM's latency at full bandwidth (3.35 TB/s x ~800 ns
+# over 132 SMs; an estimate, not measured), while a CTA computes on one block and its
+# neighbour waits on the next.
 _BLOCK_BYTES = 64 * 1024
 # Rows per CTA at most, a config's too: a pass carries float32 accumulators of (rows, PIECE),
-# 2 values a thread per row each. 16 rows took up to 158 registers, no spills (the forward of
-# 8192x1024 bfloat16 with a residual, sm_90a, jax 0.12.0.1); twice that would spill.
+# 2 values a thread per row each. 16 rows took up to 186 registers, no spills (the backward of
+# 32x56x56x256 bfloat16 over axes (0, 1, 2), sm_90a, jax 0.12.0.1); twice that would spill.
 _MAX_BLOCK_ROWS = 16
-# A resident block has one barrier per piece, and Mosaic GPU takes at most 32 barriers in one
-# allocation ("Only up to 32 barriers per group supported", compiling a 16384-column float32
-# row for sm_90a, jax 0.12.0.1): rows of more pieces are streamed.
-_MAX_RESIDENT_PIECES = 32
-# The backward's blocks: bytes of input rows one block moves, copied while the CTA computes on
-# the block before (`BlockBuffers`). With one CTA per SM, each SM has one to two blocks in
-# flight, over the ~20 KiB an SM needs (`_BLOCK_BYTES`).
+# Bytes of input rows in one block of a CTA walking blocks (`Plan.resident`: both kernels),
+# copied while the CTA computes on the block before (`BlockBuffers`). With one CTA per SM,
+# each SM has one to two blocks in flight, over the ~20 KiB an SM needs (`_BLOCK_BYTES`).
 _IN_FLIGHT_BYTES = 32 * 1024
 # Rows of a piece one loop step computes (`Plan.unroll`): 8 rows give each thread 16 values
 # per input, against 2 for a one-row block's piece. The backward of bfloat16 4096x8192 (sm_90a,
@@ -52,12 +47,15 @@ _STEP_ROWS = 8
 class Plan(NamedTuple):
     """One call of a Mosaic GPU normalize kernel on the rows view: `rows` rows of `reduced`
     elements (`aligned` in GMEM, padded to TMA's 16 bytes where `reduced` is not), in blocks
-    of `block_rows`, each row `num_pieces` pieces of `PIECE` columns. `resident`: the forward's
-    block stays in shared memory for every pass (`StagedRows`); the backward's CTA holds two
-    whole blocks, computing on one while TMA fills the other with its next (`BlockBuffers`).
-    Else each pass streams the pieces again. `programs`: CTAs; the backward's walk the blocks
-    and `accumulate` their dscale/doffset terms, summed over the rows, in shared memory (else
-    each CTA writes its block's terms as partial rows): one per SM, or `config.num_partials`."""
+    of `block_rows`, each row `num_pieces` pieces of `PIECE` columns, over `programs` CTAs.
+    `resident`: each CTA (one per SM) walks blocks, holding two whole blocks of the inputs in
+    shared memory and computing on one while TMA fills the other with its next
+    (`BlockBuffers`); else each CTA streams its block's pieces again in each pass
+    (`StreamedRows`). The forward's `staged`: its outputs are staged whole and stored once a
+    block, and scale/offset staged once a CTA (else the outputs leave through 2-slot rings and
+    scale/offset are read from GMEM per piece). The backward's `accumulate`: its CTAs sum their
+    blocks' dscale/doffset terms over the rows in shared memory, one partial row each (else
+    each block writes its own); its programs are one per SM, or `config.num_partials`."""
 
     rows: int
     reduced: int
@@ -67,6 +65,7 @@ class Plan(NamedTuple):
     resident: bool
     programs: int
     accumulate: bool = False
+    staged: bool = False
     shared_bytes: int = 0  # the planned buffers of one CTA
     in_flight: int = 0  # bytes of input rows one CTA's copies have in flight at once
 
@@ -82,8 +81,8 @@ class Plan(NamedTuple):
     @property
     def in_flight_per_sm(self) -> int:
         """Bytes of input rows an SM's CTAs have in flight when each has issued its copies:
-        a forward CTA its block (resident) or the next piece (streamed) as it starts, a
-        backward CTA the next block as it starts computing on one."""
+        a walking CTA (`resident`) the next block as it starts computing on one, a streamed
+        CTA the next piece."""
         return self.ctas_per_sm * self.in_flight
 
     @property
@@ -137,25 +136,40 @@ def _fitting_rows(config: NormalizeConfig, wanted: int, rows: int, smem, budget:
 
 def _forward_plan(p: Problem, config: NormalizeConfig, rows_view: tuple[int, int, int],
                   num_pieces: int, may_stay: bool) -> Plan:
-    """One block per CTA, two CTAs an SM (half its shared memory each), resident where the
-    block fits (at most `_MAX_RESIDENT_PIECES`): rows per CTA `config.block_groups`, else
-    `_BLOCK_BYTES` of its input rows."""
+    """Preferred first: one CTA per SM walking blocks of `config.block_groups` rows, else of
+    `_IN_FLIGHT_BYTES` of input rows, two whole blocks of the inputs in shared memory
+    (`Plan.resident`; not where a row is longer than `config.block_reduced`), y (and the sum)
+    staged whole and scale/offset staged once (`Plan.staged`); then the outputs through rings
+    and scale/offset from GMEM. Else one block per CTA of `_BLOCK_BYTES` of input rows, its
+    pieces streamed in each pass, two CTAs an SM (half its shared memory each)."""
     rows, item = rows_view[0], jnp.dtype(p.dtype).itemsize
     input_bytes = item * (1 + p.has_residual)
-    width, budget = num_pieces * PIECE, smem_budget(whole=bool(config.block_groups))
-    for resident in (True, False):
-        if resident and not (may_stay and num_pieces <= _MAX_RESIDENT_PIECES):
+    output_bytes = p.y_dtype.itemsize + item * p.has_residual  # y, and the sum in x's dtype
+    width = num_pieces * PIECE
+    params = 4 * width * (p.has_scale + p.has_offset)
+    rings = 2 * PIECE * output_bytes
+    for resident, staged in ((True, True), (True, False), (False, False)):
+        if resident and not may_stay or staged and num_pieces > TMA_MAX_BOX:
             continue
-        held = (width if resident else 2 * PIECE) * input_bytes
-        rings = 2 * PIECE * (p.y_dtype.itemsize + item * p.has_residual)
-        block_rows = _fitting_rows(config, _BLOCK_BYTES // held, rows,
-                                   lambda r: r * (held + rings), budget)
+        if resident:
+            held, wanted = 2 * width * input_bytes, pl.cdiv(_IN_FLIGHT_BYTES, width * input_bytes)
+        else:
+            held, wanted = 2 * PIECE * input_bytes, _BLOCK_BYTES // (2 * PIECE * input_bytes)
+        outputs = width * output_bytes if staged else rings
+        budget = smem_budget(whole=resident or bool(config.block_groups))
+        block_rows = _fitting_rows(config, wanted, rows,
+                                   lambda r: r * (held + outputs) + staged * params, budget)
         if block_rows:
-            return Plan(*rows_view, block_rows, num_pieces, resident, pl.cdiv(rows, block_rows),
-                        shared_bytes=block_rows * (held + rings),
-                        in_flight=block_rows * held // (1 if resident else 2))
-    raise ValueError(f"config.block_groups={config.block_groups}: blocks of that many rows of "
-                     f"{p.reduced} are over the {budget} bytes of shared memory a CTA plans")
+            break
+    else:
+        raise ValueError(f"config.block_groups={config.block_groups}: blocks of that many rows "
+                         f"of {p.reduced} are over the {budget} bytes of shared memory a CTA "
+                         f"plans")
+    num_blocks = pl.cdiv(rows, block_rows)
+    programs = min(num_blocks, _targets.current("gpu").num_sms) if resident else num_blocks
+    return Plan(*rows_view, block_rows, num_pieces, resident, programs, staged=staged,
+                shared_bytes=block_rows * (held + outputs) + staged * params,
+                in_flight=block_rows * held // 2)
 
 
 def _backward_plan(p: Problem, config: NormalizeConfig, has_gsum: bool,

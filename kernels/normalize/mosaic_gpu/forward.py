@@ -3,32 +3,36 @@
 Block schedule
 --------------
 The kernel works on the rows view: `rows` rows of `reduced` elements (the columns layout is
-transposed to it first, `rows_view`). Grid `(num_blocks,)`, one CTA (one warpgroup) per block
-of `block_rows` rows (`config.plan_of`). The block moves by TMA in pieces of `PIECE` columns
-(`_pallas.mosaic_gpu.StagedRows`): a piece is a (block_rows, PIECE) tile in shared memory and,
-in registers, 2 values a thread per row (the 4 warps along the piece). One CTA makes passes
-over its pieces k:
+transposed to it first, `rows_view`), in blocks of `block_rows` rows (`config.plan_of`) that
+move by TMA in pieces of `PIECE` columns: a piece is a (block_rows, PIECE) tile in shared
+memory and, in registers, 2 values a thread per row (the 4 warps along the piece). Grid
+`(programs,)`, one CTA (one warpgroup) per SM: CTA q walks blocks q, q + programs, ... With x
+the sum x + residual where there is one, per block:
 
-    pass 1:  acc += x[k] (+ residual[k]; the sum written, rounded)     # RMS: acc += x[k]²
-             m = sum(acc) / n                                          # RMS: rstd from acc
+    wait for this block's buffer; start the next block's copies into the other   # BlockBuffers
+    pass 1:  acc += x[k]                                              # RMS: acc += x[k]²
+             m = sum(acc) / n                                         # RMS: rstd from acc
     pass 2:  d = where(column < n, x[k] - m, 0);  acc_d += d;  acc += d²
              mean = m + sum(acc_d) / n;  rstd = rsqrt(sum(acc) / n - (mean - m)² + epsilon)
-    pass 3:  y[k] = (x[k] - mean) * rstd * scale[k] + offset[k]       # TMA store, per piece
+    pass 3:  y[k] = (x[k] - mean) * rstd * scale[k] + offset[k]       # staged, with the sum
+    store the block's y (and sum) (one TMA copy per piece)            # BlockWriter
 
 (RMS norm makes passes 1 and 3.) Each pass carries (block_rows, PIECE) float32 accumulators in
 registers and reduces them across the warps once. Pass 2 corrects pass 1's mean, whose sums of
 large values round (a mean of 1e4 with a unit spread), by the mean deviation from it, whose
 terms are small (the shifted two-pass algorithm): y is then closer to float64 than XLA's.
-Resident blocks (`Plan.resident`, those within the plan's shared memory budget) are read from
-GMEM once, the first pass computing on the first pieces while the others land; longer rows
-stream their pieces again in each pass (x read 2-3 times, mostly from L2). y (and the sum) are
-written once through a 2-slot ring of pieces; mean and 1/std per row (float32); the launch's
-cost estimate states those bytes (`_cost`). TMA zero-fills the columns past the row and the
-rows past the array, and drops their stores, so no shape needs a padding copy unless a row is
-not a multiple of 16 bytes (`Plan.aligned`: then x is padded in the wrapper, one more copy).
+A resident plan (`Plan.resident`) holds two whole blocks of the inputs (x and the residual,
+in the same buffers) in shared memory: the next block's copies, `config._IN_FLIGHT_BYTES` or
+more, are in flight while the CTA computes on this one, and its passes wait once per block. Its
+outputs are staged whole and scale/offset staged once per CTA where they fit (`Plan.staged`),
+else the outputs leave through 2-slot rings of pieces and scale/offset are read from GMEM.
+Rows too long for two blocks are streamed: one block per CTA, its pieces read again in each
+pass (x read 2-3 times, mostly from L2). mean and 1/std are written per row (float32); the
+launch's cost estimate states the bytes (`_cost`). TMA zero-fills the columns past the row and
+the rows past the array, and drops their stores, so no shape needs a padding copy unless a row
+is not a multiple of 16 bytes (`Plan.aligned`: then x is padded in the wrapper, one more copy).
 
-Against the GPU: a CTA plans at most half an SM's shared memory, so two to four run on an SM
-(`Plan.ctas_per_sm`), each with its whole block's copies in flight as it starts
+Against the GPU: one CTA an SM (`Plan.ctas_per_sm`), its next block in flight
 (`Plan.in_flight_per_sm`); a resident plan moves the op's minimum bytes
 (`common.minimum_bytes`), so its expected time is those bytes over `Target.streaming_seconds`.
 tests/test_normalize_mosaic_gpu.py holds the bench's bfloat16 shapes to 32 KiB or more in
@@ -38,53 +42,53 @@ flight an SM.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels._pallas import pl
-from kernels._pallas.mosaic_gpu import (PIECE, RowWriter, StagedRows, load, mosaic_gpu_call,
-                                        per_column, per_row, piece_columns, smem, store)
+from kernels._pallas.mosaic_gpu import (PIECE, BlockWriter, RowWriter, mosaic_gpu_call,
+                                        per_column, per_row, smem, store)
 from kernels.normalize import common
 from kernels.normalize.common import NormalizeConfig, Problem
 from kernels.normalize.mosaic_gpu.config import Plan, plan_of
 from kernels.normalize.mosaic_gpu.rows import (fold, from_rows_view, layout_of, output_matrix,
-                                               params_view, rows_view)
+                                               param_piece, params_view, rows_view, stage_rows,
+                                               walk_blocks)
 
 __all__ = ["forward"]
 
 
-def _normalize_block(refs: dict, io: StagedRows, sums: RowWriter | None, ys: RowWriter,
-                     first, p: Problem, plan: Plan) -> None:
-    """Rows [first, first + block_rows): the body of one CTA."""
+def _normalize_block(read: Callable, writer: RowWriter, params: dict, stats: dict, first,
+                     p: Problem, plan: Plan) -> None:
+    """Rows [first, first + block_rows): `read(pass, piece)` gives their inputs' pieces;
+    `params`: scale/offset as (num_pieces, PIECE) rows; `stats`: the GMEM mean/rstd."""
     shape = (plan.block_rows, PIECE)
     layout = layout_of(plan)
     passes = 2 + p.subtract_mean
     zeros = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), layout)
-    io.start(first)
 
-    def read(pass_index, piece):
-        values = io.read(first, piece, pass_index * plan.num_pieces + piece,
-                         passes * plan.num_pieces, layout)
+    def summed(pass_index, piece):
+        values = read(pass_index, piece)
         return values["x"] + values["residual"] if "residual" in values else values["x"]
 
     def total(acc):
         return jnp.sum(acc, axis=1)
 
     def first_pass(piece, acc):
-        x = read(0, piece)
-        if sums is not None:
-            sums.write(first, piece, {"sum": x})
+        x = summed(0, piece)
         return acc + (x if p.subtract_mean else x * x)
 
     first_mean = total(fold(plan, first_pass, zeros)) / plan.reduced  # RMS: the mean square
     variance = first_mean
+    rows = pl.ds(first, plan.block_rows)
     if p.subtract_mean:
         guess = per_row(first_mean, shape)
 
         def deviations(piece, accumulators):
-            deviation = read(1, piece) - guess
+            deviation = summed(1, piece) - guess
             if plan.width != plan.reduced:  # the zeros past the row are -mean off it
                 column = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=layout)
                 deviation = jnp.where(column + piece * PIECE < plan.reduced, deviation, 0.0)
@@ -95,25 +99,26 @@ def _normalize_block(refs: dict, io: StagedRows, sums: RowWriter | None, ys: Row
         acc_deviation, acc = fold(plan, deviations, (zeros, zeros))
         correction = total(acc_deviation) / plan.reduced
         row_mean = first_mean + correction
-        store(refs["mean"].at[pl.ds(first, plan.block_rows)], row_mean)
+        store(stats["mean"].at[rows], row_mean)
         mean = per_row(row_mean, shape)
         # Rounding can take a constant row's variance below 0 (NaN with epsilon = 0).
         variance = jnp.maximum(total(acc) / plan.reduced - correction * correction, 0.0)
     rstd = jax.lax.rsqrt(variance + p.epsilon)
-    store(refs["rstd"].at[pl.ds(first, plan.block_rows)], rstd)
+    store(stats["rstd"].at[rows], rstd)
     rstd = per_row(rstd, shape)
 
     def normalize(piece, carry):
-        x = read(passes - 1, piece)
+        x = summed(passes - 1, piece)
         y = (x - mean if p.subtract_mean else x) * rstd
         for name, op in (("scale", jnp.multiply), ("offset", jnp.add)):
-            if name in refs:
-                y = op(y, per_column(load(refs[name].at[piece_columns(piece)]), shape))
-        ys.write(first, piece, {"y": y})
+            if name in params:
+                y = op(y, per_column(param_piece(params[name], piece, layout), shape))
+        writer.write(first, piece, {"y": y, "sum": x} if p.has_residual else {"y": y})
         return carry
 
+    writer.start()
     fold(plan, normalize, 0)
-    RowWriter.finish()
+    writer.flush(first)
 
 
 def forward(x: jax.Array, residual: jax.Array | None, scale: jax.Array | None,
@@ -130,32 +135,50 @@ def forward(x: jax.Array, residual: jax.Array | None, scale: jax.Array | None,
     outputs = {"y": jax.ShapeDtypeStruct(matrix, p.y_dtype)}
     if residual is not None:
         outputs["sum"] = jax.ShapeDtypeStruct(matrix, p.dtype)
+    written = list(outputs)
     per_block_row = jax.ShapeDtypeStruct((plan.num_blocks * plan.block_rows,), jnp.float32)
     if p.subtract_mean:
         outputs["mean"] = per_block_row
     outputs["rstd"] = per_block_row
-    slots = plan.num_pieces if plan.resident else 2  # the block's pieces, or a 2-piece ring
+    slots = 2 * plan.num_pieces if plan.resident else 2  # two whole blocks, or a 2-piece ring
     staged = {name: smem((slots, plan.block_rows, PIECE), a.dtype)
               for name, a in inputs.items()}
-    rings = {name: smem((2, plan.block_rows, PIECE), outputs[name].dtype)
-             for name in ("y", "sum") if name in outputs}
-    scratch = [*staged.values(), *rings.values(),
-               plgpu.Barrier(num_arrivals=len(inputs), num_barriers=slots)]
+    out_slots = plan.num_pieces if plan.staged else 2  # the whole block, or a 2-piece ring
+    buffers = {name: smem((out_slots, plan.block_rows, PIECE), outputs[name].dtype)
+               for name in written}
+    if plan.staged:
+        buffers.update((name, smem((plan.num_pieces, PIECE), jnp.float32)) for name in params)
+    copies = len(staged) * (plan.num_pieces if plan.resident else 1)
+    scratch = [*staged.values(), *buffers.values(),
+               plgpu.Barrier(num_arrivals=copies, num_barriers=2)]
+    stage_params = plan.staged and params
+    if stage_params:
+        scratch.append(plgpu.Barrier(num_arrivals=len(params)))
 
     def body(*refs):
         names = [*inputs, *params, *outputs]
         named = dict(zip(names, refs))
-        buffers = dict(zip([*staged, *rings], refs[len(names):]))
-        io = StagedRows({n: named[n] for n in inputs}, {n: buffers[n] for n in staged},
-                        refs[-1], plan.block_rows, plan.num_pieces, plan.resident)
-        sums = (RowWriter({"sum": named["sum"]}, {"sum": buffers["sum"]}, plan.block_rows)
-                if "sum" in outputs else None)
-        ys = RowWriter({"y": named["y"]}, {"y": buffers["y"]}, plan.block_rows)
-        first = jax.lax.axis_index("blocks") * plan.block_rows
-        _normalize_block(named, io, sums, ys, first, p, plan)
+        scratch_refs = dict(zip([*staged, *buffers], refs[len(names):]))
+        barriers = refs[len(names) + len(staged) + len(buffers)]
+        param_refs, ready = {n: named[n] for n in params}, None
+        if stage_params:  # once a CTA, every block reads them from shared memory
+            ready = stage_rows(param_refs, scratch_refs, refs[-1])
+            param_refs = {n: scratch_refs[n] for n in params}
+        gmem_outputs = {n: named[n] for n in written}
+        smem_outputs = {n: scratch_refs[n] for n in written}
+        writer = (BlockWriter(gmem_outputs, smem_outputs, plan.block_rows, plan.num_pieces)
+                  if plan.staged else RowWriter(gmem_outputs, smem_outputs, plan.block_rows))
+        stats = {n: named[n] for n in ("mean", "rstd") if n in named}
+
+        def compute(first, read, carry):
+            _normalize_block(read, writer, param_refs, stats, first, p, plan)
+
+        walk_blocks(plan, {n: named[n] for n in inputs}, {n: scratch_refs[n] for n in inputs},
+                    barriers, 2 + p.subtract_mean, compute, ready=ready)
+        RowWriter.finish()
 
     results = dict(zip(outputs, mosaic_gpu_call(
-        body, out_shape=list(outputs.values()), grid=(plan.num_blocks,), grid_names=("blocks",),
+        body, out_shape=list(outputs.values()), grid=(plan.programs,), grid_names=("programs",),
         interpret=interpret, name="normalize_forward_mosaic_gpu", scratch=scratch,
         auto_barriers=False,
         flops_and_bytes=_cost(p, plan), transcendentals=plan.rows)(

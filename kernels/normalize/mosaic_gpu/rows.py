@@ -1,21 +1,26 @@
-"""The views both Mosaic GPU normalize kernels (`forward.py`, `backward.py`) take of their
-operands and pieces: the (rows, aligned) matrix of the 3-D view (`rows_view`, and back; an
-output's matrix, `output_matrix`), per-row
-statistics padded to whole blocks (`padded_rows`), scale and offset padded to whole pieces
-(`params_view`), a piece's register layout (`layout_of`) and the loop over a row's pieces
-(`fold`)."""
+"""What both Mosaic GPU normalize kernels (`forward.py`, `backward.py`) share: the views they
+take of their operands (the (rows, aligned) matrix of the 3-D view, `rows_view`, and back; an
+output's matrix, `output_matrix`; per-row statistics padded to whole blocks, `padded_rows`;
+scale and offset as rows of whole pieces, `params_view`), a piece's register layout
+(`layout_of`), the loop over a row's pieces (`fold`), a CTA's walk over its blocks
+(`walk_blocks`) and the rows it stages once (`stage_rows`, read by `param_piece`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kernels._pallas.mosaic_gpu import PIECE, pad_to, row_layout, stored_shape
+from kernels._pallas import pl
+from kernels._pallas.mosaic_gpu import (PIECE, BlockBuffers, StreamedRows, pad_to, row_layout,
+                                        stored_shape)
 from kernels.normalize.common import Problem
 from kernels.normalize.mosaic_gpu.config import Plan
 
-__all__ = ["layout_of", "fold", "rows_view", "output_matrix", "from_rows_view", "padded_rows",
-           "params_view"]
+__all__ = ["layout_of", "fold", "walk_blocks", "stage_rows", "param_piece", "rows_view",
+           "output_matrix", "from_rows_view", "padded_rows", "params_view"]
 
 
 def layout_of(plan: Plan) -> object:
@@ -28,6 +33,73 @@ def fold(plan: Plan, step, carry):
     """carry = step(piece, carry) for each piece of the row, in order, `Plan.unroll` pieces a
     loop step."""
     return jax.lax.fori_loop(0, plan.num_pieces, step, carry, unroll=plan.unroll)
+
+
+def walk_blocks(plan: Plan, gmem: dict, smem: dict, barriers, passes: int,
+                compute: Callable, prefetch: Callable | None = None,
+                ready: Callable[[], None] | None = None) -> None:
+    """CTA q of the grid's `plan.programs` computes blocks q, q + programs, ... in turn:
+    `compute(first, read, carry)` for the block of rows from `first`, where `read(pass_index,
+    piece)` gives its pieces of the GMEM arrays `gmem` (name -> ref) in float32 registers, in
+    order, `passes` times over. Resident (`Plan.resident`): the inputs move through two whole
+    block buffers (`smem`: name -> (2·num_pieces, block_rows, PIECE); `barriers`: 2), the next
+    block's copies started before the CTA waits for this one's; else streamed, piece by piece
+    (`smem`: name -> (2, block_rows, PIECE); `barriers`: 2). `prefetch(block)`: what the walk
+    carries to `compute` for a block, loaded a block ahead; `ready()`: waits for what the CTA
+    staged before its walk, once the first block's copies are issued."""
+    program = jax.lax.axis_index("programs")
+    layout = layout_of(plan)
+    if plan.resident:
+        blocks = BlockBuffers(gmem, smem, barriers, plan.block_rows, plan.num_pieces)
+        blocks.start(program * plan.block_rows, 0)
+    else:
+        rows = StreamedRows(gmem, smem, barriers, plan.block_rows, plan.num_pieces)
+    if ready is not None:
+        ready()
+    count = (plan.num_blocks - program + plan.programs - 1) // plan.programs
+
+    def step(i, carry):
+        block = program + i * plan.programs
+        first = block * plan.block_rows
+        following = jnp.minimum(block + plan.programs, plan.num_blocks - 1)
+        buffer = i % 2
+        if plan.resident:
+            @pl.when(i + 1 < count)
+            def _():
+                blocks.start(following * plan.block_rows, 1 - buffer)
+
+        upcoming = carry if prefetch is None else prefetch(following)
+        if plan.resident:
+            blocks.wait(buffer)
+
+            def read(pass_index, piece):
+                return blocks.read(buffer, piece, layout)
+        else:
+            rows.start(first)
+
+            def read(pass_index, piece):
+                return rows.read(first, pass_index * plan.num_pieces + piece,
+                                 passes * plan.num_pieces, layout)
+        compute(first, read, carry)
+        return upcoming
+
+    jax.lax.fori_loop(0, count, step, 0 if prefetch is None else prefetch(program))
+
+
+def stage_rows(gmem: dict, smem: dict, barrier) -> Callable[[], None]:
+    """Starts copying each (num_pieces, PIECE) row of `gmem` (name -> ref: scale, offset) into
+    the shared-memory buffer of its name in `smem`, one TMA copy each (a row of at most
+    `TMA_MAX_BOX` pieces; `barrier`: len(gmem) arrivals); returns the wait for them."""
+    for name, ref in gmem.items():
+        plgpu.copy_gmem_to_smem(ref, smem[name], barrier)
+    return lambda: plgpu.barrier_wait(barrier)
+
+
+def param_piece(row, piece, layout) -> jax.Array:
+    """Piece `piece` of a (num_pieces, PIECE) float32 row (staged in shared memory or in GMEM),
+    in the layout of a block's piece summed over its rows (`per_column` spreads it down the
+    rows)."""
+    return plgpu.load(row.at[piece], layout=layout.reduce(0), optimized=False)
 
 
 def rows_view(a: jax.Array | None, p: Problem, plan: Plan) -> jax.Array | None:
@@ -61,7 +133,7 @@ def padded_rows(a: jax.Array, plan: Plan) -> jax.Array:
 
 
 def params_view(scale, offset, plan: Plan) -> dict:
-    """scale and offset as float32 rows of the pieces' width (zero past the row)."""
+    """scale and offset as float32 (num_pieces, PIECE) rows (zero past the row)."""
     return {name: jnp.pad(v.reshape(plan.reduced).astype(jnp.float32),
-                          (0, plan.width - plan.reduced))
+                          (0, plan.width - plan.reduced)).reshape(plan.num_pieces, PIECE)
             for name, v in (("scale", scale), ("offset", offset)) if v is not None}
