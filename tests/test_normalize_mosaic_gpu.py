@@ -60,15 +60,15 @@ def _float64_gradients(loss, *args):
 @pytest.mark.parametrize("shape,config,resident,accumulate", [
     ((40, 128), NormalizeConfig(block_groups=1, num_partials=3), True, True),
     ((40, 300), NormalizeConfig(block_groups=3, num_partials=4), True, True),
-    ((9, 16384), NormalizeConfig(block_groups=2, num_partials=2), False, True),
-    ((3, 20480), NormalizeConfig(block_groups=1), False, False)],
+    ((5, 12288), NormalizeConfig(block_groups=2, num_partials=2), False, True),
+    ((2, 20480), NormalizeConfig(block_groups=1), False, False)],
     ids=["walking", "walking-ragged", "streamed", "partial-rows-per-block"])
 def test_backward_dscale_and_doffset_terms(shape, config, resident, accumulate):
     """The backward's ways to dscale and doffset: CTAs walking one-row (and 3-row, a ragged
     last block of ragged rows) blocks in two buffers, the next block's copies in flight while
     one computes, each CTA summing its blocks' terms over their rows in shared memory before
     writing them (`config.num_partials`: the CTAs, as the Triton backward's partials); rows
-    too long for two blocks (2 x 16384 float32 inputs) streamed, 2 CTAs walking 5 blocks,
+    too long for two blocks (2 x 12288 float32 inputs) streamed, 2 CTAs walking 3 blocks,
     their terms still summed; and rows whose terms do not fit (2 x 20480 float32
     accumulators), each block writing its own partial row. All against float64 truth."""
     from kernels.normalize.common import Problem
@@ -96,13 +96,13 @@ def test_backward_dscale_and_doffset_terms(shape, config, resident, accumulate):
 
 @needs_mosaic_gpu
 @pytest.mark.parametrize("shape,config,resident,staged,programs", [
-    ((270, 130), NormalizeConfig(block_groups=1), True, True, 132),
+    ((140, 130), NormalizeConfig(block_groups=1), True, True, 132),
     ((3, 7300), None, True, False, 3),
     ((2, 16384), None, False, False, 1)],
     ids=["walking", "outputs-through-rings", "streamed"])
 def test_forward_blocks(shape, config, resident, staged, programs):
     """The forward's ways through its blocks, with a residual, scale and offset: CTAs walking
-    one-row blocks (270 over an H100's 132 SMs: two or three each) in two buffers, the next
+    one-row blocks (140 over an H100's 132 SMs: 8 CTAs walk two) in two buffers, the next
     block's copies in flight while one computes, y and the sum staged whole, scale and offset
     staged once; rows whose staged outputs do not fit beside two blocks (7300 float32 columns
     of x and the residual) writing through rings and reading scale/offset from GMEM; rows too
