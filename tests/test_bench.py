@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import pathlib
 import re
 
@@ -57,14 +59,23 @@ def test_backward_rows_differentiate_the_chosen_arguments():
     assert np.shape(case.expected[0]) == (8, 4)
 
 
-def test_default_report_is_read_at_a_glance(capsys):
+@pytest.fixture(scope="module")
+def strict_matmul_report() -> tuple[str, str]:
+    """(stdout, stderr) of `python -m bench --ops matmul --interpret strict` (one run, read by
+    the tests of its report and of the `--interpret` option)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        assert main(["--ops", "matmul", "--interpret", "strict", "--no-design",
+                     "--repeats", "1"]) == 0
+    return out.getvalue(), err.getvalue()
+
+
+def test_default_report_is_read_at_a_glance(strict_matmul_report):
     """The default view of the rows: per op, each case that more than xla ran in one line (xla's
     time, each kernel's ratio to it, the largest error), no line past 160 characters; xla's
     rows at CPU sizes only under `--rows all`, and a case timed by an interpreted row not timed
     again at CPU sizes."""
-    assert main(["--ops", "matmul", "--interpret", "strict", "--no-design",
-                 "--repeats", "1"]) == 0
-    out, err = capsys.readouterr()
+    out, err = strict_matmul_report
     lines = out.splitlines()
     assert max(map(len, lines)) <= 160 and len(lines) <= 60, out
     header = next(i for i, line in enumerate(lines) if line.startswith("op "))
@@ -95,13 +106,11 @@ def test_comparison_columns_are_short_labels():
     assert max(map(len, text.splitlines())) <= 160, text
 
 
-def test_interpret_option_takes_the_ops_values(capsys):
+def test_interpret_option_takes_the_ops_values(capsys, strict_matmul_report):
     with pytest.raises(SystemExit):
         main(["--interpret", "fast"])
     assert "invalid choice" in capsys.readouterr().err
-    assert main(["--ops", "matmul", "--interpret", "strict", "--no-design", "--repeats",
-                 "1"]) == 0
-    out = capsys.readouterr().out
+    out, _ = strict_matmul_report
     assert "mosaic (strict)" in out and "triton (interpret)" not in out
     assert "matmul backward" in out
 

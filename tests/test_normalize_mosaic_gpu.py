@@ -95,24 +95,26 @@ def test_backward_dscale_and_doffset_terms(shape, config, resident, accumulate):
 
 
 @needs_mosaic_gpu
-@pytest.mark.parametrize("shape,config,resident,staged,programs", [
-    ((140, 130), NormalizeConfig(block_groups=1), True, True, 132),
-    ((3, 7300), None, True, False, 3),
-    ((2, 16384), None, False, False, 1)],
+@pytest.mark.parametrize("shape,config,resident,staged,walks", [
+    ((800, 300), NormalizeConfig(block_groups=3), True, True, True),
+    ((3, 7300), None, True, False, False),
+    ((2, 16384), None, False, False, False)],
     ids=["walking", "outputs-through-rings", "streamed"])
-def test_forward_blocks(shape, config, resident, staged, programs):
+def test_forward_blocks(shape, config, resident, staged, walks):
     """The forward's ways through its blocks, with a residual, scale and offset: CTAs walking
-    one-row blocks (140 over an H100's 132 SMs: 8 CTAs walk two) in two buffers, the next
-    block's copies in flight while one computes, y and the sum staged whole, scale and offset
-    staged once; rows whose staged outputs do not fit beside two blocks (7300 float32 columns
-    of x and the residual) writing through rings and reading scale/offset from GMEM; rows too
-    long for two blocks (2 x 16384 float32 inputs), streamed per pass. Against float64."""
+    3-row blocks of two pieces (267 over an H100's 132 SMs: three CTAs walk three, so a buffer
+    is refilled; the last block ragged) in two buffers, the next block's copies in flight while
+    one computes, y and the sum staged whole, scale and offset staged once; rows whose staged
+    outputs do not fit beside two blocks (7300 float32 columns of x and the residual) writing
+    through rings and reading scale/offset from GMEM; rows too long for two blocks (2 x 16384
+    float32 inputs), streamed per pass. Against float64."""
     from kernels.normalize.common import Problem
     from kernels.normalize.mosaic_gpu.config import plan_of
 
     problem = Problem(1, *shape, True, jnp.dtype(jnp.float32), True, 1e-5, True, True, True)
     plan = plan_of(problem, config)
-    assert (plan.resident, plan.staged, plan.programs) == (resident, staged, programs)
+    assert (plan.resident, plan.staged) == (resident, staged)
+    assert (plan.programs < plan.num_blocks) == walks, plan
     x, residual = random(shape, jnp.float32, seed=16), random(shape, jnp.float32, seed=17)
     scale, offset = random(shape[-1:], jnp.float32, 18), random(shape[-1:], jnp.float32, 19)
     y, summed = layer_norm(x, scale, offset, residual=residual, implementation="mosaic_gpu",
@@ -157,8 +159,7 @@ def test_design_shapes_stream(target, shape, subtract_mean, residual):
     written once."""
     from kernels import _targets
     from kernels._pallas.lowering import on_target
-    from kernels.normalize.common import (Problem, backward_flops_and_bytes,
-                                          forward_flops_and_bytes, minimum_bytes)
+    from kernels.normalize.common import Problem, backward_flops_and_bytes, minimum_bytes
     from kernels.normalize.mosaic_gpu.backward import _cost as backward_cost
     from kernels.normalize.mosaic_gpu.forward import _cost as forward_cost
     from kernels.normalize.mosaic_gpu.config import plan_of
@@ -174,7 +175,7 @@ def test_design_shapes_stream(target, shape, subtract_mean, residual):
             assert plan.programs <= num_sms and plan.ctas_per_sm == 1, plan
         assert forward_plan.staged and backward_plan.accumulate
         _, moved = forward_cost(p, forward_plan)
-        assert moved == forward_flops_and_bytes(p)[1] <= 1.01 * minimum_bytes(p)
+        assert moved <= 1.01 * minimum_bytes(p), (moved, minimum_bytes(p))
         _, moved = backward_cost(p, backward_plan, backward_plan.programs, False, residual)
         _, minimum = backward_flops_and_bytes(p, 0, False, residual)
         assert moved <= 1.05 * minimum, (moved, minimum)

@@ -21,7 +21,8 @@ it computes on this one. The loop nests, per block, over the pieces k of its row
                 dscale_terms[k] += Σ_rows dy[k] * x̂[k];  doffset_terms[k] += Σ_rows dy[k]
 
 scale and offset are staged once per CTA where they fit. Rows too long for two blocks stream
-their pieces again per pass, one block per CTA (`Plan.resident`). The dscale/doffset terms,
+their pieces again per pass (`Plan.resident`): the forward one block per CTA, the backward's
+CTAs still walking. The dscale/doffset terms,
 summed over a CTA's rows in shared memory, are its partial row (one per SM, or per
 `config.num_partials` CTA; per block where a summed row does not fit), summed by XLA
 (deterministic).

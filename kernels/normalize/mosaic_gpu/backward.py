@@ -7,7 +7,7 @@ On the forward's rows view, in blocks of `block_rows` rows (`config.plan_of` wit
 pieces of `PIECE` columns. Grid `(programs,)`, one CTA (one warpgroup) per SM: CTA q walks
 blocks q, q + programs, ... With x̂ = (x - mean) * rstd and gs = dy * scale, per block:
 
-    wait for this block's buffer; start the next block's copies into the other   # BlockBuffers
+    start the next block's copies into the other buffer; wait for this block's   # BlockBuffers
     pass 1:  acc_gs += gs[k];  acc_gsx += gs[k] * x̂[k]                            # registers
     pass 2:  dx[k] = rstd * (gs - sum(acc_gs)/n - x̂ * sum(acc_gsx)/n) (+ dsum[k])  # staged
              dscale_terms[k] += sum over rows(dy[k] * x̂[k]);  doffset_terms[k] += sum(dy[k])
@@ -15,8 +15,8 @@ blocks q, q + programs, ... With x̂ = (x - mean) * rstd and gs = dy * scale, pe
 
 A resident plan holds two whole blocks of the inputs, dx's block, scale (staged once) and the
 two summed term rows (float32, the row's width each) in shared memory: the next block's copies,
-`config._IN_FLIGHT_BYTES` or more, are in flight while the CTA computes on this one, and its passes
-wait once per block. Each loop step computes `Plan.unroll` pieces. At the end the CTA writes
+about `config._IN_FLIGHT_BYTES`, are in flight while the CTA computes on this one, and its
+passes wait once per block. Each loop step computes `Plan.unroll` pieces. At the end the CTA writes
 its terms as one partial row (one TMA copy), and XLA sums the `programs` rows (no float atomics:
 the same result on every run), so x and dy are read from GMEM once and dx written once
 (`common.backward_flops_and_bytes`), plus one float32 row per SM and term. Rows too long for two
@@ -46,9 +46,9 @@ from kernels._pallas.mosaic_gpu import (PIECE, BlockWriter, RowWriter, load, mos
 from kernels.normalize import common
 from kernels.normalize.common import NormalizeConfig, Problem
 from kernels.normalize.mosaic_gpu.config import Plan, plan_of
-from kernels.normalize.mosaic_gpu.rows import (fold, from_rows_view, layout_of, output_matrix,
-                                               padded_rows, param_piece, params_view, rows_view,
-                                               stage_rows, walk_blocks)
+from kernels.normalize.mosaic_gpu.rows import (fold, from_rows_view, input_buffers, layout_of,
+                                               output_matrix, padded_rows, param_piece,
+                                               params_view, rows_view, stage_rows, walk_blocks)
 
 __all__ = ["backward"]
 
@@ -156,17 +156,13 @@ def backward(x, scale, mean, rstd, gy, gmean, grstd, gsum, p: Problem, *,
         if present:
             outputs[name] = jax.ShapeDtypeStruct((partial_rows, plan.num_pieces, PIECE),
                                                  jnp.float32)
-    slots = 2 * plan.num_pieces if plan.resident else 2
-    staged = {name: smem((slots, plan.block_rows, PIECE), a.dtype)
-              for name, a in staged_inputs.items()}
+    staged, input_barriers = input_buffers(plan, staged_inputs)
     dx_slots = plan.num_pieces if plan.resident else 2
     buffers = {"dx": smem((dx_slots, plan.block_rows, PIECE), p.dtype)}
     buffers.update((name, smem((plan.num_pieces, PIECE), jnp.float32))
                    for name in ("scale", *_PARTIALS) if name in inputs | outputs
                    and plan.accumulate)  # else scale is read from GMEM
-    copies = len(staged) * (plan.num_pieces if plan.resident else 1)
-    scratch = [*staged.values(), *buffers.values(),
-               plgpu.Barrier(num_arrivals=copies, num_barriers=2)]
+    scratch = [*staged.values(), *buffers.values(), input_barriers]
     if "scale" in buffers:
         scratch.append(plgpu.Barrier(num_arrivals=1))
 

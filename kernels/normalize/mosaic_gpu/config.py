@@ -20,19 +20,15 @@ from kernels.normalize.common import NormalizeConfig, Problem
 __all__ = ["Plan", "plan_of", "resolve_config", "check"]
 
 _DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
-# Bytes of input rows one streamed forward CTA moves per block (`Plan.resident` False: rows
-# too long to stay in shared memory): two CTAs per SM keep up to 128 KiB in flight, well over
-# the ~20 KiB an H100 SM needs to cover HBM's latency at full bandwidth (3.35 TB/s x ~800 ns
-# over 132 SMs; an estimate, not measured), while a CTA computes on one block and its
-# neighbour waits on the next.
-_BLOCK_BYTES = 64 * 1024
-# Rows per CTA at most, a config's too: a pass carries float32 accumulators of (rows, PIECE),
+# Rows per block at most, a config's too: a pass carries float32 accumulators of (rows, PIECE),
 # 2 values a thread per row each. 16 rows took up to 186 registers, no spills (the backward of
 # 32x56x56x256 bfloat16 over axes (0, 1, 2), sm_90a, jax 0.12.0.1); twice that would spill.
 _MAX_BLOCK_ROWS = 16
-# Bytes of input rows in one block of a CTA walking blocks (`Plan.resident`: both kernels),
-# copied while the CTA computes on the block before (`BlockBuffers`). With one CTA per SM,
-# each SM has one to two blocks in flight, over the ~20 KiB an SM needs (`_BLOCK_BYTES`).
+# Bytes of input rows a block is sized to (rows up to `_MAX_BLOCK_ROWS`): of whole rows where a
+# CTA walks blocks (`Plan.resident`), copied while it computes on the block before
+# (`BlockBuffers`); of one piece where rows stream. With one CTA per SM, each SM then has one
+# to two blocks in flight, over the ~20 KiB an H100 SM needs to cover HBM's latency at full
+# bandwidth (3.35 TB/s x ~800 ns over 132 SMs; an estimate, not measured).
 _IN_FLIGHT_BYTES = 32 * 1024
 # Rows of a piece one loop step computes (`Plan.unroll`): 8 rows give each thread 16 values
 # per input, against 2 for a one-row block's piece. The backward of bfloat16 4096x8192 (sm_90a,
@@ -136,12 +132,12 @@ def _fitting_rows(config: NormalizeConfig, wanted: int, rows: int, smem, budget:
 
 def _forward_plan(p: Problem, config: NormalizeConfig, rows_view: tuple[int, int, int],
                   num_pieces: int, may_stay: bool) -> Plan:
-    """Preferred first: one CTA per SM walking blocks of `config.block_groups` rows, else of
-    `_IN_FLIGHT_BYTES` of input rows, two whole blocks of the inputs in shared memory
-    (`Plan.resident`; not where a row is longer than `config.block_reduced`), y (and the sum)
-    staged whole and scale/offset staged once (`Plan.staged`); then the outputs through rings
-    and scale/offset from GMEM. Else one block per CTA of `_BLOCK_BYTES` of input rows, its
-    pieces streamed in each pass, two CTAs an SM (half its shared memory each)."""
+    """Blocks of `config.block_groups` rows, else of `_IN_FLIGHT_BYTES` of input rows.
+    Preferred first: one CTA per SM walking blocks, two whole blocks of the inputs in shared
+    memory (`Plan.resident`; not where a row is longer than `config.block_reduced`), y (and
+    the sum) staged whole and scale/offset staged once (`Plan.staged`); then the outputs
+    through rings and scale/offset from GMEM. Else one block per CTA, its pieces streamed in
+    each pass, two CTAs an SM (half its shared memory each)."""
     rows, item = rows_view[0], jnp.dtype(p.dtype).itemsize
     input_bytes = item * (1 + p.has_residual)
     output_bytes = p.y_dtype.itemsize + item * p.has_residual  # y, and the sum in x's dtype
@@ -149,12 +145,12 @@ def _forward_plan(p: Problem, config: NormalizeConfig, rows_view: tuple[int, int
     params = 4 * width * (p.has_scale + p.has_offset)
     rings = 2 * PIECE * output_bytes
     for resident, staged in ((True, True), (True, False), (False, False)):
+        # Staged rows move as one TMA copy of (num_pieces, PIECE): two blocks that fit already
+        # hold fewer pieces than that, but the copy's rule is stated where it applies.
         if resident and not may_stay or staged and num_pieces > TMA_MAX_BOX:
             continue
-        if resident:
-            held, wanted = 2 * width * input_bytes, pl.cdiv(_IN_FLIGHT_BYTES, width * input_bytes)
-        else:
-            held, wanted = 2 * PIECE * input_bytes, _BLOCK_BYTES // (2 * PIECE * input_bytes)
+        held = 2 * (width if resident else PIECE) * input_bytes  # two blocks, or a 2-piece ring
+        wanted = pl.cdiv(_IN_FLIGHT_BYTES, held // 2)
         outputs = width * output_bytes if staged else rings
         budget = smem_budget(whole=resident or bool(config.block_groups))
         block_rows = _fitting_rows(config, wanted, rows,
@@ -174,9 +170,9 @@ def _forward_plan(p: Problem, config: NormalizeConfig, rows_view: tuple[int, int
 
 def _backward_plan(p: Problem, config: NormalizeConfig, has_gsum: bool,
                    rows_view: tuple[int, int, int], num_pieces: int, may_stay: bool) -> Plan:
-    """One CTA per SM (all its shared memory) walking blocks. Preferred first: two whole blocks
-    in shared memory (`Plan.resident`; not where a row is longer than `config.block_reduced`),
-    each of `config.block_groups` rows, else of `_IN_FLIGHT_BYTES` of input rows; dx staged
+    """One CTA per SM (all its shared memory) walking blocks of `config.block_groups` rows,
+    else of `_IN_FLIGHT_BYTES` of input rows. Preferred first: two whole blocks in shared
+    memory (`Plan.resident`; not where a row is longer than `config.block_reduced`); dx staged
     whole; scale staged once; and the dscale/doffset terms summed over the CTA's rows in
     shared memory (`Plan.accumulate`). Else blocks stream their pieces through 2-slot rings,
     and where the summed terms do not fit, each block writes its own."""

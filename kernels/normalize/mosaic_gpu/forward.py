@@ -9,7 +9,7 @@ memory and, in registers, 2 values a thread per row (the 4 warps along the piece
 `(programs,)`, one CTA (one warpgroup) per SM: CTA q walks blocks q, q + programs, ... With x
 the sum x + residual where there is one, per block:
 
-    wait for this block's buffer; start the next block's copies into the other   # BlockBuffers
+    start the next block's copies into the other buffer; wait for this block's   # BlockBuffers
     pass 1:  acc += x[k]                                              # RMS: acc += x[k]²
              m = sum(acc) / n                                         # RMS: rstd from acc
     pass 2:  d = where(column < n, x[k] - m, 0);  acc_d += d;  acc += d²
@@ -21,19 +21,20 @@ the sum x + residual where there is one, per block:
 registers and reduces them across the warps once. Pass 2 corrects pass 1's mean, whose sums of
 large values round (a mean of 1e4 with a unit spread), by the mean deviation from it, whose
 terms are small (the shifted two-pass algorithm): y is then closer to float64 than XLA's.
-A resident plan (`Plan.resident`) holds two whole blocks of the inputs (x and the residual,
-in the same buffers) in shared memory: the next block's copies, `config._IN_FLIGHT_BYTES` or
-more, are in flight while the CTA computes on this one, and its passes wait once per block. Its
-outputs are staged whole and scale/offset staged once per CTA where they fit (`Plan.staged`),
-else the outputs leave through 2-slot rings of pieces and scale/offset are read from GMEM.
-Rows too long for two blocks are streamed: one block per CTA, its pieces read again in each
-pass (x read 2-3 times, mostly from L2). mean and 1/std are written per row (float32); the
+A resident plan (`Plan.resident`) holds two whole blocks of the inputs (x and the residual
+each, one barrier a block) in shared memory: the next block's copies, about
+`config._IN_FLIGHT_BYTES` (less where `_MAX_BLOCK_ROWS` caps a block of short rows), are in
+flight while the CTA computes on this one, and its passes wait once per block. Its outputs
+are staged whole and scale/offset staged once per CTA where they fit (`Plan.staged`), else
+the outputs leave through 2-slot rings of pieces and scale/offset are read from GMEM per
+block. Rows too long for two blocks are streamed: one block per CTA, two CTAs an SM, its
+pieces read again in each pass (x read 2-3 times, mostly from L2). mean and 1/std are written per row (float32); the
 launch's cost estimate states the bytes (`_cost`). TMA zero-fills the columns past the row and
 the rows past the array, and drops their stores, so no shape needs a padding copy unless a row
 is not a multiple of 16 bytes (`Plan.aligned`: then x is padded in the wrapper, one more copy).
 
-Against the GPU: one CTA an SM (`Plan.ctas_per_sm`), its next block in flight
-(`Plan.in_flight_per_sm`); a resident plan moves the op's minimum bytes
+Against the GPU: a resident plan runs one CTA an SM (`Plan.ctas_per_sm`), its next block in
+flight (`Plan.in_flight_per_sm`); a resident, staged plan moves the op's minimum bytes
 (`common.minimum_bytes`), so its expected time is those bytes over `Target.streaming_seconds`.
 tests/test_normalize_mosaic_gpu.py holds the bench's bfloat16 shapes to 32 KiB or more in
 flight an SM.
@@ -54,9 +55,9 @@ from kernels._pallas.mosaic_gpu import (PIECE, BlockWriter, RowWriter, mosaic_gp
 from kernels.normalize import common
 from kernels.normalize.common import NormalizeConfig, Problem
 from kernels.normalize.mosaic_gpu.config import Plan, plan_of
-from kernels.normalize.mosaic_gpu.rows import (fold, from_rows_view, layout_of, output_matrix,
-                                               param_piece, params_view, rows_view, stage_rows,
-                                               walk_blocks)
+from kernels.normalize.mosaic_gpu.rows import (fold, from_rows_view, input_buffers, layout_of,
+                                               output_matrix, param_piece, params_view,
+                                               rows_view, stage_rows, walk_blocks)
 
 __all__ = ["forward"]
 
@@ -140,17 +141,13 @@ def forward(x: jax.Array, residual: jax.Array | None, scale: jax.Array | None,
     if p.subtract_mean:
         outputs["mean"] = per_block_row
     outputs["rstd"] = per_block_row
-    slots = 2 * plan.num_pieces if plan.resident else 2  # two whole blocks, or a 2-piece ring
-    staged = {name: smem((slots, plan.block_rows, PIECE), a.dtype)
-              for name, a in inputs.items()}
+    staged, input_barriers = input_buffers(plan, inputs)
     out_slots = plan.num_pieces if plan.staged else 2  # the whole block, or a 2-piece ring
     buffers = {name: smem((out_slots, plan.block_rows, PIECE), outputs[name].dtype)
                for name in written}
     if plan.staged:
         buffers.update((name, smem((plan.num_pieces, PIECE), jnp.float32)) for name in params)
-    copies = len(staged) * (plan.num_pieces if plan.resident else 1)
-    scratch = [*staged.values(), *buffers.values(),
-               plgpu.Barrier(num_arrivals=copies, num_barriers=2)]
+    scratch = [*staged.values(), *buffers.values(), input_barriers]
     stage_params = plan.staged and params
     if stage_params:
         scratch.append(plgpu.Barrier(num_arrivals=len(params)))
@@ -194,8 +191,10 @@ def forward(x: jax.Array, residual: jax.Array | None, scale: jax.Array | None,
 
 def _cost(p: Problem, plan: Plan) -> tuple[int, int]:
     """`common.forward_flops_and_bytes`, with a streamed block's inputs read again in each pass
-    after the first."""
+    after the first, and scale/offset read again for each block where they are not staged."""
     flops, nbytes = common.forward_flops_and_bytes(p)
+    if not plan.staged:
+        nbytes += (plan.num_blocks - 1) * plan.width * 4 * (p.has_scale + p.has_offset)
     if not plan.resident:
         passes = 2 + p.subtract_mean
         nbytes += (passes - 1) * p.size * jnp.dtype(p.dtype).itemsize * (1 + p.has_residual)

@@ -3,7 +3,8 @@ take of their operands (the (rows, aligned) matrix of the 3-D view, `rows_view`,
 output's matrix, `output_matrix`; per-row statistics padded to whole blocks, `padded_rows`;
 scale and offset as rows of whole pieces, `params_view`), a piece's register layout
 (`layout_of`), the loop over a row's pieces (`fold`), a CTA's walk over its blocks
-(`walk_blocks`) and the rows it stages once (`stage_rows`, read by `param_piece`)."""
+(`walk_blocks`, through `input_buffers`) and the rows it stages once (`stage_rows`, read by
+`param_piece`)."""
 
 from __future__ import annotations
 
@@ -15,11 +16,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels._pallas import pl
 from kernels._pallas.mosaic_gpu import (PIECE, BlockBuffers, StreamedRows, pad_to, row_layout,
-                                        stored_shape)
+                                        smem, stored_shape)
 from kernels.normalize.common import Problem
 from kernels.normalize.mosaic_gpu.config import Plan
 
-__all__ = ["layout_of", "fold", "walk_blocks", "stage_rows", "param_piece", "rows_view",
+__all__ = ["layout_of", "fold", "input_buffers", "walk_blocks", "stage_rows", "param_piece", "rows_view",
            "output_matrix", "from_rows_view", "padded_rows", "params_view"]
 
 
@@ -33,6 +34,17 @@ def fold(plan: Plan, step, carry):
     """carry = step(piece, carry) for each piece of the row, in order, `Plan.unroll` pieces a
     loop step."""
     return jax.lax.fori_loop(0, plan.num_pieces, step, carry, unroll=plan.unroll)
+
+
+def input_buffers(plan: Plan, arrays: dict) -> tuple[dict, object]:
+    """The shared memory `walk_blocks` moves `arrays` (name -> array) through: two whole
+    blocks of each (resident) or a 2-piece ring, and its 2 barriers (one a block or slot,
+    every array's copies into it arriving there)."""
+    slots = 2 * plan.num_pieces if plan.resident else 2
+    buffers = {name: smem((slots, plan.block_rows, PIECE), a.dtype)
+               for name, a in arrays.items()}
+    copies = len(arrays) * (plan.num_pieces if plan.resident else 1)
+    return buffers, plgpu.Barrier(num_arrivals=copies, num_barriers=2)
 
 
 def walk_blocks(plan: Plan, gmem: dict, smem: dict, barriers, passes: int,
