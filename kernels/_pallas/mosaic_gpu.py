@@ -159,11 +159,11 @@ def piece_columns(piece: jax.Array, width: int = PIECE) -> Any:
     return pl.ds(piece * width, width)
 
 
-def _read_slot(smem: dict, slot: jax.Array, layout: Any) -> dict:
+def _read_slot(buffers: dict, slot: jax.Array, layout: Any) -> dict:
     """Slot `slot` of each staged array (name -> a (slots, block_rows, PIECE) ref), in float32
     registers."""
     return {name: plgpu.load(ref.at[slot], layout=layout, optimized=False).astype(jnp.float32)
-            for name, ref in smem.items()}
+            for name, ref in buffers.items()}
 
 
 class StreamedRows:

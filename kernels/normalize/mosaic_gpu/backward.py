@@ -41,14 +41,16 @@ import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels._pallas import pl
-from kernels._pallas.mosaic_gpu import (PIECE, BlockWriter, RowWriter, load, mosaic_gpu_call,
-                                        per_column, per_row, smem, store)
+from kernels._pallas.mosaic_gpu import (PIECE, RowWriter, load, mosaic_gpu_call, per_column,
+                                        per_row, smem, store)
 from kernels.normalize import common
 from kernels.normalize.common import NormalizeConfig, Problem
 from kernels.normalize.mosaic_gpu.config import Plan, plan_of
 from kernels.normalize.mosaic_gpu.rows import (fold, from_rows_view, input_buffers, layout_of,
-                                               output_matrix, padded_rows, param_piece,
-                                               params_view, rows_view, stage_rows, walk_blocks)
+                                               output_buffers, output_matrix, output_writer,
+                                               padded_rows, param_piece, params_view,
+                                               reread_bytes, rows_view, stage_rows,
+                                               walk_blocks)
 
 __all__ = ["backward"]
 
@@ -130,9 +132,9 @@ def _cost(p: Problem, plan: Plan, partial_rows: int, stat_cotangents: bool,
     with a streamed block's inputs read again in the second pass."""
     flops, nbytes = common.backward_flops_and_bytes(p, partial_rows * plan.width // plan.reduced,
                                                     stat_cotangents, sum_cotangent)
-    if not plan.resident:  # x and dsum in x's dtype, dy in y's
-        nbytes += p.size * (jnp.dtype(p.dtype).itemsize * (1 + sum_cotangent)
-                            + p.y_dtype.itemsize)
+    # x and dsum in x's dtype, dy in y's
+    nbytes += reread_bytes(p, plan, 2, jnp.dtype(p.dtype).itemsize * (1 + sum_cotangent)
+                           + p.y_dtype.itemsize)
     return flops, nbytes
 
 
@@ -157,8 +159,7 @@ def backward(x, scale, mean, rstd, gy, gmean, grstd, gsum, p: Problem, *,
             outputs[name] = jax.ShapeDtypeStruct((partial_rows, plan.num_pieces, PIECE),
                                                  jnp.float32)
     staged, input_barriers = input_buffers(plan, staged_inputs)
-    dx_slots = plan.num_pieces if plan.resident else 2
-    buffers = {"dx": smem((dx_slots, plan.block_rows, PIECE), p.dtype)}
+    buffers = output_buffers(plan, {"dx": p.dtype}, plan.resident)
     buffers.update((name, smem((plan.num_pieces, PIECE), jnp.float32))
                    for name in ("scale", *_PARTIALS) if name in inputs | outputs
                    and plan.accumulate)  # else scale is read from GMEM
@@ -173,13 +174,13 @@ def backward(x, scale, mean, rstd, gy, gmean, grstd, gsum, p: Problem, *,
         barriers = refs[len(names) + len(staged) + len(buffers)]
         scale, ready = named.get("scale"), None
         if "scale" in buffers:  # staged once, every block reads it from shared memory
-            ready = stage_rows({"scale": scale}, scratch_refs, refs[-1])
-            scale = scratch_refs["scale"]
+            staged_scale, ready = stage_rows({"scale": scale}, scratch_refs, refs[-1])
+            scale = staged_scale["scale"]
         terms = {n: scratch_refs[n] for n in _PARTIALS if n in scratch_refs}
         for accumulator in terms.values():
             _clear_row(accumulator, plan)
-        dx = ({"dx": named["dx"]}, {"dx": scratch_refs["dx"]}, plan.block_rows)
-        writer = BlockWriter(*dx, plan.num_pieces) if plan.resident else RowWriter(*dx)
+        writer = output_writer(plan, {"dx": named["dx"]}, {"dx": scratch_refs["dx"]},
+                               plan.resident)
 
         def stats_of(block):
             rows_of_block = pl.ds(block * plan.block_rows, plan.block_rows)

@@ -28,10 +28,11 @@ flight while the CTA computes on this one, and its passes wait once per block. I
 are staged whole and scale/offset staged once per CTA where they fit (`Plan.staged`), else
 the outputs leave through 2-slot rings of pieces and scale/offset are read from GMEM per
 block. Rows too long for two blocks are streamed: one block per CTA, two CTAs an SM, its
-pieces read again in each pass (x read 2-3 times, mostly from L2). mean and 1/std are written per row (float32); the
-launch's cost estimate states the bytes (`_cost`). TMA zero-fills the columns past the row and
-the rows past the array, and drops their stores, so no shape needs a padding copy unless a row
-is not a multiple of 16 bytes (`Plan.aligned`: then x is padded in the wrapper, one more copy).
+pieces read again in each pass (x read 2-3 times, mostly from L2). mean and 1/std are
+written per row (float32); the launch's cost estimate states the bytes (`_cost`). TMA
+zero-fills the columns past the row and the rows past the array, and drops their stores, so
+no shape needs a padding copy unless a row is not a multiple of 16 bytes (`Plan.aligned`:
+then x is padded in the wrapper, one more copy).
 
 Against the GPU: a resident plan runs one CTA an SM (`Plan.ctas_per_sm`), its next block in
 flight (`Plan.in_flight_per_sm`); a resident, staged plan moves the op's minimum bytes
@@ -50,13 +51,14 @@ import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels._pallas import pl
-from kernels._pallas.mosaic_gpu import (PIECE, BlockWriter, RowWriter, mosaic_gpu_call,
-                                        per_column, per_row, smem, store)
+from kernels._pallas.mosaic_gpu import (PIECE, RowWriter, mosaic_gpu_call, per_column, per_row,
+                                        smem, store)
 from kernels.normalize import common
 from kernels.normalize.common import NormalizeConfig, Problem
 from kernels.normalize.mosaic_gpu.config import Plan, plan_of
 from kernels.normalize.mosaic_gpu.rows import (fold, from_rows_view, input_buffers, layout_of,
-                                               output_matrix, param_piece, params_view,
+                                               output_buffers, output_matrix, output_writer,
+                                               param_piece, params_view, reread_bytes,
                                                rows_view, stage_rows, walk_blocks)
 
 __all__ = ["forward"]
@@ -142,9 +144,7 @@ def forward(x: jax.Array, residual: jax.Array | None, scale: jax.Array | None,
         outputs["mean"] = per_block_row
     outputs["rstd"] = per_block_row
     staged, input_barriers = input_buffers(plan, inputs)
-    out_slots = plan.num_pieces if plan.staged else 2  # the whole block, or a 2-piece ring
-    buffers = {name: smem((out_slots, plan.block_rows, PIECE), outputs[name].dtype)
-               for name in written}
+    buffers = output_buffers(plan, {n: outputs[n].dtype for n in written}, plan.staged)
     if plan.staged:
         buffers.update((name, smem((plan.num_pieces, PIECE), jnp.float32)) for name in params)
     scratch = [*staged.values(), *buffers.values(), input_barriers]
@@ -159,12 +159,9 @@ def forward(x: jax.Array, residual: jax.Array | None, scale: jax.Array | None,
         barriers = refs[len(names) + len(staged) + len(buffers)]
         param_refs, ready = {n: named[n] for n in params}, None
         if stage_params:  # once a CTA, every block reads them from shared memory
-            ready = stage_rows(param_refs, scratch_refs, refs[-1])
-            param_refs = {n: scratch_refs[n] for n in params}
-        gmem_outputs = {n: named[n] for n in written}
-        smem_outputs = {n: scratch_refs[n] for n in written}
-        writer = (BlockWriter(gmem_outputs, smem_outputs, plan.block_rows, plan.num_pieces)
-                  if plan.staged else RowWriter(gmem_outputs, smem_outputs, plan.block_rows))
+            param_refs, ready = stage_rows(param_refs, scratch_refs, refs[-1])
+        writer = output_writer(plan, {n: named[n] for n in written},
+                               {n: scratch_refs[n] for n in written}, plan.staged)
         stats = {n: named[n] for n in ("mean", "rstd") if n in named}
 
         def compute(first, read, carry):
@@ -195,9 +192,8 @@ def _cost(p: Problem, plan: Plan) -> tuple[int, int]:
     flops, nbytes = common.forward_flops_and_bytes(p)
     if not plan.staged:
         nbytes += (plan.num_blocks - 1) * plan.width * 4 * (p.has_scale + p.has_offset)
-    if not plan.resident:
-        passes = 2 + p.subtract_mean
-        nbytes += (passes - 1) * p.size * jnp.dtype(p.dtype).itemsize * (1 + p.has_residual)
+    nbytes += reread_bytes(p, plan, 2 + p.subtract_mean,
+                           jnp.dtype(p.dtype).itemsize * (1 + p.has_residual))
     return flops, nbytes
 
 

@@ -3,8 +3,9 @@ take of their operands (the (rows, aligned) matrix of the 3-D view, `rows_view`,
 output's matrix, `output_matrix`; per-row statistics padded to whole blocks, `padded_rows`;
 scale and offset as rows of whole pieces, `params_view`), a piece's register layout
 (`layout_of`), the loop over a row's pieces (`fold`), a CTA's walk over its blocks
-(`walk_blocks`, through `input_buffers`) and the rows it stages once (`stage_rows`, read by
-`param_piece`)."""
+(`walk_blocks`, through `input_buffers`), the way its outputs leave (`output_buffers`,
+`output_writer`), the rows it stages once (`stage_rows`, read by `param_piece`) and what a
+streamed plan reads again (`reread_bytes`)."""
 
 from __future__ import annotations
 
@@ -15,12 +16,13 @@ import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels._pallas import pl
-from kernels._pallas.mosaic_gpu import (PIECE, BlockBuffers, StreamedRows, pad_to, row_layout,
-                                        smem, stored_shape)
+from kernels._pallas.mosaic_gpu import (PIECE, BlockBuffers, BlockWriter, RowWriter,
+                                        StreamedRows, pad_to, row_layout, smem, stored_shape)
 from kernels.normalize.common import Problem
 from kernels.normalize.mosaic_gpu.config import Plan
 
-__all__ = ["layout_of", "fold", "input_buffers", "walk_blocks", "stage_rows", "param_piece", "rows_view",
+__all__ = ["layout_of", "fold", "input_buffers", "output_buffers", "output_writer",
+           "walk_blocks", "stage_rows", "param_piece", "reread_bytes", "rows_view",
            "output_matrix", "from_rows_view", "padded_rows", "params_view"]
 
 
@@ -45,6 +47,26 @@ def input_buffers(plan: Plan, arrays: dict) -> tuple[dict, object]:
                for name, a in arrays.items()}
     copies = len(arrays) * (plan.num_pieces if plan.resident else 1)
     return buffers, plgpu.Barrier(num_arrivals=copies, num_barriers=2)
+
+
+def output_buffers(plan: Plan, dtypes: dict, whole: bool) -> dict:
+    """The shared memory a block's outputs (name -> dtype) leave through: the whole block,
+    stored once it is computed (`whole`), or a 2-piece ring stored piece by piece."""
+    slots = plan.num_pieces if whole else 2
+    return {name: smem((slots, plan.block_rows, PIECE), dtype) for name, dtype in dtypes.items()}
+
+
+def output_writer(plan: Plan, gmem: dict, buffers: dict, whole: bool) -> RowWriter:
+    """The writer of `output_buffers(..., whole)`: `BlockWriter` or `RowWriter`."""
+    if whole:
+        return BlockWriter(gmem, buffers, plan.block_rows, plan.num_pieces)
+    return RowWriter(gmem, buffers, plan.block_rows)
+
+
+def reread_bytes(p: Problem, plan: Plan, passes: int, element_bytes: int) -> int:
+    """Bytes a streamed plan's passes after the first read again: its staged inputs,
+    `element_bytes` an element of the problem (0 where the block stays in shared memory)."""
+    return 0 if plan.resident else (passes - 1) * p.size * element_bytes
 
 
 def walk_blocks(plan: Plan, gmem: dict, smem: dict, barriers, passes: int,
@@ -98,13 +120,14 @@ def walk_blocks(plan: Plan, gmem: dict, smem: dict, barriers, passes: int,
     jax.lax.fori_loop(0, count, step, 0 if prefetch is None else prefetch(program))
 
 
-def stage_rows(gmem: dict, smem: dict, barrier) -> Callable[[], None]:
+def stage_rows(gmem: dict, buffers: dict, barrier) -> tuple[dict, Callable[[], None]]:
     """Starts copying each (num_pieces, PIECE) row of `gmem` (name -> ref: scale, offset) into
-    the shared-memory buffer of its name in `smem`, one TMA copy each (a row of at most
-    `TMA_MAX_BOX` pieces; `barrier`: len(gmem) arrivals); returns the wait for them."""
+    the shared-memory buffer of its name in `buffers`, one TMA copy each (a row of at most
+    `TMA_MAX_BOX` pieces; `barrier`: len(gmem) arrivals); returns the staged rows (name ->
+    ref) and the wait for them."""
     for name, ref in gmem.items():
-        plgpu.copy_gmem_to_smem(ref, smem[name], barrier)
-    return lambda: plgpu.barrier_wait(barrier)
+        plgpu.copy_gmem_to_smem(ref, buffers[name], barrier)
+    return {name: buffers[name] for name in gmem}, lambda: plgpu.barrier_wait(barrier)
 
 
 def param_piece(row, piece, layout) -> jax.Array:
