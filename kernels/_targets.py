@@ -39,6 +39,18 @@ CTA_SHARED_RESERVE = 1_024
 # (bench/records/nvidia_h100_80gb_hbm3.json), Triton's layer norm of 8192x1024 float32, moved
 # 2,529 GB/s, 0.754 of the H100's 3.35 TB/s.
 STREAMING_SHARE = 0.75
+# The share of a GPU's memory bandwidth a pure copy reaches (rows moved GMEM -> shared memory ->
+# GMEM by TMA, no arithmetic) where its bytes in flight cover the memory's latency: public
+# device-to-device copy measurements of an H100 SXM reach 3.0-3.1 TB/s, 0.90-0.93 of its
+# 3.35 TB/s. Not measured by this project: no copy kernel of its own has run on a device yet.
+COPY_SHARE = 0.90
+# HBM's latency under load, which the bytes a kernel keeps in flight must cover (Little's law):
+# about 1 us on an H100 (public microbenchmarks: 0.5-0.7 us unloaded). An estimate.
+MEMORY_LATENCY = 1e-6
+# What each of XLA's small launches (a fusion over a few thousand ids) costs in a program on an
+# H100: the H100 record's chained-timer floor, a jitted call of one small kernel, 1.5-2.8 us
+# (bench/records/nvidia_h100_80gb_hbm3.json); the larger figure.
+SMALL_LAUNCH_SECONDS = 2.8e-6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +101,22 @@ class Target:
         """The expected time of a kernel that moves `nbytes` to and from GPU memory and keeps
         enough bytes in flight to stream them: at `STREAMING_SHARE` of the bandwidth."""
         return nbytes / (STREAMING_SHARE * self.memory_bandwidth)
+
+    def copy_seconds(self, programs: int, ctas_per_sm: int, program_bytes: int,
+                     program_in_flight: int) -> float:
+        """The design model of a copy kernel's time (`COPY_SHARE`, `MEMORY_LATENCY`): `programs`
+        CTAs of equal work, `ctas_per_sm` resident on an SM at once, each moving
+        `program_bytes` with `program_in_flight` bytes in flight. The busiest SM's CTAs move
+        their bytes at its share of `COPY_SHARE` of the bandwidth, or slower where its bytes
+        in flight cannot cover the latency, after one latency to fill the pipeline."""
+        slots = self.num_sms * ctas_per_sm
+        waves = -(-programs // slots)
+        last = programs - (waves - 1) * slots
+        busiest = (waves - 1) * ctas_per_sm + min(ctas_per_sm, -(-last // self.num_sms))
+        in_flight = min(ctas_per_sm, -(-programs // self.num_sms)) * program_in_flight
+        rate = min(COPY_SHARE * self.memory_bandwidth / self.num_sms,
+                   in_flight / MEMORY_LATENCY)
+        return MEMORY_LATENCY + busiest * program_bytes / rate
 
     @property
     def min_programs(self) -> int:

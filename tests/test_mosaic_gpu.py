@@ -339,10 +339,11 @@ def _linear_store_cases() -> dict:
         "gather one id": (
             lambda x: kernels.gather(x, jnp.asarray([2]), axis=1, implementation="mosaic_gpu"),
             [jnp.ones((3, 5, 3))], 0, (3, 1, 32)),
-        # A hot id's pieces, each a one-row (1, PIECE) partial sum (after the forward).
+        # A hot id's pieces, each a partial row of whole pieces (after the forward), stored a
+        # span inside its row.
         "scatter-add pieces": (
             jax.grad(lambda t: kernels.gather(t, hot_ids, implementation="mosaic_gpu").sum()),
-            [jnp.ones((4, 8))], 1, (1, 2, 256)),
+            [jnp.ones((4, 8))], 1, (1, 2, 1, 256)),
         # Blocks of one row of 300 columns: (1, PIECE) windows.
         "layer norm blocks of a row": (
             lambda x: kernels.layer_norm(x, implementation="mosaic_gpu",

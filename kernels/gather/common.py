@@ -44,9 +44,10 @@ class GatherConfig:
 
     Each implementation reads the fields it names and ignores the others.
 
-    block_indices: triton: indices one program gathers in the forward. mosaic_gpu: ids of one
-      forward tile (at most 256: one TMA store). (mosaic stages indices 128 at a time, one
-      SMEM tile, and takes no other value.)
+    block_indices: triton: indices one program gathers in the forward. mosaic_gpu: ids one
+      forward CTA gathers (at most 2048: it stages them in shared memory), rounded up to
+      whole tiles of its ring. (mosaic stages indices 128 at a time, one SMEM tile, and takes
+      no other value.)
     block_columns: triton: table columns one program handles, forward and backward (a power
       of 2). mosaic: columns one backward grid step accumulates (a multiple of 128 dividing
       the row length, or the whole row). mosaic_gpu: columns one forward CTA walks (rounded
