@@ -58,10 +58,10 @@ def test_rows_of_several_pieces(mode, block_indices, block_columns, plan):
 @pytest.mark.parametrize("mode", [None, "fill"])
 def test_whole_rows_in_runs_of_tiles(mode):
     """Rows of 64 float32 (256 bytes) move in one linear TMA copy an id, 32 ids a tile; runs of
-    200 ids are 7 tiles of 29 ids through a ring of 6 (it wraps), the second run 4 tiles, the
-    last ragged (in two batch slices: the store of the first slice's ragged tile stays out of
-    the second's rows, `stored_shape`); a run's ids are staged by one copy of 200, the second
-    run's past the last id zero-filled."""
+    200 ids are 7 tiles of 29 ids (203) through a ring of 6 (it wraps), the second run 4 tiles,
+    the last ragged (in two batch slices: the store of the first slice's ragged tile stays out
+    of the second's rows, `stored_shape`); a run's ids are staged by one copy of 204, the
+    second run's past the last id zero-filled."""
     from kernels.gather.mosaic_gpu.config import forward_plan
 
     config = GatherConfig(block_indices=200)

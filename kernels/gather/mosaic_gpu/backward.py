@@ -33,16 +33,18 @@ alike; other rows move a piece a copy, TMA zero-filling the columns past the row
 them from the stores. Every table row is written once a span, zeros included, by the CTA that
 owns it; dropped indices sort past the last row and are never read. No atomics: each output
 element has one writer and a fixed summation order (the stable sort's), so every run gives the
-same bits. No CTA walks more than about 2 sqrt(m) positions a span, whatever the ids.
+same bits. No row costs its owner more than its first `length` positions and its pieces'
+partial rows (about 2 sqrt(m) in all), whatever the ids.
 
 Against the GPU (`config.backward_seconds`): at the bench's embedding (8192 ids into 32000 rows
 of 4096 bfloat16) 1033 CTAs of 31 rows, 2 an SM, each with 3 spans of 8 KiB loading while it
 sums one; the stores are not waited for, but for the slot they read. With XLA's launches that
 sort the ids, the model's gradient takes under half the time of XLA's own in the H100 record.
 
-Memory traffic (`_rows_cost`, `_pieces_cost`): each cotangent row read once a span (by its
-owner or by one piece), the pieces' float32 partial rows written and read once, the table
-gradient written once, the positions and segment starts once a span. Rows that are not a multiple of 16 bytes (TMA's
+Memory traffic (`_rows_cost`, `_pieces_cost`): each cotangent row read once (by its owner or
+by one piece: an overlapping last span reads some columns twice, `moved_columns`), the pieces'
+float32 partial rows written and read once, the table gradient written once, the positions and
+segment starts once a span. Rows that are not a multiple of 16 bytes (TMA's
 stride rule) are padded: a copy of the cotangent before the launches and of the gradient after
 them, by XLA.
 """
@@ -293,8 +295,7 @@ def scatter_add(g: jax.Array, plan: ScatterPlan, p: Problem, *, config: GatherCo
     return dx.reshape(p.batch, p.n, schedule.aligned)[..., :p.columns]
 
 
-# Each cotangent row is read once a span, by its row's owner or by one piece, which the ids
-# decide: the rows kernel's figure counts them all, the pieces kernel's only its partial rows,
+# Each cotangent row is read once, by its row's owner or by one piece, which the ids decide: the rows kernel's figure counts them all, the pieces kernel's only its partial rows,
 # so that the two sum to what both move.
 
 
@@ -306,9 +307,10 @@ def _pieces_cost(p: Problem, plan: BackwardPlan) -> tuple[int, int]:
 
 def _rows_cost(p: Problem, plan: BackwardPlan) -> tuple[int, int]:
     """One add per cotangent element; every cotangent row read once, the partial rows read
-    once, the table gradient written once; the positions and the segment starts once a
-    span."""
+    once, the table gradient written once (their spans' `moved_columns`); the positions and
+    the segment starts once a span."""
     rows, partials = p.batch * p.num_indices, p.batch * plan.pieces.count
     index_bytes = 4 * p.batch * plan.spans * (p.num_indices + 2 * (p.n + 1))
-    return rows * plan.aligned, ((rows + p.batch * p.n) * plan.aligned * p.itemsize
-                                 + partials * plan.partial_pieces * PIECE * 4 + index_bytes)
+    moved = plan.moved_columns
+    return rows * plan.aligned, ((rows + p.batch * p.n) * moved * p.itemsize
+                                 + partials * moved * 4 + index_bytes)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from kernels import _targets
 from kernels._blocks import is_positive_int, next_power_of_2
 from kernels._pallas import pl
-from kernels._pallas.mosaic_gpu import (LANES, PIECE, RESERVED_SMEM, TMA_MAX_BOX,
+from kernels._pallas.mosaic_gpu import (LANES, PALLAS_SMEM, PIECE, TMA_MAX_BOX,
                                         TMA_SMEM_ALIGNMENT, WARPS, aligned_columns,
                                         smem_budget)
 from kernels.gather.common import GatherConfig, Pieces, Problem, gather_bytes
@@ -26,7 +26,7 @@ __all__ = ["ForwardPlan", "BackwardPlan", "forward_plan", "backward_plan", "forw
 _MAX_TILE_ROWS = 256
 # Bytes of one forward tile (a slot of its ring): a tile's ids' rows, or their piece. A CTA
 # keeps `_FORWARD_SLOTS - 1` tiles loading while it stores one, 40 KiB in flight, and 4 such
-# CTAs share an SM (160 KiB, `forward_model`): several times the ~23 KiB in flight an H100 SM
+# CTAs share an SM (160 KiB, `forward_seconds`): several times the ~23 KiB in flight an H100 SM
 # needs to cover HBM's latency at `_targets.COPY_SHARE` of its bandwidth (Little's law,
 # `_targets.MEMORY_LATENCY`). One-row tiles of an 8 KiB row spread 8192 ids over a wave of
 # CTAs within 3% of even.
@@ -39,9 +39,10 @@ _MAX_RUN_IDS = 2048
 # accumulators a thread, and as many for the row it adds). Wider rows are summed a span at a
 # time, each span walking the block's ids again.
 _SPAN_PIECES = 16
-# Cotangent bytes a backward CTA keeps in flight (its ring of spans, at least 2): 32 KiB, and
-# 2 CTAs an SM (64 KiB: `backward_seconds`) against the ~23 KiB an H100 SM needs to cover
-# HBM's latency; the gradient's rows are stored without waiting.
+# Bytes of a backward CTA's ring of cotangent spans (at least 2 slots): all but one span load
+# while it sums one, 24 KiB of 8 KiB spans, and 2 CTAs an SM keep 48 KiB in flight
+# (`backward_seconds`) against the ~23 KiB an H100 SM needs to cover HBM's latency. A row's
+# store is waited for only when its output slot is reused.
 _RING_BYTES = 32 * 1024
 # Slots (and barriers) a backward ring has at most: Mosaic GPU allocates up to 32 barriers
 # per group; short rows keep 16 in flight.
@@ -164,11 +165,18 @@ class BackwardPlan(NamedTuple):
             return jnp.minimum(span * self.span_pieces, self.num_pieces - self.span_pieces)
         return span * self.span_pieces
 
-    def smem_bytes(self, with_pieces: bool = True) -> int:
+    @property
+    def moved_columns(self) -> int:
+        """Columns of a row its spans move together (an overlapping last span moves some twice;
+        columns past a ragged row are zero-filled, not moved)."""
+        return self.spans * self.span_pieces * PIECE if self.whole else self.aligned
+
+    @property
+    def smem_bytes(self) -> int:
         """Its ring of cotangent spans, the ring of the pieces' float32 partial spans (if any),
         two output spans and a zero span."""
         span = self.span_pieces * PIECE
-        partials = 4 * _PARTIAL_SLOTS if with_pieces and self.pieces.count else 0
+        partials = 4 * _PARTIAL_SLOTS if self.pieces.count else 0
         return span * (self.itemsize * (self.slots + 3) + partials)
 
 
@@ -179,7 +187,7 @@ def _aligned(p: Problem) -> int:
 def _ctas_per_sm(smem_bytes: int) -> int:
     """CTAs of one warpgroup planning `smem_bytes` of shared memory that an SM of the program's
     GPU holds (its registers are well within: the compile report's)."""
-    return _targets.current("gpu").ctas_per_sm(WARPS * LANES, 0, smem_bytes + RESERVED_SMEM)
+    return _targets.current("gpu").ctas_per_sm(WARPS * LANES, 0, smem_bytes + PALLAS_SMEM)
 
 
 def forward_plan(p: Problem, config: GatherConfig | None) -> ForwardPlan:
@@ -215,9 +223,14 @@ def forward_plan(p: Problem, config: GatherConfig | None) -> ForwardPlan:
     plan = ForwardPlan(aligned, box, num_pieces, rows, _FORWARD_SLOTS, blocks, run_tiles,
                        groups, p.batch, p.itemsize)
     if not config.block_indices:
-        resident = target.num_sms * _ctas_per_sm(plan.smem_bytes)
-        plan = plan._replace(run_tiles=min(pl.cdiv(p.batch * groups * blocks, resident),
-                                           max(1, _MAX_RUN_IDS // rows), blocks))
+        # The most CTAs an SM holds with the runs they would take (a run's ids are staged in
+        # shared memory, so fewer CTAs an SM, longer runs, more shared memory each).
+        for ctas in range(_ctas_per_sm(plan.smem_bytes), 0, -1):
+            run_tiles = min(pl.cdiv(p.batch * groups * blocks, target.num_sms * ctas),
+                            max(1, _MAX_RUN_IDS // rows), blocks)
+            if _ctas_per_sm(plan._replace(run_tiles=run_tiles).smem_bytes) >= ctas:
+                break
+        plan = plan._replace(run_tiles=run_tiles)
     plan = plan._replace(slots=1)
     fits = (smem_budget(whole=True) - plan.smem_bytes) // (rows * piece_bytes) + 1
     return plan._replace(slots=min(_FORWARD_SLOTS, fits,
@@ -240,7 +253,7 @@ def backward_plan(p: Problem, config: GatherConfig | None) -> BackwardPlan:
     plan = BackwardPlan(aligned, num_pieces, span_pieces, min(config.block_rows or _BLOCK_ROWS, n),
                         slots, 1, p.batch, p.itemsize, pieces)
     if not config.block_rows:
-        resident = _targets.current("gpu").num_sms * _ctas_per_sm(plan.smem_bytes())
+        resident = _targets.current("gpu").num_sms * _ctas_per_sm(plan.smem_bytes)
         waves = pl.cdiv(p.batch * n, resident * _BLOCK_ROWS)
         plan = plan._replace(tile_rows=pl.cdiv(n, pl.cdiv(resident * waves, p.batch)))
     return plan._replace(blocks=pl.cdiv(n, plan.tile_rows))
@@ -260,13 +273,13 @@ def backward_seconds(p: Problem, plan: BackwardPlan, sorting_launches: int) -> f
     than `pieces.length` times): XLA's `sorting_launches` that sort the ids and the pieces
     kernel (finding no pieces) at `_targets.SMALL_LAUNCH_SECONDS` each, and the scatter-add
     as a copy (`Target.copy_seconds`): each CTA writes its rows and reads its share of the
-    cotangent rows, once a span, its ring of spans in flight (it waits for no store)."""
+    cotangent rows, a span at a time, its ring of spans in flight (a store is waited for only
+    by the slot it read, and at the end of a span)."""
     target = _targets.current("gpu")
-    row_bytes = plan.aligned * plan.itemsize
     hits = p.num_indices * plan.tile_rows / max(p.n, 1)
     span = plan.span_pieces * PIECE * plan.itemsize
-    rows = target.copy_seconds(plan.programs, _ctas_per_sm(plan.smem_bytes()),
-                               int((plan.tile_rows + hits * plan.spans) * row_bytes),
+    rows = target.copy_seconds(plan.programs, _ctas_per_sm(plan.smem_bytes),
+                               int((plan.tile_rows + hits) * plan.moved_columns * plan.itemsize),
                                (plan.slots - 1) * span)
     launches = sorting_launches + (1 if plan.pieces.count else 0)
     return launches * _targets.SMALL_LAUNCH_SECONDS + rows
