@@ -4,7 +4,10 @@ run `mosaic_gpu` in the interpreter, which has no compute capability and so runs
 kernel; here a B200's abstract device is in scope (`on_target`), so the dispatch plans for
 sm_100, and each call asks for Mosaic GPU's interpreter (`interpret="strict"`: the dispatch
 would compile for the B200), which runs the tcgen05 kernel with its race detector, against
-float64 truth. Its compiled kernels: tests/test_mosaic_gpu.py."""
+float64 truth. Its compiled kernels: tests/test_mosaic_gpu.py. The interpreter takes 4-10 s
+a case here, so the README's command runs one case of each kind (a padded product with both
+gradients, a walk over many items, an activation epilogue, a mixed split product, a strided
+dilated convolution) and the exhaustive tier the rest."""
 
 from __future__ import annotations
 
@@ -44,10 +47,13 @@ def _weights(shape) -> np.ndarray:
 
 
 @pytest.mark.parametrize("a_shape,b_shape,dtype,config", [
-    ((256, 192), (192, 320), jnp.bfloat16, None),  # two N tiles, three K steps
+    pytest.param((256, 192), (192, 320), jnp.bfloat16, None,  # two N tiles, three K steps
+                 marks=pytest.mark.exhaustive),
     ((7, 5), (5, 13), jnp.float16, None),  # padded to TMA's tiles, cut back
-    ((2, 3, 40, 72), (3, 72, 136), jnp.bfloat16, None),  # broadcast batches
-    ((64, 1024), (1024, 64), jnp.bfloat16, MatmulConfig(split_k=3)),  # float32 partials
+    pytest.param((2, 3, 40, 72), (3, 72, 136), jnp.bfloat16, None,  # broadcast batches
+                 marks=pytest.mark.exhaustive),
+    pytest.param((64, 1024), (1024, 64), jnp.bfloat16, MatmulConfig(split_k=3),
+                 marks=pytest.mark.exhaustive),  # float32 partials
 ], ids=["tiles", "odd", "batched", "split_k"])
 def test_products_and_gradients_on_tcgen05(a_shape, b_shape, dtype, config):
     """Forward and both gradients (dA = G·Bᵀ, dB = Aᵀ·G: the kernel's transposed operands)
@@ -75,6 +81,7 @@ def test_products_and_gradients_on_tcgen05(a_shape, b_shape, dtype, config):
     assert_close(db, db_want, dtype, reduction_length=out.size // out.shape[-1], dot=True)
 
 
+@pytest.mark.exhaustive
 def test_fused_bias_and_residual_and_their_gradients():
     """bias + residual fused in the tensor-memory epilogue (column slices loaded a row a
     thread), forward and gradients, against float64 truth."""
@@ -148,7 +155,9 @@ def test_a_cta_walks_many_items(monkeypatch):
 
 
 @pytest.mark.parametrize("a_dtype,b_dtype", [
-    (jnp.float32, jnp.float32), (jnp.bfloat16, jnp.float32), (jnp.float16, jnp.bfloat16)])
+    pytest.param(jnp.float32, jnp.float32, marks=pytest.mark.exhaustive),
+    (jnp.bfloat16, jnp.float32),
+    pytest.param(jnp.float16, jnp.bfloat16, marks=pytest.mark.exhaustive)])
 def test_float32_and_mixed_products_as_split_bfloat16(a_dtype, b_dtype):
     """tcgen05 has no TF32 kind (jax 0.12.0.1): a float32 or mixed product runs as bfloat16
     parts (hi + lo of each operand that is not bfloat16, `config.split_terms`), one launch,
@@ -196,7 +205,7 @@ def test_float32_and_mixed_products_as_split_bfloat16(a_dtype, b_dtype):
     assert np.abs(as_f64(out) - truth).max() < bfloat16_error / 16
 
 
-@pytest.mark.parametrize("op", ["matmul", "conv2d"])
+@pytest.mark.parametrize("op", ["matmul", pytest.param("conv2d", marks=pytest.mark.exhaustive)])
 def test_split_parts_keep_nan_and_inf(op):
     """Inf and NaN land where XLA's float32 product puts them: an infinite operand's lo part
     is 0 (not Inf - Inf), and the corrections, summed apart, count only where the first
@@ -235,6 +244,7 @@ def test_float32_at_highest_declines(op):
                    implementation="mosaic_gpu", interpret="strict")
 
 
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("dtype,epilogue", [(jnp.float32, {}),
                                            (jnp.bfloat16, {"activation": "gelu_tanh"})],
                          ids=["float32", "activation"])
@@ -279,7 +289,9 @@ def test_conv2d_split_bfloat16_on_tcgen05(dtype, epilogue):
 
 @pytest.mark.parametrize("x_shape,w_shape,options", [
     ((2, 9, 8, 4), (3, 3, 4, 5), {"dilation": (2, 1), "stride": 2, "padding": "SAME"}),
-    ((1, 9, 7, 4), (7, 1, 2, 6), {"padding": ((1, 2), (0, 3)), "feature_group_count": 2}),
+    pytest.param((1, 9, 7, 4), (7, 1, 2, 6), {"padding": ((1, 2), (0, 3)),
+                                              "feature_group_count": 2},
+                 marks=pytest.mark.exhaustive),
 ])
 def test_conv2d_on_tcgen05(x_shape, w_shape, options):
     """conv2d's implicit GEMM on the tcgen05 kernel: the forward's A rows shifted per K step
