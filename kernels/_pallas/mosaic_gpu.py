@@ -32,7 +32,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from kernels import _targets
 
 __all__ = ["WARPS", "LANES", "TMA_MAX_BOX", "PIECE", "TMA_ALIGNMENT", "TMA_SMEM_ALIGNMENT",
-           "PALLAS_SMEM", "RESERVED_SMEM", "UNTILED", "smem_budget", "aligned_columns",
+           "PALLAS_SMEM", "RESERVED_SMEM", "UNTILED", "smem_budget", "ctas_per_sm",
+           "aligned_columns",
            "stored_shape", "pad_to", "mosaic_gpu_call", "row_layout", "load", "store", "per_row",
            "per_column", "smem", "piece_columns", "StreamedRows", "RowWriter", "BlockBuffers",
            "BlockWriter"]
@@ -57,6 +58,13 @@ def smem_budget(whole: bool = False) -> int:
     share an SM; `whole`: all of it (a caller's blocks, as a TPU config may plan all of VMEM)."""
     limit = _targets.current("gpu").shared_memory
     return (limit if whole else limit // 2) - RESERVED_SMEM
+
+
+def ctas_per_sm(shared_bytes: int) -> int:
+    """CTAs of one warpgroup planning `shared_bytes` of shared memory that an SM of the
+    program's GPU holds at once (with `PALLAS_SMEM`; `Target.ctas_per_sm` adds the hardware's
+    reserve). Their registers are well within: the compile report's `ctas_per_sm` checks."""
+    return _targets.current("gpu").ctas_per_sm(WARPS * LANES, 0, shared_bytes + PALLAS_SMEM)
 
 
 def aligned_columns(columns: int, itemsize: int, alignment: int = TMA_ALIGNMENT) -> int:

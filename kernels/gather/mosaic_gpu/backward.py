@@ -247,7 +247,7 @@ def _owner_walk(plan: ScatterPlan, n: int, length: int) -> tuple[jax.Array, jax.
 def _sum_pieces(g, plan: ScatterPlan, bounds, p: Problem, schedule: BackwardPlan,
                 interpret) -> jax.Array:
     """The pieces' float32 partial rows, (batch, count, partial_pieces, PIECE)."""
-    slots, barriers = _ring_scratch(schedule, g.dtype, schedule.slots, _copies(schedule))
+    slots, barriers = _ring_scratch(schedule, g.dtype, schedule.slots, schedule.copies_per_span)
     dtype = accumulator_dtype(p.dtype)
     shape = (p.batch, schedule.pieces.count, schedule.partial_pieces, PIECE)
     return mosaic_gpu_call(
@@ -257,11 +257,6 @@ def _sum_pieces(g, plan: ScatterPlan, bounds, p: Problem, schedule: BackwardPlan
         interpret=interpret, name="scatter_add_pieces_mosaic_gpu",
         scratch=[slots, smem((1, schedule.span_pieces, PIECE), dtype), barriers],
         flops_and_bytes=_pieces_cost(p, schedule))(plan.order, bounds, g)[0]
-
-
-def _copies(plan: BackwardPlan) -> int:
-    """TMA copies of one cotangent span: one where rows are whole pieces, else one a piece."""
-    return 1 if plan.whole else plan.span_pieces
 
 
 def _rows_view(a: jax.Array, plan: BackwardPlan) -> jax.Array:
@@ -277,7 +272,7 @@ def scatter_add(g: jax.Array, plan: ScatterPlan, p: Problem, *, config: GatherCo
     span = (1, schedule.span_pieces, PIECE)
     scratch = [smem((schedule.slots, *span[1:]), g.dtype), smem((2, *span[1:]), g.dtype),
                smem(span, g.dtype),
-               plgpu.Barrier(num_arrivals=_copies(schedule), num_barriers=schedule.slots)]
+               plgpu.Barrier(num_arrivals=schedule.copies_per_span, num_barriers=schedule.slots)]
     if schedule.pieces.count:
         table = piece_table(plan, p, schedule.pieces)
         partials = _sum_pieces(g, plan, table.bounds, p, schedule, interpret)
@@ -295,8 +290,9 @@ def scatter_add(g: jax.Array, plan: ScatterPlan, p: Problem, *, config: GatherCo
     return dx.reshape(p.batch, p.n, schedule.aligned)[..., :p.columns]
 
 
-# Each cotangent row is read once, by its row's owner or by one piece, which the ids decide: the rows kernel's figure counts them all, the pieces kernel's only its partial rows,
-# so that the two sum to what both move.
+# Each cotangent row is read once, by its row's owner or by one piece, which the ids decide:
+# the rows kernel's figure counts them all, the pieces kernel's only its partial rows, so that
+# the two sum to what both move.
 
 
 def _pieces_cost(p: Problem, plan: BackwardPlan) -> tuple[int, int]:

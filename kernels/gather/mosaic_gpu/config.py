@@ -14,9 +14,8 @@ import jax.numpy as jnp
 from kernels import _targets
 from kernels._blocks import is_positive_int, next_power_of_2
 from kernels._pallas import pl
-from kernels._pallas.mosaic_gpu import (LANES, PALLAS_SMEM, PIECE, TMA_MAX_BOX,
-                                        TMA_SMEM_ALIGNMENT, WARPS, aligned_columns,
-                                        smem_budget)
+from kernels._pallas.mosaic_gpu import (PIECE, TMA_MAX_BOX, TMA_SMEM_ALIGNMENT,
+                                        aligned_columns, ctas_per_sm, smem_budget)
 from kernels.gather.common import GatherConfig, Pieces, Problem, gather_bytes
 
 __all__ = ["ForwardPlan", "BackwardPlan", "forward_plan", "backward_plan", "forward_seconds",
@@ -100,8 +99,8 @@ class ForwardPlan(NamedTuple):
 
     @property
     def id_box(self) -> int:
-        """Ids one TMA copy stages (a multiple of 4: 16 bytes)."""
-        return min(TMA_MAX_BOX, -(-self.run_tiles * self.tile_rows // 4) * 4)
+        """Ids one TMA copy stages (whole 16 bytes of them)."""
+        return min(TMA_MAX_BOX, aligned_columns(self.run_tiles * self.tile_rows, 4))
 
     @property
     def id_copies(self) -> int:
@@ -155,6 +154,11 @@ class BackwardPlan(NamedTuple):
         return _PARTIAL_SLOTS
 
     @property
+    def copies_per_span(self) -> int:
+        """TMA copies of one row's span: one where rows are whole pieces, else one a piece."""
+        return 1 if self.whole else self.span_pieces
+
+    @property
     def partial_pieces(self) -> int:
         """Pieces of a float32 partial row: every span inside it, so that each is one copy."""
         return self.num_pieces if self.whole else self.spans * self.span_pieces
@@ -182,12 +186,6 @@ class BackwardPlan(NamedTuple):
 
 def _aligned(p: Problem) -> int:
     return aligned_columns(max(p.columns, 1), p.itemsize)
-
-
-def _ctas_per_sm(smem_bytes: int) -> int:
-    """CTAs of one warpgroup planning `smem_bytes` of shared memory that an SM of the program's
-    GPU holds (its registers are well within: the compile report's)."""
-    return _targets.current("gpu").ctas_per_sm(WARPS * LANES, 0, smem_bytes + PALLAS_SMEM)
 
 
 def forward_plan(p: Problem, config: GatherConfig | None) -> ForwardPlan:
@@ -225,14 +223,13 @@ def forward_plan(p: Problem, config: GatherConfig | None) -> ForwardPlan:
     if not config.block_indices:
         # The most CTAs an SM holds with the runs they would take (a run's ids are staged in
         # shared memory, so fewer CTAs an SM, longer runs, more shared memory each).
-        for ctas in range(_ctas_per_sm(plan.smem_bytes), 0, -1):
+        for ctas in range(ctas_per_sm(plan.smem_bytes), 0, -1):
             run_tiles = min(pl.cdiv(p.batch * groups * blocks, target.num_sms * ctas),
                             max(1, _MAX_RUN_IDS // rows), blocks)
-            if _ctas_per_sm(plan._replace(run_tiles=run_tiles).smem_bytes) >= ctas:
+            if ctas_per_sm(plan._replace(run_tiles=run_tiles).smem_bytes) >= ctas:
                 break
         plan = plan._replace(run_tiles=run_tiles)
-    plan = plan._replace(slots=1)
-    fits = (smem_budget(whole=True) - plan.smem_bytes) // (rows * piece_bytes) + 1
+    fits = (smem_budget(whole=True) - plan._replace(slots=0).smem_bytes) // (rows * piece_bytes)
     return plan._replace(slots=min(_FORWARD_SLOTS, fits,
                                    plan.run_tiles * plan.pieces_per_group))
 
@@ -253,7 +250,7 @@ def backward_plan(p: Problem, config: GatherConfig | None) -> BackwardPlan:
     plan = BackwardPlan(aligned, num_pieces, span_pieces, min(config.block_rows or _BLOCK_ROWS, n),
                         slots, 1, p.batch, p.itemsize, pieces)
     if not config.block_rows:
-        resident = _targets.current("gpu").num_sms * _ctas_per_sm(plan.smem_bytes)
+        resident = _targets.current("gpu").num_sms * ctas_per_sm(plan.smem_bytes)
         waves = pl.cdiv(p.batch * n, resident * _BLOCK_ROWS)
         plan = plan._replace(tile_rows=pl.cdiv(n, pl.cdiv(resident * waves, p.batch)))
     return plan._replace(blocks=pl.cdiv(n, plan.tile_rows))
@@ -264,7 +261,7 @@ def forward_seconds(plan: ForwardPlan) -> float:
     and writes its run's rows (whole runs, the last too), `slots - 1` tiles in flight."""
     tile = plan.tile_rows * plan.box * plan.itemsize
     return _targets.current("gpu").copy_seconds(
-        plan.programs, _ctas_per_sm(plan.smem_bytes),
+        plan.programs, ctas_per_sm(plan.smem_bytes),
         2 * plan.run_tiles * plan.pieces_per_group * tile, max(1, plan.slots - 1) * tile)
 
 
@@ -278,7 +275,7 @@ def backward_seconds(p: Problem, plan: BackwardPlan, sorting_launches: int) -> f
     target = _targets.current("gpu")
     hits = p.num_indices * plan.tile_rows / max(p.n, 1)
     span = plan.span_pieces * PIECE * plan.itemsize
-    rows = target.copy_seconds(plan.programs, _ctas_per_sm(plan.smem_bytes),
+    rows = target.copy_seconds(plan.programs, ctas_per_sm(plan.smem_bytes),
                                int((plan.tile_rows + hits) * plan.moved_columns * plan.itemsize),
                                (plan.slots - 1) * span)
     launches = sorting_launches + (1 if plan.pieces.count else 0)

@@ -12,8 +12,8 @@ import jax.numpy as jnp
 from kernels import _targets
 from kernels._blocks import is_positive_int
 from kernels._pallas import pl
-from kernels._pallas.mosaic_gpu import (LANES, PALLAS_SMEM, PIECE, TMA_MAX_BOX, WARPS,
-                                        aligned_columns, smem_budget)
+from kernels._pallas.mosaic_gpu import (PIECE, TMA_MAX_BOX, aligned_columns, ctas_per_sm,
+                                        smem_budget)
 from kernels.normalize import common
 from kernels.normalize.common import NormalizeConfig, Problem
 
@@ -70,9 +70,8 @@ class Plan(NamedTuple):
         """CTAs an SM of the program's GPU runs at once: by their shared memory (with
         `PALLAS_SMEM`) and threads (registers: the compile report's `ctas_per_sm`), and by the
         grid."""
-        target = _targets.current("gpu")
-        held = target.ctas_per_sm(WARPS * LANES, 0, self.shared_bytes + PALLAS_SMEM)
-        return min(held, pl.cdiv(self.programs, target.num_sms))
+        return min(ctas_per_sm(self.shared_bytes),
+                   pl.cdiv(self.programs, _targets.current("gpu").num_sms))
 
     @property
     def in_flight_per_sm(self) -> int:
