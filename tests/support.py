@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -23,6 +24,18 @@ PLATFORM = {name: registry.get(name).platforms[0] for name in registry.kernel_na
 MARKER = {name: registry.get(name).call_marker for name in registry.kernel_names()}
 # Capability flags: what an implementation declines (and must decline with a reason).
 SUPPORTS_FLOAT64 = {name: registry.get(name).supports_float64 for name in IMPLEMENTATIONS}
+
+
+def subprocess_env(cpu_only: bool) -> dict[str, str]:
+    """The environment of a suite's subprocess: jax on the CPU and no XLA_FLAGS (a script sets
+    its own device count). One that compiles only for the CPU compiles as this process does
+    (`jax_disable_most_optimizations`, tests/conftest.py); one that compiles for GPUs or TPUs
+    keeps their compilers' defaults, whose registers, spills and memory the tests read."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    if cpu_only:
+        env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
+    return env
 
 
 def needs(implementation: str) -> Any:  # a pytest.MarkDecorator

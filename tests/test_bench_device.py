@@ -4,7 +4,6 @@ a run cut off leaves, proven on a CPU (bench/device.py)."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import pytest
 
 from bench import device
 from bench.__main__ import record_path
+from tests.support import subprocess_env
 
 ROOT = Path(__file__).parent.parent
 
@@ -92,12 +92,10 @@ def test_a_cpu_runs_it_only_as_a_dry_run_or_a_test(tmp_path):
 def test_a_run_cut_off_keeps_the_rows_it_finished(tmp_path):
     """The command killed (as a lease ends: SIGKILL, no clean-up) after its first row: the
     record holds each finished row whole, with its run."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
     proc = subprocess.Popen(
         [sys.executable, "-m", "bench.device", "--allow-cpu", "--ops", "gather", "--phases",
          "rows", "--records", str(tmp_path), "--repeats", "1"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        cwd=ROOT, env=subprocess_env(cpu_only=False), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     path = record_path("cpu", tmp_path)  # the device kind of a CPU
     deadline = time.time() + 240
     while not path.exists() and time.time() < deadline and proc.poll() is None:

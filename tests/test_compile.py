@@ -258,6 +258,21 @@ def test_compile_only_environment_is_set_by_entry_points_not_on_import(monkeypat
         use_compile_only_devices()
 
 
+@pytest.mark.parametrize("target,level", [("sm_90", 3), ("v5e", 3), ("cpu", 0)])
+def test_devices_compile_with_their_compilers_defaults_and_the_cpu_quickly(target, level):
+    """What this suite reads of a GPU or TPU compile (registers, spills, VMEM) is what their
+    compilers give by default, LLVM's optimization level 3; only XLA:CPU's compiles of the
+    suite's own programs run at level 0 (tests/conftest.py, `_cpu_programs_compiled_quickly`)."""
+    from jax._src import compiler
+
+    from kernels.compile.programs import devices
+
+    backend = jax.devices("cpu")[0].client if target == "cpu" else devices(target, 1)[0].client
+    build = compiler.get_compile_options(1, 1, backend=backend).executable_build_options
+    assert build.debug_options.xla_backend_optimization_level == level
+    assert build.debug_options.xla_llvm_disable_expensive_passes == (level == 0)
+
+
 def test_a_compiler_error_names_the_kernel_the_target_and_the_diagnostic():
     x = jax.ShapeDtypeStruct((8192, 4096), jnp.float32)  # one 128 MiB block, double-buffered
 

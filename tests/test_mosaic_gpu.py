@@ -8,7 +8,6 @@ interpreter's decline on a mesh of several CPU devices."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ import pytest
 
 from kernels._targets import TARGETS
 from kernels.compile import CASES
-from tests.support import kernels_of, needs
+from tests.support import kernels_of, needs, subprocess_env
 
 HERE = Path(__file__).parent
 pytestmark = needs("mosaic_gpu")
@@ -74,9 +73,8 @@ def test_its_interpreter_declines_a_mesh_of_several_devices():
         "        print('fell through:', bool(jnp.allclose(y, kernels.layer_norm(x))))\n"
         "y = kernels.layer_norm(x, implementation='mosaic_gpu')\n"
         "print('one device:', bool(jnp.allclose(y, kernels.layer_norm(x), atol=1e-5)))\n")
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=300, env=env, cwd=HERE.parent)
+                          timeout=300, env=subprocess_env(cpu_only=True), cwd=HERE.parent)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert sum("mosaic_gpu's interpreter cannot run on a mesh of 4 devices" in line
@@ -88,10 +86,8 @@ def _compiled(script: str) -> list[dict]:
     """Runs `script` in a process of its own (compile-only GPUs are per process, and Mosaic
     GPU compiles for one GPU generation per process: `kernels.compile.mosaic_gpu.OWN_PROCESS`)
     and returns the JSON lines it prints."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=600, env=env, cwd=HERE.parent)
+                          timeout=600, env=subprocess_env(cpu_only=False), cwd=HERE.parent)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 

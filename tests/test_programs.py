@@ -11,7 +11,6 @@ compile-only devices are per process, and several targets then compile at once u
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +19,7 @@ import pytest
 
 from kernels.compile import programs
 from kernels.compile import implementation_for
-from tests.support import PLATFORM, kernels_of
+from tests.support import PLATFORM, kernels_of, subprocess_env
 
 HERE = Path(__file__).parent
 # The mesh kinds each target's op programs compile on: the H100's and the v5e's 4-device meshes,
@@ -44,10 +43,8 @@ AUTO_MOSAIC = "Mosaic kernels cannot run on a TPU mesh with Auto axes"
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600,
-                          env=env, cwd=HERE.parent)
+                          env=subprocess_env(cpu_only=False), cwd=HERE.parent)
 
 
 def _reports(mode: str, target: str, *options: str) -> list[dict]:

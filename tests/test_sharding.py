@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import fcntl
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -20,7 +19,7 @@ import pytest
 from kernels import registry
 from kernels.ops import OPS
 from tests.support import (IMPLEMENTATIONS, dot_platform, implementations_of, kernels_of,
-                           tolerance)
+                           subprocess_env, tolerance)
 
 HERE = Path(__file__).parent
 # Every op's sharded cases (kernels/<op>/cases.py: `sharded`), and those whose rule sums
@@ -77,12 +76,6 @@ def tiered(runs: list[tuple[str, str, str]], case_op: dict[str, str]) -> list:
 _results: dict[str, dict] = {}
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
-    return env
-
-
 def _selected_cases(items) -> dict[str, set[str]]:
     """impl -> the subprocess cases this session's selected tests read (`-m`, `-k`)."""
     selected: dict[str, set[str]] = {}
@@ -127,7 +120,7 @@ def _run_all(outputs: dict[str, Path], selected: dict[str, set[str]]) -> None:
     procs = {name: subprocess.Popen([sys.executable, str(HERE / "sharded_run.py"), name,
                                      ",".join(MESH_KINDS[name]), ",".join(sorted(selected[name]))],
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                    env=_env(), cwd=HERE.parent)
+                                    env=subprocess_env(cpu_only=True), cwd=HERE.parent)
              for name in outputs}
     for name, proc in procs.items():
         out, err = proc.communicate(timeout=900)
@@ -237,7 +230,8 @@ def test_two_processes(impl):
     port = _free_port()
     procs = [subprocess.Popen([sys.executable, str(HERE / "multiprocess_run.py"), str(i),
                                str(port), impl, str(_dot_rtol(impl))], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=_env(), cwd=HERE.parent)
+                              stderr=subprocess.PIPE, text=True,
+                              env=subprocess_env(cpu_only=True), cwd=HERE.parent)
              for i in range(2)]
     outputs = [p.communicate(timeout=600) for p in procs]
     for p, (out, err) in zip(procs, outputs):
@@ -249,7 +243,7 @@ def test_sharded_training_example():
     """examples/sharded_training.py: data- and tensor-parallel losses equal the unsharded run's."""
     done = subprocess.run([sys.executable, str(HERE.parent / "examples" / "sharded_training.py"),
                            "--steps", "2"], capture_output=True, text=True, timeout=600,
-                          env=_env(), cwd=HERE.parent)
+                          env=subprocess_env(cpu_only=True), cwd=HERE.parent)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "losses match" in done.stdout, done.stdout
 
@@ -321,8 +315,8 @@ def test_sixteen_bit_epilogue_gradients_on_explicit_axes():
     each gradient its primal's sharding, as JAX's types demand, and the unsharded values
     (within bfloat16's rounding: the sharded sums run in another order)."""
     proc = subprocess.run([sys.executable, "-c", _SIXTEEN_BIT_EPILOGUE_ON_A_MESH],
-                          capture_output=True, text=True, env=_env(), cwd=HERE.parent,
-                          timeout=600)
+                          capture_output=True, text=True, env=subprocess_env(cpu_only=True),
+                          cwd=HERE.parent, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.splitlines() == ["xla typed like their primals",
                                         "triton typed like their primals"]
@@ -333,7 +327,8 @@ def test_strict_mode_on_a_mesh():
     axes (XLA's partitioner, which cannot lower its host callbacks) does it give way to the
     HLO interpreter. Values are right every way."""
     proc = subprocess.run([sys.executable, "-c", _STRICT_ON_A_MESH], capture_output=True,
-                          text=True, env=_env(), cwd=HERE.parent, timeout=600)
+                          text=True, env=subprocess_env(cpu_only=True), cwd=HERE.parent,
+                          timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["Explicit", "simulator", "Auto", "hlo-interpreter",
                                    "shard_map", "simulator"]
