@@ -46,13 +46,13 @@ use_compile_only_devices()
 
 def _cpu_programs_compiled_quickly() -> None:
     """XLA:CPU compiles this process's programs as `jax_disable_most_optimizations` would
-    (LLVM's optimization level 0, no expensive passes); GPU and TPU programs keep their
-    compilers' defaults, so the registers, spills and memory the compile tests read are the
-    real compilers'. A worker compiles hundreds of small programs and runs each a few times:
-    measured with jax 0.12 on 2 cores, XLA:CPU's compiles took 57 s of a worker's 104 in
-    test_normalize_residual.py and test_matmul.py, and 42 s with this (those files: 13-20%
-    less time). XLA:CPU keeps fast-math off at every level, so the values are IEEE arithmetic
-    either way. jax's own flag is global, hence this wrapper of its private
+    (LLVM's optimization level 0, no expensive passes), in one LLVM module; GPU and TPU
+    programs keep their compilers' defaults, so the registers, spills and memory the compile
+    tests read are the real compilers'. A worker compiles hundreds of small programs and runs
+    each a few times: measured with jax 0.12 on 2 cores, XLA:CPU's compiles took 57 s of a
+    worker's 104 in test_normalize_residual.py and test_matmul.py, and 42 s at level 0 (those
+    files: 13-20% less time). XLA:CPU keeps fast-math off at every level, so the values are
+    IEEE arithmetic either way. jax's own flag is global, hence this wrapper of its private
     `get_compile_options`, which jax 0.10.2 to 0.12 pass the backend; the suite's CPU-only
     subprocesses set the flag itself (`tests.support.subprocess_env`)."""
     from jax._src import compiler
@@ -65,6 +65,10 @@ def _cpu_programs_compiled_quickly() -> None:
             debug = options.executable_build_options.debug_options
             debug.xla_backend_optimization_level = 0
             debug.xla_llvm_disable_expensive_passes = True
+            # One LLVM module, not 32 compiled in parallel: on 2 cores the split cost more
+            # than it saved (those files: 97 s against 101-106).
+            options.env_option_overrides = [*options.env_option_overrides,
+                                            ("xla_cpu_parallel_codegen_split_count", "1")]
         return options
 
     compiler.get_compile_options = compile_options

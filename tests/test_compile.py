@@ -268,9 +268,12 @@ def test_devices_compile_with_their_compilers_defaults_and_the_cpu_quickly(targe
     from kernels.compile.programs import devices
 
     backend = jax.devices("cpu")[0].client if target == "cpu" else devices(target, 1)[0].client
-    build = compiler.get_compile_options(1, 1, backend=backend).executable_build_options
-    assert build.debug_options.xla_backend_optimization_level == level
-    assert build.debug_options.xla_llvm_disable_expensive_passes == (level == 0)
+    options = compiler.get_compile_options(1, 1, backend=backend)
+    debug = options.executable_build_options.debug_options
+    assert debug.xla_backend_optimization_level == level
+    assert debug.xla_llvm_disable_expensive_passes == (level == 0)
+    assert (("xla_cpu_parallel_codegen_split_count", "1") in options.env_option_overrides) == (
+        level == 0)
 
 
 def test_a_compiler_error_names_the_kernel_the_target_and_the_diagnostic():
