@@ -46,6 +46,16 @@ def needs(implementation: str) -> Any:  # a pytest.MarkDecorator
     return pytest.mark.skipif(missing is not None, reason=f"{implementation}: {missing}")
 
 
+def skip_without_xla_gpu_compiler() -> None:
+    """Skips a test that compiles a whole program for GPUs where XLA's GPU compiler is missing
+    (the test extra's CUDA plugin installs it, so the README's command runs the test)."""
+    import pytest
+    from kernels.compile.api import missing_package
+
+    if missing_package("mosaic_gpu"):
+        pytest.skip(f"XLA's GPU compiler needs {missing_package('mosaic_gpu')}")
+
+
 def implementations_of(op: str | None) -> tuple[str, ...]:
     """The implementations an op's shared tests run: the reference and each kernel the op's
     folder holds (`Op.has`). `None`: those every op has (tests of several ops at once)."""

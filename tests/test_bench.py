@@ -18,7 +18,7 @@ from bench.__main__ import main, record_path
 from kernels import _targets, registry
 from kernels.compile import CASES
 from kernels.matmul import matmul
-from tests.support import needs, random, tolerance
+from tests.support import needs, random, skip_without_xla_gpu_compiler, tolerance
 
 
 def test_bench_harness_rows():
@@ -244,10 +244,8 @@ def test_fused_layer_moves_its_output_once_for_inference(op):
     back (at least two more passes of the output's size). (The training step's figures:
     `test_fused_layer_training_step_moves_no_more_than_xla`.)"""
     from bench import design
-    from kernels.compile.api import missing_package
 
-    if missing_package("mosaic_gpu"):
-        pytest.skip(f"XLA's GPU compiler needs {missing_package('mosaic_gpu')}")
+    skip_without_xla_gpu_compiler()
     (case,) = [c for c in CASES[op] if c.inference]
     target = _targets.TARGETS["sm_90"]
     out = jax.eval_shape(case.forward("xla"), *case.args)
@@ -294,10 +292,7 @@ def test_fused_layer_training_step_moves_no_more_than_xla(op, impl, target):
     import subprocess
     import sys
 
-    from kernels.compile.api import missing_package
-
-    if missing_package("mosaic_gpu"):
-        pytest.skip(f"XLA's GPU compiler needs {missing_package('mosaic_gpu')}")
+    skip_without_xla_gpu_compiler()
     if registry.unavailable(impl):  # Mosaic GPU on jax < 0.12
         pytest.skip(f"{impl}: {registry.unavailable(impl)}")
     root = pathlib.Path(__file__).parent.parent

@@ -15,7 +15,7 @@ import pytest
 from kernels import registry
 from kernels.gather import GatherConfig, gather
 from kernels.gather.common import Problem
-from tests.support import assert_close, needs, random
+from tests.support import assert_close, needs, random, skip_without_xla_gpu_compiler
 from tests.test_gather import assert_exact, expected_gather, expected_gradient
 
 needs_mosaic_gpu = needs("mosaic_gpu")
@@ -117,12 +117,10 @@ def test_the_embedding_gradient_beats_xla_by_design():
     import pathlib
 
     from kernels.compile import CASES
-    from kernels.compile.api import missing_package
     from kernels.compile.programs import layer_program
     from kernels.gather.mosaic_gpu.config import backward_plan, backward_seconds
 
-    if missing_package("mosaic_gpu"):
-        pytest.skip(f"XLA's GPU compiler needs {missing_package('mosaic_gpu')}")
+    skip_without_xla_gpu_compiler()
     case = next(c for c in CASES["gather"] if c.design)
     p = Problem(1, 32000, 4096, 8192, jnp.dtype(jnp.bfloat16), "clip", None)
     assert [a.shape for a in case.args] == [(32000, 4096), (8192,)]
