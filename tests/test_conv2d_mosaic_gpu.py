@@ -48,7 +48,7 @@ def test_every_tap_row_window_starts_on_a_whole_tma_tile(x_shape, w_shape, optio
     reads stay inside their stride phase; the grid computes at most the output rounded up to
     8 columns plus the taps' reach in rows."""
     from kernels.conv2d.mosaic_gpu.config import tap_rows
-    from kernels.matmul.mosaic_gpu.config import TMA_ROWS
+    from kernels.gemm.mosaic_gpu.config import TMA_ROWS
 
     p = _problem(x_shape, w_shape, options)
     layout = tap_rows(p)

@@ -570,7 +570,7 @@ def test_mosaic_gpu_plan(target, shape, dtype, tile, stages, splits):
     from kernels import _targets
     from kernels._pallas import on_target
     from kernels.matmul.common import make_problem
-    from kernels.matmul.mosaic_gpu.config import (TCGEN05, WGMMA, epilogue_bytes,
+    from kernels.gemm.mosaic_gpu.config import (TCGEN05, WGMMA, epilogue_bytes,
                                                   kernel_problem, plan_of)
 
     m, n, k = shape

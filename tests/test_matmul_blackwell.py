@@ -1,4 +1,4 @@
-"""Mosaic GPU's Blackwell kernel (`kernels/matmul/mosaic_gpu/blackwell.py`: tcgen05 MMAs into
+"""Mosaic GPU's Blackwell kernel (`kernels/gemm/mosaic_gpu/blackwell.py`: tcgen05 MMAs into
 tensor memory), which matmul and conv2d run on an sm_100 program. The ops' shared test bases
 run `mosaic_gpu` in the interpreter, which has no compute capability and so runs Hopper's
 kernel; here a B200's abstract device is in scope (`on_target`), so the dispatch plans for
@@ -143,7 +143,7 @@ def test_a_cta_walks_many_items(monkeypatch):
     config = MatmulConfig(block_n=64)
     with on_target(_targets.TARGETS["sm_100"]):
         from kernels.matmul.common import make_problem
-        from kernels.matmul.mosaic_gpu.config import TCGEN05, plan_of
+        from kernels.gemm.mosaic_gpu.config import TCGEN05, plan_of
 
         plan = plan_of(make_problem(a, b, False, False, jnp.bfloat16), config)
         assert (plan.mma, plan.num_ctas, plan.tiles(make_problem(a, b, False, False,
@@ -167,7 +167,7 @@ def test_float32_and_mixed_products_as_split_bfloat16(a_dtype, b_dtype):
     (`DOT_FLOAT32_EPS`)."""
     from kernels.compile import launches
     from kernels.matmul.common import make_problem
-    from kernels.matmul.mosaic_gpu.config import split_terms
+    from kernels.gemm.mosaic_gpu.config import split_terms
 
     def num_terms(x_dtype, y_dtype):  # the MMAs of a K slice of a product of these dtypes
         x, y = (jax.ShapeDtypeStruct((8, 8), d) for d in (x_dtype, y_dtype))

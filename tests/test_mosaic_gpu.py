@@ -212,7 +212,7 @@ def test_every_kernel_compiles_without_spills(op, target, every):
             assert r["mma"] and all(i.startswith("tcgen05.mma") for i in r["mma"]), r
             assert not r["max_registers"], r
         elif persistent:  # warp-specialized, on the tensor cores
-            from kernels.matmul.mosaic_gpu.config import CONSUMERS, PRODUCER_REGISTERS
+            from kernels.gemm.mosaic_gpu.config import CONSUMERS, PRODUCER_REGISTERS
 
             assert r["mma"] and all(i.startswith("wgmma.mma_async") for i in r["mma"]), r
             # setmaxnreg per role: the producer's budget, and the rest of an SM's 512

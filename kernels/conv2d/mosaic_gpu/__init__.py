@@ -1,7 +1,7 @@
-"""conv2d on the Mosaic GPU matmul kernel (`implementation="mosaic_gpu"`, jax >= 0.12, Hopper
+"""conv2d on the Mosaic GPU GEMM engine (`implementation="mosaic_gpu"`, jax >= 0.12, Hopper
 sm_90a and Blackwell sm_100a): implicit GEMM by shifted TMA windows, the epilogue fused.
 
-The loop nests, per work item of the persistent matmul kernel (`kernels.matmul.mosaic_gpu`)
+The loop nests, per work item of the GEMM engine's persistent kernel (`kernels.gemm.mosaic_gpu`)
 and per CTA of the depthwise kernels (the layout: `config.TapRows`; the launches:
 `forward.py`, `depthwise.py`):
 

@@ -16,12 +16,12 @@ from kernels._pallas import pl
 from kernels._pallas.mosaic_gpu import pad_to
 from kernels.conv2d.common import Conv2dConfig, Problem
 from kernels.matmul.common import MatmulConfig, Problem as MatmulProblem
-from kernels.matmul.mosaic_gpu import config as matmul_config
-from kernels.matmul.mosaic_gpu.tiles import ONE_TERM
+from kernels.gemm.mosaic_gpu import config as gemm_config
+from kernels.gemm.mosaic_gpu.tiles import ONE_TERM
 
 __all__ = ["TapRows", "tap_rows", "tap_rows_matrix", "is_depthwise", "summed_depthwise",
-           "forward_problem", "forward_plan", "forward_terms", "forward_config", "weight_grad_problem",
-           "weight_grad_reads_shifted", "check", "resolve_config"]
+           "forward_problem", "forward_plan", "forward_terms", "forward_config",
+           "weight_grad_problem", "weight_grad_reads_shifted", "check", "resolve_config"]
 
 
 # The tap rows are padded to whole blocks of this many rows: the matmul's largest tile
@@ -35,11 +35,11 @@ class TapRows(NamedTuple):
     Row (n, i, j) of stride phase a holds, for every tap column kw, the input pixel that output
     column j reads at kw: input row i·stride_h + a, column j·stride_w + kw·dilation_w (zero in
     the padding), its group's channels, kw-major; a row is `width` wide (KW·C/G padded to
-    `matmul_config.TMA_COLUMNS`). The W axis of the window is thus folded into K by XLA's copy
+    `gemm_config.TMA_COLUMNS`). The W axis of the window is thus folded into K by XLA's copy
     (KW times the input), and the H axis is a row shift: output (n, oh, ow) at tap row kh reads
     row q + `shift(kh)` of the matrix, q = (n·rows + oh)·cols + ow its row in the output grid,
     the shift `(kh·dh mod sh)·phase_rows + (kh·dh div sh)·cols`. `cols` (OW rounded up to
-    `matmul_config.TMA_ROWS`) makes every shift whole 8-row TMA tiles; the output grid's rows
+    `gemm_config.TMA_ROWS`) makes every shift whole 8-row TMA tiles; the output grid's rows
     past OH and columns past OW are computed and cut off by XLA."""
 
     rows: int  # OH plus the rows the taps reach below it, per stride phase
@@ -79,8 +79,8 @@ def tap_rows(p: Problem) -> TapRows:
     """The layout of `p`'s input (per group), for its output grid of OW rounded up to 8."""
     g = p.geometry
     rows = p.oh + (p.kh - 1) * g.rhs_dilation[0] // g.stride[0]
-    return TapRows(rows, _round_up(p.ow, matmul_config.TMA_ROWS), p.n,
-                   _round_up(p.kw * p.cg, matmul_config.TMA_COLUMNS), p.kh, g.rhs_dilation[0],
+    return TapRows(rows, _round_up(p.ow, gemm_config.TMA_ROWS), p.n,
+                   _round_up(p.kw * p.cg, gemm_config.TMA_COLUMNS), p.kh, g.rhs_dilation[0],
                    g.stride[0])
 
 
@@ -115,27 +115,27 @@ def _forward_gemm(p: Problem) -> MatmulProblem:
 
 
 def forward_problem(p: Problem) -> MatmulProblem:
-    """The forward as the matmul kernel's problem (`matmul_config.kernel_problem`: 16-bit
+    """The forward as the matmul kernel's problem (`gemm_config.kernel_problem`: 16-bit
     operands of one dtype as they are, others as float32 on Hopper and as split bfloat16 on
     Blackwell), one batch per group: A the tap rows (output grid rows x `width` a part of x,
     shifted per K step), B the weights K-major (O/G padded, KH·parts·width), out (output grid
     rows, O/G padded); with split parts, the problem of one part (`forward_terms`)."""
-    return matmul_config.kernel_problem(_forward_gemm(p))
+    return gemm_config.kernel_problem(_forward_gemm(p))
 
 
-def forward_plan(p: Problem, config: Conv2dConfig | None) -> matmul_config.Plan:
+def forward_plan(p: Problem, config: Conv2dConfig | None) -> gemm_config.Plan:
     """The forward's launch, planned for the problem as given (Blackwell's split parts take
-    narrower tiles: `matmul_config.tcgen05_columns`)."""
-    return matmul_config.plan_of(_forward_gemm(p), forward_config(config))
+    narrower tiles: `gemm_config.tcgen05_columns`)."""
+    return gemm_config.plan_of(_forward_gemm(p), forward_config(config))
 
 
 def forward_terms(p: Problem) -> tuple[tuple[int, int], ...]:
     """The (part of x, part of w) products the forward sums along each tap row's K: on
     Blackwell, float32 and mixed data as the matmul's split bfloat16 parts
-    (`matmul_config.split_terms`), each operand's parts side by side in a tap row, once; else
+    (`gemm_config.split_terms`), each operand's parts side by side in a tap row, once; else
     one (`tiles.ONE_TERM`)."""
     gemm = _forward_gemm(p)
-    return matmul_config.split_terms(gemm) if matmul_config.is_split(gemm) else ONE_TERM
+    return gemm_config.split_terms(gemm) if gemm_config.is_split(gemm) else ONE_TERM
 
 
 def forward_config(config: Conv2dConfig | None) -> MatmulConfig:
@@ -157,7 +157,7 @@ def weight_grad_problem(p: Problem, dy_dtype, dw_dtype) -> MatmulProblem:
     """The weight gradient as the matmul kernel's problem, one batch per (group, tap row):
     dW[g, kh] (width, O/G) = A[g, kh]ᵀ @ dY[g] over the output grid's pixels, A[g, kh] the tap
     rows shifted by tap row kh (stored (pixels, width): transposed)."""
-    return matmul_config.kernel_problem(_weight_grad_gemm(p, dy_dtype, dw_dtype))
+    return gemm_config.kernel_problem(_weight_grad_gemm(p, dy_dtype, dw_dtype))
 
 
 def weight_grad_reads_shifted(p: Problem, dy_dtype, dw_dtype) -> bool:
@@ -166,12 +166,12 @@ def weight_grad_reads_shifted(p: Problem, dy_dtype, dw_dtype) -> bool:
     only; Blackwell's split bfloat16 parts lie along K, the pixels, which the shifts walk)
     XLA copies each tap row's windows for the matmul (`forward.weight_grad`)."""
     gemm = _weight_grad_gemm(p, dy_dtype, dw_dtype)
-    return matmul_config.kernel_problem(gemm).transpose_a and not matmul_config.is_split(gemm)
+    return gemm_config.kernel_problem(gemm).transpose_a and not gemm_config.is_split(gemm)
 
 
 def resolve_config(p: Problem, config: Conv2dConfig | None) -> Conv2dConfig:
     """The forward's tiles as the matmul kernel resolves them for `forward_problem`."""
-    resolved = matmul_config.resolve_config(_forward_gemm(p), forward_config(config))
+    resolved = gemm_config.resolve_config(_forward_gemm(p), forward_config(config))
     return Conv2dConfig(resolved.block_m, resolved.block_n, num_stages=resolved.num_stages)
 
 
@@ -205,4 +205,4 @@ def check(p: Problem, config: Conv2dConfig | None) -> None:
                          f"is TMA's swizzle span), got {config}")
     # The problem as given, not as laid out (`forward_problem`): Blackwell's split parts are
     # bfloat16, which would hide float32 at HIGHEST from the matmul's check.
-    matmul_config.check(_forward_gemm(p), forward_config(config))
+    gemm_config.check(_forward_gemm(p), forward_config(config))

@@ -3,7 +3,7 @@ on the Mosaic GPU matmul kernel with shifted rows (the package's docstring has t
 
 Block schedules
 ---------------
-Both passes are launches of `kernels.matmul.mosaic_gpu` (persistent, warp-specialized: a TMA
+Both passes are launches of `kernels.gemm.mosaic_gpu` (persistent, warp-specialized: a TMA
 producer and wgmma consumers on Hopper, tcgen05 on Blackwell; its docstring has the CTA's
 schedule) on the tap rows of the input (`config.TapRows`, one XLA copy of KW times the input):
   - forward: one batch per group; the CTA tile is block_m output-grid rows x block_n output
@@ -31,9 +31,9 @@ from kernels.conv2d.mosaic_gpu.config import (forward_plan, forward_problem, for
                                               tap_rows_matrix, weight_grad_problem,
                                               weight_grad_reads_shifted)
 from kernels.matmul.common import make_problem as matmul_problem
-from kernels.matmul.mosaic_gpu.config import plan_of
-from kernels.matmul.mosaic_gpu.forward import Shifts, Terms, bfloat16_parts, launch, matmul
-from kernels.matmul.mosaic_gpu.tiles import ONE_TERM
+from kernels.gemm.mosaic_gpu.config import plan_of
+from kernels.gemm.mosaic_gpu.launch import Shifts, Terms, bfloat16_parts, launch, matmul
+from kernels.gemm.mosaic_gpu.tiles import ONE_TERM
 
 __all__ = ["conv", "weight_grad"]
 

@@ -1,6 +1,6 @@
 """Matmul as a persistent, warp-specialized Pallas kernel for Blackwell (sm_100a): tcgen05
 MMAs into tensor memory, the epilogue on a warpgroup of its own (the package's docstring has
-the loop nest; `forward.launch` calls it where the plan is `TCGEN05`).
+the loop nest; `launch.launch` calls it where the plan is `TCGEN05`).
 
 Block schedule
 --------------
@@ -14,7 +14,7 @@ does (`tiles.item_of`); item i is the CTA's i-th. Per item:
     (2 arrivals). A K step is a term of a K slice (`tiles.Terms`): one term, the slice itself,
     or for float32 and mixed products the split parts' terms (`config.split_terms`: hi · hi,
     hi · lo, lo · hi), each slice's terms in a row, each reading its parts' tiles where the
-    operand lays them out (each part once: `forward.split_parts`);
+    operand lays them out (each part once: `launch.split_parts`);
   - warp 1 of warpgroup 0 (the MMA issuer) waits for each slot (`loaded`) and issues one
     tcgen05 MMA of A's slot by B's slot into the item's accumulator, `block_n` float32 columns
     of tensor memory of 128 lanes (rows); the tensor core arrives on `consumed` when the MMA
@@ -48,9 +48,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from kernels import _epilogue
 from kernels._pallas import pl
 from kernels.matmul.common import Problem
-from kernels.matmul.mosaic_gpu import tiles
-from kernels.matmul.mosaic_gpu.config import ACCUMULATORS, TCGEN05, Plan, epilogue_columns
-from kernels.matmul.mosaic_gpu.tiles import ONE_TERM, Shifts, Terms
+from kernels.gemm.mosaic_gpu import tiles
+from kernels.gemm.mosaic_gpu.config import ACCUMULATORS, TCGEN05, Plan, epilogue_columns
+from kernels.gemm.mosaic_gpu.tiles import ONE_TERM, Shifts, Terms
 
 __all__ = ["kernel", "WARPGROUPS"]
 

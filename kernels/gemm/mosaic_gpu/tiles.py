@@ -1,4 +1,4 @@
-"""What the Mosaic GPU matmul kernels share (Hopper's wgmma kernel in `forward.py`,
+"""What the Mosaic GPU matmul kernels share (Hopper's wgmma kernel in `hopper.py`,
 Blackwell's tcgen05 kernel in `blackwell.py`): A's rows read at shifted offsets (`Shifts`),
 the shared-memory tiles TMA fills, a work item's operand views (`item_of`), and the epilogue
 applied to a column slice of the accumulator and stored by TMA (`epilogue_slice`)."""
@@ -16,7 +16,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from kernels import _epilogue
 from kernels._pallas import pl
 from kernels.matmul.common import Problem, batch_index
-from kernels.matmul.mosaic_gpu.config import Plan
+from kernels.gemm.mosaic_gpu.config import Plan
 
 __all__ = ["Shifts", "Terms", "ONE_TERM", "Item", "item_of", "transforms", "operand_spec",
            "shifted_spec", "epilogue_slice", "epilogue_scratch"]

@@ -1,8 +1,8 @@
-"""How big the Mosaic GPU matmul kernels' tiles are (Hopper's in `forward.py`, Blackwell's in
+"""How big the Mosaic GPU matmul kernels' tiles are (Hopper's in `hopper.py`, Blackwell's in
 `blackwell.py`, which kernel by `mma_of`): the problem a kernel runs (`kernel_problem`:
 padding, TF32 or split bfloat16), the plan of one launch (`plan_of`: CTA tile, K slice,
 pipeline stages within shared memory, split-K, the persistent grid) and the checks that
-decline a problem (`check`); the bytes a launch moves are `common.moved_bytes`."""
+decline a problem (`check`); the bytes a launch moves are `kernels.matmul.common.moved_bytes`."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ __all__ = ["Plan", "plan_of", "kernel_problem", "resolve_config", "check", "epil
            "tcgen05_columns", "TCGEN05_EPILOGUE_COLUMNS", "CONSUMERS", "WG_ROWS",
            "EPILOGUE_COLUMNS", "SWIZZLE", "TMA_ROWS", "TMA_COLUMNS"]
 
-# The tensor-core instructions a plan multiplies with: Hopper's wgmma (`forward._kernel`, the
+# The tensor-core instructions a plan multiplies with: Hopper's wgmma (`hopper.kernel`, the
 # accumulator in the consumers' registers) or Blackwell's tcgen05 (`blackwell.kernel`, the
 # accumulator in tensor memory).
 WGMMA, TCGEN05 = "wgmma", "tcgen05"
@@ -106,7 +106,7 @@ def epilogue_columns(mma: str, block_n: int) -> int:
 def epilogue_bytes(p: Problem, block_m: int, block_n: int, splits: int, mma: str) -> int:
     """Shared memory of the epilogue: for the tile's rows one column slice of the output
     (float32 partials when split), of z and of the residual (in the output's dtype:
-    `forward.matmul`)."""
+    `launch.matmul`)."""
     if splits > 1:
         per_element = 4
     else:
@@ -129,7 +129,7 @@ def split_terms(p: Problem) -> tuple[tuple[int, int], ...]:
     TF32 keeps 11), a bfloat16 one is its own single part, and the product is the sum of the
     part products but lo·lo (XLA's BF16_BF16_F32_X3 for float32 · float32, two products for
     float32 · bfloat16, such as a float32 layer's input against bfloat16 weights). Each
-    operand's parts are laid out once, side by side along K (`forward.split_parts`), and the
+    operand's parts are laid out once, side by side along K (`launch.split_parts`), and the
     kernel walks each K slice once a term (`tiles.Terms`), summing the first term (hi · hi)
     apart from the corrections, which its epilogue adds where that sum is finite: Inf and NaN
     come from hi · hi as in float32, not from Inf · lo where lo is 0 or of the other sign
@@ -153,7 +153,7 @@ def is_split(p: Problem) -> bool:
 
 
 def kernel_problem(p: Problem) -> Problem:
-    """The problem the kernel runs (`forward._operands` lays the arrays out so): 16-bit
+    """The problem the kernel runs (`launch._operands` lays the arrays out so): 16-bit
     operands of one dtype as they are; anything else as float32 (TF32), both K-major, on
     Hopper, and as bfloat16 parts on Blackwell (`split_terms`: the problem is one part's,
     each term a product of it); M, K and N padded to TMA's tiles (`TMA_ROWS`, `TMA_COLUMNS`;
