@@ -1,9 +1,10 @@
 """What conv2d's Mosaic GPU implementation (`implementation="mosaic_gpu"`, jax >= 0.12) adds to
 the op's shared test base (which runs it too, in Mosaic GPU's interpreter with its race
-detector): its tap-row layout, whose every TMA window must start on whole 8-row tiles (an
-offset within a tile reads zeros on a device, which the interpreter cannot show), the launches
-each pass makes and what they read, an explicit many-tile schedule, and the depthwise plans.
-Its compiled kernels, whole programs and export: tests/test_mosaic_gpu.py."""
+detector): the boxes it reads the images by (each at the input pixel the definition names, in
+the compiled and the interpreted layout alike), the launches each pass makes and that they
+read x and dY in place, the whole programs' bytes against XLA's, an explicit many-tile
+schedule, and the depthwise plans. Its compiled kernels, whole programs and export:
+tests/test_mosaic_gpu.py."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from kernels._targets import TARGETS
 from kernels.conv2d import Conv2dConfig, conv2d
 from kernels.conv2d.common import make_problem
 from kernels.reference.conv2d import geometry as make_geometry
-from tests.support import assert_close, needs, random
+from tests.support import assert_close, needs, random, skip_without_xla_gpu_compiler
 from tests.test_conv2d import _check, _inputs
 
 pytestmark = [needs("mosaic_gpu"), pytest.mark.usefixtures("strict_interpret")]
@@ -39,29 +40,55 @@ def _problem(x_shape, w_shape, options, dtype=jnp.bfloat16):
     return make_problem(x_shape, w_shape, dtype, dtype, g, dtype)
 
 
+class _Recorder:
+    """A GMEM ref's stand-in: `.at[...]` returns the indices a box is taken at."""
+
+    class _At:
+        def __getitem__(self, index):
+            return index
+
+    at = _At()
+
+
+@pytest.mark.parametrize("interpret", [False, True])
 @pytest.mark.parametrize("x_shape,w_shape,options", GEOMETRIES)
-def test_every_tap_row_window_starts_on_a_whole_tma_tile(x_shape, w_shape, options):
-    """TMA copies the swizzled shared-memory layout in tiles of `TMA_ROWS` rows, and Mosaic GPU
-    addresses a window's first row as (tile, row within it): a window starting inside a tile
-    would read zeros past the tile's rows on a device. Every tap row's shift, and so every
-    window (tile starts are multiples of block_m), starts on a whole tile; the valid outputs'
-    reads stay inside their stride phase; the grid computes at most the output rounded up to
-    8 columns plus the taps' reach in rows."""
-    from kernels.conv2d.mosaic_gpu.config import tap_rows
-    from kernels.gemm.mosaic_gpu.config import TMA_ROWS
+def test_every_box_reads_the_pixels_its_tap_multiplies(x_shape, w_shape, options, interpret):
+    """`tiles.Pixels`' pieces cover every output pixel once (rows of the grid past the last
+    image and columns past OW aside), a slot's pieces never overlap, and each box of x, read
+    through the view `config.image_operand` makes (its W axis in stride phases), starts at the
+    input pixel the definition of a convolution names for the piece's first output at the
+    tap: out·stride + tap·dilation - padding (before the padding XLA adds in the interpreter,
+    which shifts the box's origin by as much). The weight gradient's pieces of 8 likewise."""
+    from kernels.conv2d.mosaic_gpu.config import forward_pixels, weight_grad_sums
+    from kernels.gemm.mosaic_gpu.config import WG_ROWS
 
     p = _problem(x_shape, w_shape, options)
-    layout = tap_rows(p)
-    shifts = [layout.shift(kh) for kh in range(p.kh)]
-    assert all(shift % TMA_ROWS == 0 for shift in shifts), shifts
-    assert layout.cols % TMA_ROWS == 0 and layout.cols - p.ow < TMA_ROWS
     g = p.geometry
-    for kh, shift in enumerate(shifts):
-        phase, row = divmod(shift, layout.phase_rows)
-        assert phase == kh * g.rhs_dilation[0] % g.stride[0]
-        # The last valid output row's tap lands in its phase's rows of the same image.
-        assert (p.oh - 1) + row // layout.cols < layout.rows
-    assert layout.rows - p.oh == (p.kh - 1) * g.rhs_dilation[0] // g.stride[0]
+    for pixels in (forward_pixels(p, 1, interpret), weight_grad_sums(p, interpret).image):
+        assert pixels.piece % 8 == 0 and pixels.piece <= WG_ROWS
+        pieces = pixels.rows(p.n) // WG_ROWS * pixels.pieces_per_half
+        covered = {}
+        for q in range(pieces):
+            n, r, c = pixels.pixel(q)
+            for ow in range(c, min(c + pixels.piece, p.ow)):
+                if n < p.n:
+                    covered[n, r, ow] = covered.get((n, r, ow), 0) + 1
+            for tap in range(p.kh * p.kw):
+                kh, kw = divmod(tap, p.kw)
+                box = pixels.tap_box(_Recorder(), q, tap, p.groups - 1, 0, None)
+                _, h, columns, plane, _ = box
+                phase = plane // p.groups
+                assert plane % p.groups == p.groups - 1
+                padding = [0 if interpret and before > 0 else before
+                           for before, _ in g.padding]
+                for axis, (start, out, k) in enumerate(((h, r, kh),
+                                                        (columns.start * g.stride[1] + phase, c,
+                                                         kw))):
+                    # The view's column j of phase f is x's column j·stride_w + f.
+                    want = out * g.stride[axis] + k * g.rhs_dilation[axis] - padding[axis]
+                    assert start == want, (q, tap, axis, start, want)
+        assert covered == {(n, r, c): 1 for n in range(p.n) for r in range(p.oh)
+                           for c in range(p.ow)}
 
 
 def _launches(fn, *args):
@@ -70,34 +97,79 @@ def _launches(fn, *args):
     return launches(fn, *args, target=TARGETS["sm_90"])
 
 
-def test_each_pass_is_one_launch_on_the_tap_rows():
-    """The forward is one launch whose A operand is the tap rows (KW times the input: the
-    patches, KH·KW times it, are never written), the weights K-major beside it. The training
-    step adds the input gradient (one forward launch on dY) and the weight gradient, one launch
-    that reads the same tap rows (16-bit: wgmma takes them transposed), split over pixels."""
-    from kernels.conv2d.mosaic_gpu.config import tap_rows
-
+def test_each_pass_reads_the_images_in_place():
+    """The forward is one launch whose A operand is x itself (a view of as many elements: no
+    patches or other layout) and whose output is the NHWC result (as many elements), the weights
+    K-major beside it. The training step adds the input gradient (one forward launch on dY)
+    and the weight gradient, one launch on dY and x in place, split over pixels."""
     x_shape, w_shape = (8, 32, 32, 64), (3, 3, 64, 128)
     x, w = jnp.ones(x_shape, jnp.bfloat16), jnp.ones(w_shape, jnp.bfloat16)
-    layout = tap_rows(_problem(x_shape, w_shape, {}))
 
     def forward(x, w):
         return conv2d(x, w, implementation="mosaic_gpu", interpret=False)
 
     (launch,) = _launches(forward, x, w)
-    a, b = (v.aval.shape for v in launch.invars[:2])
-    # KW = 3 times the input, and the 2 padding rows and the last tile's reach: not 9 times.
-    assert a[2] == layout.width == 3 * 64 and a[1] * a[2] < 3.5 * x.size
-    assert b == (1, 128, 3 * layout.width)
+    a, b = (v.aval for v in launch.invars[:2])
+    assert a.size == x.size and a.dtype == x.dtype and len(a.shape) == 5
+    assert b.shape == (1, 128, 9 * 64)
+    (out,) = launch.outvars
+    assert out.aval.size == 8 * 32 * 32 * 128
 
     loss = jax.grad(lambda x, w: jnp.sum(forward(x, w).astype(jnp.float32)), argnums=(0, 1))
-    names = [eqn.params["name"] for eqn in _launches(loss, x, w)]
+    found = _launches(loss, x, w)
+    names = [eqn.params["name"] for eqn in found]
     assert names.count("conv2d_mosaic_gpu") == 2, names  # forward, input gradient
-    assert sum(n.startswith("conv2d_weight_grad") for n in names) == 1, names
+    (weight_grad,) = [e for e in found if e.params["name"].startswith("conv2d_weight_grad")]
+    dy, image = (v.aval for v in weight_grad.invars[:2])
+    assert dy.size == 8 * 32 * 32 * 128 and image.size == x.size
+
+
+# The two training layers and the inference layer issue 58 names, as `python -m bench`'s design
+# rows count them: (case, training, most bytes against XLA's program).
+_LAYER_BYTES = [("32x56x56x64 * 3x3x64x64 bfloat16", True, 1.15),
+                ("32x28x28x128 * 3x3x128x256 bfloat16, stride=2", True, 1.15),
+                ("32x56x56x64 * 3x3x64x64 bfloat16, activation=relu, bias", False, 0.5)]
+
+
+@pytest.mark.timeout(600)
+def test_whole_programs_move_about_what_xlas_move_on_an_h100():
+    """The layers' whole programs compiled for one H100 (forward, and the gradients from a
+    cotangent where training), bytes by XLA's cost analysis (`layer_program`): the ResNet
+    layer and its stride-2 one within 1.15x XLA's, the fused inference layer under half."""
+    from kernels.compile import CASES
+    from kernels.compile.programs import layer_program
+
+    skip_without_xla_gpu_compiler()
+    for description, training, most in _LAYER_BYTES:
+        case = next(c for c in CASES["conv2d"] if c.description == description)
+        _, nbytes = layer_program(case, "sm_90", "mosaic_gpu", training=training)
+        _, xla_bytes = layer_program(case, "sm_90", "xla", training=training)
+        assert nbytes <= most * xla_bytes, (description, nbytes, xla_bytes)
+
+
+@pytest.mark.exhaustive
+@pytest.mark.timeout(900)
+def test_whole_programs_move_about_what_xlas_move_on_a_b200():
+    """As on an H100, for one B200 (in a process of its own: `_compiled`)."""
+    from tests.test_mosaic_gpu import _compiled
+
+    skip_without_xla_gpu_compiler()
+    rows = _compiled(
+        "import json\n"
+        "from kernels.compile import use_compile_only_devices; use_compile_only_devices()\n"
+        "from kernels.compile import CASES\n"
+        "from kernels.compile.programs import layer_program\n"
+        f"for description, training, _ in {_LAYER_BYTES!r}:\n"
+        "    case = next(c for c in CASES['conv2d'] if c.description == description)\n"
+        "    print(json.dumps({impl: layer_program(case, 'sm_100', impl, training=training)[1]\n"
+        "                      for impl in ('mosaic_gpu', 'xla')}))\n")
+    assert len(rows) == len(_LAYER_BYTES)
+    for (description, _, most), row in zip(_LAYER_BYTES, rows):
+        assert row["mosaic_gpu"] <= most * row["xla"], (description, row)
 
 
 def test_many_tiles_and_k_steps_with_an_explicit_config():
-    """130 channels (a tap row of 390 padded to 448: 7 K steps a tap row, 21 in all), stride 2,
+    """130 channels (3 K slices of 64 a tap, the last overhanging: 27 K steps), stride 2,
     several output tiles of 128 grid rows and two of 64 channels: against float64 truth."""
     x_shape, w_shape, options = (1, 17, 31, 130), (3, 3, 130, 72), {"stride": 2}
     x, w = _inputs(x_shape, w_shape, jnp.bfloat16)

@@ -251,9 +251,9 @@ def test_float32_at_highest_declines(op):
 def test_conv2d_split_bfloat16_on_tcgen05(dtype, epilogue):
     """conv2d's float32 data as split bfloat16 products, and beside it a 16-bit activation
     epilogue, whose backward takes dZ rounded to bfloat16 (plain bfloat16 products; the
-    tolerance counts that rounding): the forward's parts' tap
-    rows side by side in each tap row's K (`config.forward_terms`), the weight gradient's
-    windows split by the matmul. Strided and dilated, against the reference's values and
+    tolerance counts that rounding): the forward's parts of x side by side in its planes and
+    of the weights in each tap's K (`config.forward_terms`), the weight gradient's windows
+    split by the matmul. Strided and dilated, against the reference's values and
     gradients run in float64, at the tolerance of a GPU's float32 dot."""
     x, w = _inputs((2, 9, 8, 4), (3, 3, 4, 5), dtype)
     options = {"stride": 2, "dilation": (2, 1), "padding": "SAME"}
@@ -294,9 +294,9 @@ def test_conv2d_split_bfloat16_on_tcgen05(dtype, epilogue):
                  marks=pytest.mark.exhaustive),
 ])
 def test_conv2d_on_tcgen05(x_shape, w_shape, options):
-    """conv2d's implicit GEMM on the tcgen05 kernel: the forward's A rows shifted per K step
-    (tap rows), the weight gradient's per output batch, the strided input gradient's phases;
-    forward and gradients against float64 truth."""
+    """conv2d's implicit GEMM on the tcgen05 kernel: the forward's boxes of x a piece of an
+    output row (`tiles.Pixels`), the weight gradient's of dY and x (`tiles.PixelSums`), the
+    strided input gradient's phases; forward and gradients against float64 truth."""
     x, w = _inputs(x_shape, w_shape, jnp.bfloat16)
 
     def layer(x, w):

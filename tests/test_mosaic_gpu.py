@@ -212,13 +212,12 @@ def test_every_kernel_compiles_without_spills(op, target, every):
             assert r["mma"] and all(i.startswith("tcgen05.mma") for i in r["mma"]), r
             assert not r["max_registers"], r
         elif persistent:  # warp-specialized, on the tensor cores
-            from kernels.gemm.mosaic_gpu.config import CONSUMERS, PRODUCER_REGISTERS
+            from kernels.gemm.mosaic_gpu.config import registers
 
             assert r["mma"] and all(i.startswith("wgmma.mma_async") for i in r["mma"]), r
-            # setmaxnreg per role: the producer's budget, and the rest of an SM's 512
-            # registers a thread slot split over the consumers (in steps of 8).
-            consumers = (512 - PRODUCER_REGISTERS) // CONSUMERS // 8 * 8
-            assert r["max_registers"] == [PRODUCER_REGISTERS, consumers], r
+            # setmaxnreg per role: the producer's budget (more where it copies NHWC boxes:
+            # conv2d's kernels), and the rest of an SM's 512 a thread slot for the consumers.
+            assert r["max_registers"] == list(registers(r["name"].startswith("conv2d"))), r
 
 
 @pytest.mark.timeout(600)

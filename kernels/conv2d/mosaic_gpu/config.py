@@ -1,126 +1,118 @@
-"""How the Mosaic GPU conv2d lays its operands out for the matmul kernel's shifted rows (the
-kernels are in `forward.py` beside it): the tap-row layout of the input (`TapRows`), the GEMM
-each pass runs (`forward_problem`, `weight_grad_problem`) and the checks that decline a
-problem (`check`)."""
+"""How the Mosaic GPU conv2d runs on the GEMM engine (the launches are in `forward.py` beside
+it): the images as the engine reads them in place (`forward_pixels`, `image_operand`,
+`weight_grad_sums`, `output_grad_operand`), the GEMM each pass runs (`forward_problem`,
+`weight_grad_problem`) and the checks that decline a problem (`check`)."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from kernels._blocks import require_floating
 from kernels._pallas import pl
-from kernels._pallas.mosaic_gpu import pad_to
+from kernels._pallas.mosaic_gpu import TMA_ALIGNMENT
 from kernels.conv2d.common import Conv2dConfig, Problem
 from kernels.matmul.common import MatmulConfig, Problem as MatmulProblem
 from kernels.gemm.mosaic_gpu import config as gemm_config
+from kernels.gemm.mosaic_gpu import tiles
 from kernels.gemm.mosaic_gpu.tiles import ONE_TERM
 
-__all__ = ["TapRows", "tap_rows", "tap_rows_matrix", "is_depthwise", "summed_depthwise",
+__all__ = ["k_slice", "image_channels", "output_channels", "forward_pixels", "image_operand",
            "forward_problem", "forward_plan", "forward_terms", "forward_config",
-           "weight_grad_problem", "weight_grad_reads_shifted", "check", "resolve_config"]
-
-
-# The tap rows are padded to whole blocks of this many rows: the matmul's largest tile
-# (`CONSUMERS` x 128) and a multiple of its K step.
-ROW_BLOCK = 256
-
-
-class TapRows(NamedTuple):
-    """The input as a matrix whose row shifts are the kernel's taps along H.
-
-    Row (n, i, j) of stride phase a holds, for every tap column kw, the input pixel that output
-    column j reads at kw: input row i·stride_h + a, column j·stride_w + kw·dilation_w (zero in
-    the padding), its group's channels, kw-major; a row is `width` wide (KW·C/G padded to
-    `gemm_config.TMA_COLUMNS`). The W axis of the window is thus folded into K by XLA's copy
-    (KW times the input), and the H axis is a row shift: output (n, oh, ow) at tap row kh reads
-    row q + `shift(kh)` of the matrix, q = (n·rows + oh)·cols + ow its row in the output grid,
-    the shift `(kh·dh mod sh)·phase_rows + (kh·dh div sh)·cols`. `cols` (OW rounded up to
-    `gemm_config.TMA_ROWS`) makes every shift whole 8-row TMA tiles; the output grid's rows
-    past OH and columns past OW are computed and cut off by XLA."""
-
-    rows: int  # OH plus the rows the taps reach below it, per stride phase
-    cols: int
-    images: int
-    width: int
-    num_tap_rows: int  # KH
-    dilation: int  # along H
-    stride: int  # along H
-
-    @property
-    def phase_rows(self) -> int:
-        """Rows of one stride phase: every image's output grid."""
-        return self.images * self.rows * self.cols
-
-    def shift(self, kh):
-        """The row offset of tap row `kh` (a Python int or a traced int32)."""
-        offset = kh * self.dilation
-        return offset % self.stride * self.phase_rows + offset // self.stride * self.cols
-
-    @property
-    def max_shift(self) -> int:
-        """The last tap row's shift: rows every window reads beyond its output rows."""
-        return max(self.shift(kh) for kh in range(self.num_tap_rows))
-
-    @property
-    def num_rows(self) -> int:
-        """Rows of the matrix: the stride phases, then zeros to a whole `ROW_BLOCK` and the
-        largest shift. The forward's windows (tiles of up to `ROW_BLOCK` rows) lie in it; the
-        weight gradient's last pixel split may read past it, where TMA reads zeros and dY is
-        zero anyway. One count for both passes: XLA computes the forward's and the weight
-        gradient's matrix of the same input once."""
-        return _round_up(self.stride * self.phase_rows, ROW_BLOCK) + self.max_shift
-
-
-def tap_rows(p: Problem) -> TapRows:
-    """The layout of `p`'s input (per group), for its output grid of OW rounded up to 8."""
-    g = p.geometry
-    rows = p.oh + (p.kh - 1) * g.rhs_dilation[0] // g.stride[0]
-    return TapRows(rows, _round_up(p.ow, gemm_config.TMA_ROWS), p.n,
-                   _round_up(p.kw * p.cg, gemm_config.TMA_COLUMNS), p.kh, g.rhs_dilation[0],
-                   g.stride[0])
-
-
-def tap_rows_matrix(x: jax.Array, p: Problem, layout: TapRows, dtype) -> jax.Array:
-    """(G, `layout.num_rows`, width): the input laid out as `layout` says (XLA's copy:
-    padding, the KW column windows, the stride phases, the groups), then zero rows."""
-    g = p.geometry
-    (stride_h, stride_w), dilation_w = g.stride, g.rhs_dilation[1]
-    (top, _), (left, _) = g.padding
-    height = layout.rows * stride_h
-    span = (layout.cols - 1) * stride_w + 1
-    width = span + (p.kw - 1) * dilation_w
-    x = lax.pad(x, jnp.zeros((), x.dtype), ((0, 0, 0), (top, height - p.h - top, 0),
-                                            (left, width - p.w - left, 0), (0, 0, 0)))
-    x = jnp.stack([lax.slice_in_dim(x, kw * dilation_w, kw * dilation_w + span,
-                                    stride=stride_w, axis=2) for kw in range(p.kw)], axis=3)
-    x = x.reshape(p.n, layout.rows, stride_h, layout.cols, p.kw, p.groups, p.cg)
-    x = x.transpose(5, 2, 0, 1, 3, 4, 6).reshape(p.groups, stride_h * layout.phase_rows,
-                                                  p.kw * p.cg)
-    return pad_to(x.astype(dtype), layout.num_rows, layout.width)
+           "weight_grad_sums", "weight_grad_problem", "weight_grad_plan",
+           "weight_grad_in_place", "output_grad_operand", "is_depthwise", "summed_depthwise",
+           "check", "resolve_config", "WEIGHT_GRAD_PIXELS"]
 
 
 def _round_up(size: int, step: int) -> int:
     return pl.cdiv(size, step) * step
 
 
-def _forward_gemm(p: Problem) -> MatmulProblem:
-    layout = tap_rows(p)
+def _gemm_of(p: Problem, rows: int = 1, k: int = 1) -> MatmulProblem:
     return MatmulProblem(
-        (p.groups,), (p.groups,), (p.groups,), layout.phase_rows, p.og, p.kh * layout.width,
-        False, True, p.x_dtype, p.w_dtype, p.out_dtype, p.epilogue, p.highest)
+        (p.groups,), (p.groups,), (p.groups,), rows, p.og, k, False, True, p.x_dtype,
+        p.w_dtype, p.out_dtype, p.epilogue, p.highest)
+
+
+def k_slice(p: Problem) -> int:
+    """Channels a K slice of the forward: one swizzle span of the dtype the MMA takes
+    (`gemm_config.kernel_problem`: 64 16-bit channels, 32 float32 ones for TF32), the plan's
+    block_k."""
+    compute = gemm_config.kernel_problem(_gemm_of(p)).compute_dtype
+    return gemm_config.SWIZZLE // jnp.dtype(compute).itemsize
+
+
+def image_channels(p: Problem) -> int:
+    """A group's channels as the forward's image operand holds them: C/G where TMA can box
+    them in place (a K slice or more, rows a multiple of 16 bytes), else padded by XLA."""
+    block_k, itemsize = k_slice(p), jnp.dtype(forward_problem(p).a_dtype).itemsize
+    if p.cg >= block_k and p.cg * itemsize % TMA_ALIGNMENT == 0:
+        return p.cg
+    return _round_up(max(p.cg, block_k), TMA_ALIGNMENT // itemsize)
+
+
+def output_channels(p: Problem) -> int:
+    """A group's channels as the forward's kernel stores them: O/G, or where its rows are not
+    a multiple of 16 bytes (TMA's stride rule, for the output and z alike) padded, the
+    padding cut off by XLA (a copy)."""
+    itemsize = min(jnp.dtype(p.out_dtype).itemsize, jnp.dtype(p.epilogue.saved or p.out_dtype)
+                   .itemsize)
+    return _round_up(p.og, TMA_ALIGNMENT // itemsize)
+
+
+def forward_pixels(p: Problem, parts: int, interpret: bool | str) -> tiles.Pixels:
+    """How the forward reads x in place (`tiles.Pixels`): output rows in pieces of OW rounded
+    up to 8 pixels (at most 64), the padding as TMA's zeros; interpreted, x padded at the top
+    and left by XLA instead (`image_operand`)."""
+    g = p.geometry
+    (top, _), (left, _) = g.padding
+    origin = ((max(top, 0) - top, max(left, 0) - left) if interpret else (-top, -left))
+    return tiles.Pixels(
+        (p.oh, p.ow), min(_round_up(p.ow, gemm_config.TMA_ROWS), gemm_config.WG_ROWS),
+        (p.kh, p.kw),
+        g.stride, g.rhs_dilation, origin, p.groups, parts, pl.cdiv(p.cg, k_slice(p)),
+        swizzled_boxes=not interpret)
+
+
+def image_operand(parts: list[jax.Array], p: Problem, dtype, interpret: bool | str
+                  ) -> jax.Array:
+    """x's parts as `tiles.Pixels` reads them, (N, H, W / stride_w, stride_w·G·parts,
+    `image_channels`): a reshape of x where it is one part of the MMA's dtype with whole
+    channel rows and W a multiple of the stride; else one XLA copy (the parts, padded
+    channels or columns; interpreted, the top and left padding)."""
+    g = p.geometry
+    (top, _), (left, _) = g.padding
+    pad_top, pad_left = (max(top, 0), max(left, 0)) if interpret else (0, 0)
+    stride_w = g.stride[1]
+    width = _round_up(p.w + pad_left, stride_w)
+    channels = image_channels(p)
+
+    def laid_out(part):
+        part = part.astype(dtype).reshape(p.n, p.h, p.w, p.groups, p.cg)
+        return jnp.pad(part, ((0, 0), (pad_top, 0), (pad_left, width - p.w - pad_left), (0, 0),
+                              (0, channels - p.cg)))
+
+    x = jnp.stack([laid_out(part) for part in parts], axis=4)
+    return x.reshape(p.n, p.h + pad_top, width // stride_w,
+                     stride_w * p.groups * len(parts), channels)
 
 
 def forward_problem(p: Problem) -> MatmulProblem:
-    """The forward as the matmul kernel's problem (`gemm_config.kernel_problem`: 16-bit
+    """The forward as the GEMM engine's problem (`gemm_config.kernel_problem`: 16-bit
     operands of one dtype as they are, others as float32 on Hopper and as split bfloat16 on
-    Blackwell), one batch per group: A the tap rows (output grid rows x `width` a part of x,
-    shifted per K step), B the weights K-major (O/G padded, KH·parts·width), out (output grid
-    rows, O/G padded); with split parts, the problem of one part (`forward_terms`)."""
+    Blackwell), one batch per group: A the images' output pixels (`forward_pixels`), K each
+    tap's channels, B the weights K-major (O/G padded, KH·KW·parts·C/G padded to whole K
+    slices); with split parts, the problem of one part (`forward_terms`)."""
     return gemm_config.kernel_problem(_forward_gemm(p))
+
+
+def _forward_gemm(p: Problem) -> MatmulProblem:
+    """The forward's GEMM: M the slot rows of the output pixels' pieces, K each tap's
+    channels in whole K slices."""
+    block_k = k_slice(p)
+    return _gemm_of(p, forward_pixels(p, 1, False).rows(p.n),
+                    p.kh * p.kw * pl.cdiv(p.cg, block_k) * block_k)
 
 
 def forward_plan(p: Problem, config: Conv2dConfig | None) -> gemm_config.Plan:
@@ -130,53 +122,85 @@ def forward_plan(p: Problem, config: Conv2dConfig | None) -> gemm_config.Plan:
 
 
 def forward_terms(p: Problem) -> tuple[tuple[int, int], ...]:
-    """The (part of x, part of w) products the forward sums along each tap row's K: on
-    Blackwell, float32 and mixed data as the matmul's split bfloat16 parts
-    (`gemm_config.split_terms`), each operand's parts side by side in a tap row, once; else
-    one (`tiles.ONE_TERM`)."""
+    """The (part of x, part of w) products the forward sums along each tap's K: on
+    Blackwell, float32 and mixed data as the engine's split bfloat16 parts
+    (`gemm_config.split_terms`), x's parts side by side in its planes and w's in each tap's
+    K, once; else one (`tiles.ONE_TERM`)."""
     gemm = _forward_gemm(p)
     return gemm_config.split_terms(gemm) if gemm_config.is_split(gemm) else ONE_TERM
 
 
 def forward_config(config: Conv2dConfig | None) -> MatmulConfig:
-    """The matmul kernel's config of a forward: the conv config's tile, one K split (a split's
-    K steps would need their own shifts)."""
+    """The engine's config of a forward: the conv config's tile, one K split (its output is
+    stored as images, with no partials to sum)."""
     config = config or Conv2dConfig()
     return MatmulConfig(config.block_m, config.block_n, None, num_stages=config.num_stages,
                         split_k=1)
 
 
+def weight_grad_sums(p: Problem, interpret: bool | str) -> tiles.PixelSums:
+    """How the weight gradient reads x and dY in place (`tiles.PixelSums`): K slices of
+    `WEIGHT_GRAD_PIXELS` output pixels in pieces of 8, x boxed as the forward's
+    (`forward_pixels`)."""
+    image = forward_pixels(p, 1, interpret)._replace(piece=gemm_config.TMA_ROWS)
+    return tiles.PixelSums(image, p.kh * p.kw, WEIGHT_GRAD_PIXELS // gemm_config.TMA_ROWS)
+
+
+# Output pixels a K slice of the weight gradient: 64 16-bit rows, one swizzle span (Blackwell
+# wants a K slice of whole spans).
+WEIGHT_GRAD_PIXELS = 64
+
+
 def _weight_grad_gemm(p: Problem, dy_dtype, dw_dtype) -> MatmulProblem:
-    layout = tap_rows(p)
+    sums = weight_grad_sums(p, False)
+    pieces = p.n * p.oh * sums.image.pieces_per_row
+    batches = (p.groups * p.kh * p.kw,)
     return MatmulProblem(
-        (p.groups, 1), (p.groups, 1), (p.groups, p.kh), layout.width, p.og, layout.phase_rows,
-        True, False, p.x_dtype, dy_dtype, dw_dtype, highest=p.highest)
+        batches, batches, batches, p.og, p.cg,
+        pl.cdiv(pieces, sums.slice_pieces) * WEIGHT_GRAD_PIXELS, True, False, dy_dtype,
+        p.x_dtype, dw_dtype, highest=p.highest)
 
 
 def weight_grad_problem(p: Problem, dy_dtype, dw_dtype) -> MatmulProblem:
-    """The weight gradient as the matmul kernel's problem, one batch per (group, tap row):
-    dW[g, kh] (width, O/G) = A[g, kh]ᵀ @ dY[g] over the output grid's pixels, A[g, kh] the tap
-    rows shifted by tap row kh (stored (pixels, width): transposed)."""
+    """The weight gradient as the GEMM engine's problem, one batch per (group, tap):
+    dWᵀ[g, t] (O/G, C/G) = dY[g]ᵀ x[g, tap t] over the output pixels (`tiles.PixelSums`)."""
     return gemm_config.kernel_problem(_weight_grad_gemm(p, dy_dtype, dw_dtype))
 
 
-def weight_grad_reads_shifted(p: Problem, dy_dtype, dw_dtype) -> bool:
-    """Whether the weight gradient's kernel reads the tap rows shifted, as they are (16-bit
-    operands of one dtype, which the MMA takes transposed). Else (TF32 takes K-major tiles
-    only; Blackwell's split bfloat16 parts lie along K, the pixels, which the shifts walk)
-    XLA copies each tap row's windows for the matmul (`forward.weight_grad`)."""
+def weight_grad_plan(p: Problem, dy_dtype, dw_dtype) -> gemm_config.Plan:
+    """Tiles of 128 output channels (a Hopper consumer's 64 each; tcgen05's rows) by 64 input
+    channels (x's boxes: one swizzle span), K slices of `WEIGHT_GRAD_PIXELS`, split along
+    the pixels where the tiles leave SMs idle (float32 partials that XLA sums)."""
+    return gemm_config.plan_of(_weight_grad_gemm(p, dy_dtype, dw_dtype), MatmulConfig(
+        gemm_config.TCGEN05_ROWS, gemm_config.TMA_COLUMNS, WEIGHT_GRAD_PIXELS))
+
+
+def weight_grad_in_place(p: Problem, dy_dtype, dw_dtype) -> bool:
+    """Whether the weight gradient reads x and dY in place (`tiles.PixelSums`): 16-bit
+    operands of one dtype, which the MMA takes M-major (dY's pixels are its K). Else (TF32
+    takes K-major tiles only; Blackwell's split parts lie along K) XLA copies each tap's
+    window of x for the engine's matmul (`forward.weight_grad`)."""
     gemm = _weight_grad_gemm(p, dy_dtype, dw_dtype)
     return gemm_config.kernel_problem(gemm).transpose_a and not gemm_config.is_split(gemm)
 
 
+def output_grad_operand(dy: jax.Array, p: Problem) -> jax.Array:
+    """dY as `tiles.PixelSums` reads it, (N, OH, OW, G, O/G): a reshape, or where a group's
+    channels are not a multiple of 16 bytes (TMA's stride rule) one XLA copy padded with
+    zeros."""
+    dy = dy.reshape(p.n, p.oh, p.ow, p.groups, p.og)
+    step = TMA_ALIGNMENT // dy.dtype.itemsize
+    return jnp.pad(dy, ((0, 0),) * 4 + ((0, _round_up(p.og, step) - p.og),))
+
+
 def resolve_config(p: Problem, config: Conv2dConfig | None) -> Conv2dConfig:
-    """The forward's tiles as the matmul kernel resolves them for `forward_problem`."""
+    """The forward's tiles as the engine resolves them for `forward_problem`."""
     resolved = gemm_config.resolve_config(_forward_gemm(p), forward_config(config))
     return Conv2dConfig(resolved.block_m, resolved.block_n, num_stages=resolved.num_stages)
 
 
 # Input channels a group below which a grouped convolution of one output channel a group runs
-# as a depthwise one (`summed_depthwise`): wgmma's K is 16 (its tile pads a group's tap row
+# as a depthwise one (`summed_depthwise`): wgmma's K is 16 (its tile pads a group's tap
 # to 64 columns, and its one output channel to 64).
 MIN_GEMM_CHANNELS = 16
 
@@ -195,7 +219,7 @@ def summed_depthwise(p: Problem) -> bool:
 
 
 def check(p: Problem, config: Conv2dConfig | None) -> None:
-    """Declines what the matmul kernel declines for the forward's GEMM (float64, HIGHEST) and
+    """Declines what the engine declines for the forward's GEMM (float64, HIGHEST) and
     integer data, the depthwise path alike (its FMAs keep the GEMM path's contract); rejects a
     config that is not a valid tiling of the GEMM (the depthwise path takes none)."""
     require_floating(x=p.x_dtype, w=p.w_dtype)

@@ -37,7 +37,7 @@ from kernels._pallas import pl
 from kernels._pallas.mosaic_gpu import (UNTILED, load, mosaic_gpu_call, per_column, row_layout,
                                         smem, store)
 from kernels.conv2d.common import Problem, flops_and_bytes
-from kernels.conv2d.mosaic_gpu.config import TapRows, tap_rows, tap_rows_matrix
+from kernels.conv2d.mosaic_gpu.tap_rows import TapRows, tap_rows, tap_rows_matrix
 
 __all__ = ["conv", "summed_conv", "weight_grad", "Plan", "plan_of", "BLOCK_ROWS", "STAGES"]
 

@@ -3,7 +3,8 @@ of matmul (`kernels.matmul.mosaic_gpu`) and conv2d (`kernels.conv2d.mosaic_gpu`)
 and warp-specialized, with the epilogue fused; Hopper's wgmma kernel (sm_90a, `hopper.py`) or
 Blackwell's tcgen05 kernel (sm_100a, `blackwell.py`), picked for the program's GPU
 (`config.mma_of`), launched by `launch.py` (`matmul` lays a product's operands out; `launch`
-runs the kernel on operands laid out, as conv2d's implicit GEMM does with `tiles.Shifts`).
+runs the kernel on operands laid out, or on NHWC images read in place, as conv2d's implicit
+GEMM does: `tiles.Pixels`, `tiles.PixelSums`).
 
 The loop nests, per CTA (tiles, stages and splits: `config.py`; what the kernels share, the
 work items' order and the epilogue: `tiles.py`):

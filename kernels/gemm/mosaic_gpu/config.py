@@ -21,7 +21,7 @@ __all__ = ["Plan", "plan_of", "kernel_problem", "resolve_config", "check", "epil
            "epilogue_columns", "mma_of", "split_terms", "is_split", "WGMMA", "TCGEN05",
            "TCGEN05_ROWS", "TCGEN05_COLUMNS", "TENSOR_MEMORY_COLUMNS", "ACCUMULATORS",
            "tcgen05_columns", "TCGEN05_EPILOGUE_COLUMNS", "CONSUMERS", "WG_ROWS",
-           "EPILOGUE_COLUMNS", "SWIZZLE", "TMA_ROWS", "TMA_COLUMNS"]
+           "EPILOGUE_COLUMNS", "SWIZZLE", "TMA_ROWS", "TMA_COLUMNS", "registers"]
 
 # The tensor-core instructions a plan multiplies with: Hopper's wgmma (`hopper.kernel`, the
 # accumulator in the consumers' registers) or Blackwell's tcgen05 (`blackwell.kernel`, the
@@ -64,6 +64,18 @@ MAX_ACCUMULATOR = 128 * 192
 # Registers per thread of the TMA producer warpgroup (setmaxnreg): it holds only addresses
 # and barrier phases, so the consumers get the rest (JAX's Hopper matmul: 40).
 PRODUCER_REGISTERS = 40
+# The producer's where it copies NHWC boxes (`tiles.Pixels`, `tiles.PixelSums`): each box's
+# image, row and column are divisions of its piece's index. Measured (jax 0.12.0.1, sm_90a):
+# the weight gradient of 32x28x28x128 * 3x3x128x256 stride 2 spilled 16 bytes at 40.
+PIXEL_PRODUCER_REGISTERS = 56
+
+
+def registers(boxes_pixels: bool) -> tuple[int, int]:
+    """(producer, consumer) registers a thread (setmaxnreg) of Hopper's kernel: the producer's
+    budget, and the rest of an SM's 512 a thread slot split over the consumers (in steps of
+    8, at most 256)."""
+    producer = PIXEL_PRODUCER_REGISTERS if boxes_pixels else PRODUCER_REGISTERS
+    return producer, min(256, (512 - producer) // CONSUMERS) // 8 * 8
 
 
 class Plan(NamedTuple):

@@ -17,10 +17,11 @@ from kernels._pallas.mosaic_gpu import mosaic_gpu_call, pad_to
 from kernels.gemm.mosaic_gpu import blackwell, hopper
 from kernels.gemm.mosaic_gpu.config import (TCGEN05, Plan, is_split, kernel_problem, plan_of,
                                            split_terms)
-from kernels.gemm.mosaic_gpu.tiles import Shifts, Terms
+from kernels.gemm.mosaic_gpu.tiles import Pixels, PixelSums, Terms
 from kernels.matmul.common import MatmulConfig, Problem, flops_and_bytes, moved_bytes
 
-__all__ = ["matmul", "Shifts", "Terms", "launch", "bfloat16_parts", "split_parts"]
+__all__ = ["matmul", "Terms", "Pixels", "PixelSums", "launch", "bfloat16_parts",
+           "split_parts"]
 
 
 def bfloat16_parts(x: jax.Array) -> list[jax.Array]:
@@ -97,10 +98,13 @@ def matmul(a: jax.Array, b: jax.Array, bias: jax.Array | None, residual: jax.Arr
 
 def launch(a: jax.Array, b: jax.Array, bias: jax.Array | None, residual: jax.Array | None,
            p: Problem, plan: Plan, flops: int, interpret: bool | str,
-           shifts: Shifts | None = None, name: str = "matmul", terms: Terms | None = None
+           name: str = "matmul", terms: Terms | None = None,
+           pixels: Pixels | PixelSums | None = None,
+           out_shape: tuple[int, ...] | None = None
            ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """The kernel on operands laid out as `kernel_problem(p)` takes them (`p` is that problem):
-    (num_batches, M, N) outputs, the epilogue applied (by XLA after the partials' sum where
+    (num_batches, M, N) outputs (`out_shape` where `pixels` store them as NHWC images:
+    `tiles.Pixels`), the epilogue applied (by XLA after the partials' sum where
     `plan` splits K). `bias` is (N,), or (num_batches, N) where each batch has its own
     (unsplit plans); at most N columns, zero-padded to whole tiles. float32 operands (TF32
     products) are rounded to TF32 here (`round_to_tf32`), in the XLA pass that lays them out
@@ -112,13 +116,15 @@ def launch(a: jax.Array, b: jax.Array, bias: jax.Array | None, residual: jax.Arr
             "warp-specialized pipeline under jax_enable_x64 (JAX's own Hopper matmul too); "
             "the compiled kernel is traced with 32-bit defaults and is unaffected")
     a, b = (round_to_tf32(x) if x.dtype == jnp.float32 else x for x in (a, b))
-    shape = (p.num_batches, p.m, p.n)
+    shape = out_shape or (p.num_batches, p.m, p.n)
     bias = None if bias is None else bias.reshape(-1, bias.shape[-1])
     if plan.splits > 1:  # float32 partials; the epilogue runs in XLA's reduction
+        if isinstance(pixels, Pixels):
+            raise AssertionError("pixels of the output take one K split")
         partials = p._replace(epilogue=_epilogue.Epilogue())
         out = _launch(a, b, [], partials, plan, jax.ShapeDtypeStruct(
             (plan.splits * p.num_batches, p.m, p.n), jnp.float32), flops, interpret,
-            f"{name}_split_k_mosaic_gpu", shifts, terms)
+            f"{name}_split_k_mosaic_gpu", terms, pixels)
         summed = out.reshape(plan.splits, *shape).sum(axis=0)
         if bias is not None:  # zeros past N, as the caller cuts the output back
             if bias.shape[0] > 1:
@@ -134,23 +140,24 @@ def launch(a: jax.Array, b: jax.Array, bias: jax.Array | None, residual: jax.Arr
         residual = pad_to(residual.astype(p.out_dtype), p.m, p.n)
     return _launch(a, b, _epilogue.operands(bias, residual), p, plan,
                    _epilogue.out_shapes(shape, p.out_dtype, p.epilogue), flops, interpret,
-                   f"{name}_mosaic_gpu", shifts, terms)
+                   f"{name}_mosaic_gpu", terms, pixels)
 
 
 def _launch(a, b, epilogue_operands, p: Problem, plan: Plan, out_shape, flops: int,
-            interpret: bool | str, name: str, shifts: Shifts | None, terms: Terms | None):
+            interpret: bool | str, name: str, terms: Terms | None,
+            pixels: Pixels | PixelSums | None):
     shapes = jax.tree.leaves(out_shape)
     partial_bytes = 2 * math.prod(shapes[0].shape) * 4 if plan.splits > 1 else 0
     # Traced with 32-bit defaults: under x64, the warp-specialized pipeline's loops (jax
     # 0.12.0.1) would carry int64 steps beside its int32 indices.
     with jax.enable_x64(False):
         outs = _call(a, b, epilogue_operands, p, plan, shapes, flops, partial_bytes, interpret,
-                     name, shifts, terms)
+                     name, terms, pixels)
     return outs[0] if len(shapes) == 1 else tuple(outs)
 
 
 def _call(a, b, epilogue_operands, p, plan, shapes, flops, partial_bytes, interpret, name,
-          shifts, terms):
+          terms, pixels):
     if plan.mma == TCGEN05:
         body = functools.partial(blackwell.kernel, terms=terms)
         warpgroups = blackwell.WARPGROUPS
@@ -161,7 +168,8 @@ def _call(a, b, epilogue_operands, p, plan, shapes, flops, partial_bytes, interp
     # TMA loads each term's parts: the bytes of a product along a K that many times longer.
     loaded = p if terms is None else p._replace(k=len(terms.pairs) * p.k)
     return mosaic_gpu_call(
-        functools.partial(body, p=p, plan=plan, shifts=shifts), out_shape=shapes,
+        functools.partial(body, p=p, plan=plan, pixels=pixels),
+        out_shape=shapes,
         grid=(plan.num_ctas,), grid_names=("sm",), interpret=interpret, name=name,
         flops_and_bytes=(flops, moved_bytes(loaded, plan.block_m, plan.block_n,
                                             partial_bytes)),
