@@ -168,6 +168,28 @@ def test_whole_programs_move_about_what_xlas_move_on_a_b200():
         assert row["mosaic_gpu"] <= most * row["xla"], (description, row)
 
 
+@pytest.mark.parametrize("block_n,width", [(64, 64), (128, 64), (32, 32), (48, 16)])
+def test_the_epilogue_stores_from_slices_one_swizzle_span_wide(block_n, width):
+    """The output is stored a box a piece from a swizzle-only view of the epilogue's slices,
+    the same bytes as the tiled view the registers are stored to only where a slice's row is
+    one swizzle span (32, 64 or 128 bytes): 16-bit slices of 64, 32 or 16 columns, the widest
+    that divides block_n (`tiles.epilogue_width`)."""
+    from kernels.conv2d.mosaic_gpu.config import forward_pixels
+    from kernels.gemm.mosaic_gpu.tiles import epilogue_width
+
+    pixels = forward_pixels(_problem((1, 8, 8, 64), (3, 3, 64, 64), {}), 1, False)
+    out = jax.ShapeDtypeStruct((1,), jnp.bfloat16)
+    assert epilogue_width(64, block_n, pixels, out, None) == width
+
+
+def test_a_tile_whose_stores_no_swizzle_span_divides_is_declined():
+    """24 16-bit columns (48 bytes) hold no whole span of 32 bytes or more: declined, naming
+    block_n, before any kernel is traced."""
+    x, w = _inputs((1, 8, 8, 64), (3, 3, 64, 48), jnp.bfloat16)
+    with pytest.raises(ValueError, match="block_n must be a multiple of 16"):
+        conv2d(x, w, implementation="mosaic_gpu", config=Conv2dConfig(block_m=128, block_n=24))
+
+
 def test_many_tiles_and_k_steps_with_an_explicit_config():
     """130 channels (3 K slices of 64 a tap, the last overhanging: 27 K steps), stride 2,
     several output tiles of 128 grid rows and two of 64 channels: against float64 truth."""

@@ -316,6 +316,29 @@ def test_conv2d_on_tcgen05(x_shape, w_shape, options):
         assert_close(got, expected, jnp.bfloat16, reduction_length=length, dot=True)
 
 
+def test_conv2d_weight_gradient_split_over_pixels_on_tcgen05():
+    """The weight gradient's items split the output pixels (9 taps of one 128x64 tile leave
+    most of a B200's SMs idle): each split reads its own K slices of dY and x, and the float32
+    partials sum to the gradient, against float64 truth."""
+    from kernels.conv2d.common import make_problem
+    from kernels.conv2d.mosaic_gpu.config import weight_grad_plan
+    from kernels.reference.conv2d import geometry
+
+    x_shape, w_shape = (2, 16, 16, 16), (3, 3, 16, 16)
+    x, w = _inputs(x_shape, w_shape, jnp.bfloat16)
+    p = make_problem(x_shape, w_shape, x.dtype, w.dtype,
+                     geometry(x_shape, w_shape, stride=1, padding="SAME", dilation=1,
+                              feature_group_count=1, data_format="NHWC"), x.dtype)
+    loss = conv_loss("mosaic_gpu", interpret="strict")
+    with on_target(B200):
+        assert weight_grad_plan(p, x.dtype, x.dtype).splits > 1
+        grads = jax.grad(loss, argnums=(0, 1))(x, w)
+    with x64():
+        want = jax.grad(conv_loss("reference"), argnums=(0, 1))(as_f64(x), as_f64(w))
+    for got, expected in zip(grads, want):
+        assert_close(got, expected, jnp.bfloat16, reduction_length=2 * 16 * 16 * 9, dot=True)
+
+
 @pytest.mark.parametrize("config", [MatmulConfig(block_m=256), MatmulConfig(block_n=192),
                                     MatmulConfig(block_k=32)],
                          ids=["two_consumers_rows", "tensor_memory_columns", "two_swizzles"])

@@ -33,11 +33,13 @@ box's row. Boxes land in a swizzle-only view of the slot's bytes (Mosaic GPU's l
 inference wants a tiled box's start along W a multiple of 8, which a tap's column is not), so
 narrow images (OW 7, 14, 28) need no padding: a piece is OW rounded up to 8 pixels, at most
 64, and a slot holds whole pieces. The weight gradient reads dY and x the same way, its K
-the output pixels in pieces of 8. What remains of XLA's copies: an odd channel count padded
-to TMA's 16-byte rows, W padded to a multiple of the stride, Blackwell's split parts of
-float32 data, the weights' layout, and the interleaving of a strided input gradient's
-sub-pixel phases (`kernels.conv2d`). docs/design.md has the whole programs' bytes against
-XLA's.
+the output pixels in pieces of 8. What remains of XLA's copies: a group's channels padded
+to one K slice (64 16-bit, 32 float32: an RGB stem's 3 channels become 64, a copy of 21x
+the input) or to TMA's 16-byte rows, W padded to a multiple of the stride, Blackwell's split
+parts of float32 data, the weights' layout, and the interleaving of a strided input
+gradient's sub-pixel phases (`kernels.conv2d`). A piece that does not divide 64 leaves rows
+of a slot idle (OW 33 to 40: 24 of each 64). docs/design.md has the whole programs' bytes
+against XLA's.
 
 **What the interpreter cannot run.** It reads a box with a negative start from the array's
 end and keeps a `RefUnion`'s two views apart, so interpreted, x is padded at the top and left

@@ -143,7 +143,8 @@ def weight_grad_sums(p: Problem, interpret: bool | str) -> tiles.PixelSums:
     `WEIGHT_GRAD_PIXELS` output pixels in pieces of 8, x boxed as the forward's
     (`forward_pixels`)."""
     image = forward_pixels(p, 1, interpret)._replace(piece=gemm_config.TMA_ROWS)
-    return tiles.PixelSums(image, p.kh * p.kw, WEIGHT_GRAD_PIXELS // gemm_config.TMA_ROWS)
+    return tiles.PixelSums(image, p.kh * p.kw, WEIGHT_GRAD_PIXELS // gemm_config.TMA_ROWS,
+                           gemm_config.SWIZZLE // jnp.dtype(p.x_dtype).itemsize)
 
 
 # Output pixels a K slice of the weight gradient: 64 16-bit rows, one swizzle span (Blackwell
@@ -228,5 +229,8 @@ def check(p: Problem, config: Conv2dConfig | None) -> None:
         raise ValueError(f"Mosaic GPU conv2d takes block_m, block_n and num_stages (its K slice "
                          f"is TMA's swizzle span), got {config}")
     # The problem as given, not as laid out (`forward_problem`): Blackwell's split parts are
-    # bfloat16, which would hide float32 at HIGHEST from the matmul's check.
+    # bfloat16, which would hide float32 at HIGHEST from the engine's check.
     gemm_config.check(_forward_gemm(p), forward_config(config))
+    itemsize = max(jnp.dtype(p.out_dtype).itemsize,
+                   jnp.dtype(p.epilogue.saved or p.out_dtype).itemsize)
+    tiles.check_stored_columns(resolve_config(p, config).block_n, itemsize)

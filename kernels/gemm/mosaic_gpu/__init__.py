@@ -12,7 +12,8 @@ work items' order and the epilogue: `tiles.py`):
     for item in (split, batch, tile) items c, c + num_ctas, ...:   # tiles in planar-snake order
       Hopper (3 warpgroups):
         producer warpgroup:   for kb in the split's K range:
-                                  TMA a[i, rows, kb], b[i, kb, cols] -> ring slot kb % stages
+                                  TMA a[i, rows, kb], b[i, kb, cols]
+                                      -> ring slot (the CTA's step) % stages
         consumer w in 0, 1:   acc = 0                                # float32 registers
                               for kb in the split's K range:
                                   acc += a_slot[w's rows] @ b_slot    # wgmma, then release

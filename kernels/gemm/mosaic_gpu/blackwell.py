@@ -86,7 +86,8 @@ def kernel(*refs, p: Problem, plan: Plan, terms: Terms | None,
     steps = per_split * len(walked.pairs)
     sums = 1 if terms is None else 2  # the first term's, and the corrections'
     boxed = tiles.boxed_operands(pixels)
-    width = tiles.epilogue_width(epilogue_columns(TCGEN05, block_n), pixels, out_gmem, z_gmem)
+    width = tiles.epilogue_width(epilogue_columns(TCGEN05, block_n), block_n, pixels, out_gmem,
+                                 z_gmem)
     scratch = dict(
         a_smem=_smem_tile(block_m, block_k, p.transpose_a, stages, a_gmem.dtype, boxed[0]),
         b_smem=_smem_tile(block_n, block_k, not p.transpose_b, stages, b_gmem.dtype, boxed[1]),

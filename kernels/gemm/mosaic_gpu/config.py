@@ -59,14 +59,16 @@ MAX_STAGES = 4  # JAX's Hopper matmul's depth; more only adds shared memory at t
 # of 180,224 bytes compiled to 180,225 (jax 0.12.0.1, sm_90a).
 BARRIER_BYTES = 1024
 # A consumer's float32 accumulator elements: 128 x 192 is 192 registers a thread of its 232
-# (setmaxnreg), leaving room for addresses and the epilogue.
+# (setmaxnreg), leaving room for addresses and the epilogue (conv2d's consumers get 224:
+# `registers`; its default tiles hold 64 or 128 columns).
 MAX_ACCUMULATOR = 128 * 192
 # Registers per thread of the TMA producer warpgroup (setmaxnreg): it holds only addresses
 # and barrier phases, so the consumers get the rest (JAX's Hopper matmul: 40).
 PRODUCER_REGISTERS = 40
 # The producer's where it copies NHWC boxes (`tiles.Pixels`, `tiles.PixelSums`): each box's
 # image, row and column are divisions of its piece's index. Measured (jax 0.12.0.1, sm_90a):
-# the weight gradient of 32x28x28x128 * 3x3x128x256 stride 2 spilled 16 bytes at 40.
+# the weight gradient of 32x28x28x128 * 3x3x128x256 stride 2 spilled 16 bytes at 40; at 56
+# every conv2d case compiles without spills.
 PIXEL_PRODUCER_REGISTERS = 56
 
 

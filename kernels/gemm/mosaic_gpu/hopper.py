@@ -65,7 +65,8 @@ def kernel(*refs, p: Problem, plan: Plan, pixels: Pixels | PixelSums | None):
     a_block = (block_k, block_m) if p.transpose_a else (block_m, block_k)
     b_block = (block_n, block_k) if p.transpose_b else (block_k, block_n)
     boxed = tiles.boxed_operands(pixels)
-    width = tiles.epilogue_width(epilogue_columns(WGMMA, block_n), pixels, out_gmem, z_gmem)
+    width = tiles.epilogue_width(epilogue_columns(WGMMA, block_n), block_n, pixels, out_gmem,
+                                 z_gmem)
     scratch = dict(
         a_smem=tiles.slots(stages, a_block, a_gmem.dtype, boxed[0]),
         b_smem=tiles.slots(stages, b_block, b_gmem.dtype, boxed[1]),
@@ -101,7 +102,8 @@ def kernel(*refs, p: Problem, plan: Plan, pixels: Pixels | PixelSums | None):
                     def _():
                         plgpu.barrier_wait(consumed.at[slot])
 
-                    tiles.load_step(item, k, k, a_boxes.at[slot], b_boxes.at[slot],
+                    slice_k = item.k_first + k
+                    tiles.load_step(item, slice_k, slice_k, a_boxes.at[slot], b_boxes.at[slot],
                                     loaded.at[slot], p, plan, pixels)
                     return carry
 

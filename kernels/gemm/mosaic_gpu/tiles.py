@@ -20,7 +20,8 @@ from kernels.gemm.mosaic_gpu.config import SWIZZLE, TMA_ROWS, WG_ROWS, Plan
 __all__ = ["Pixels", "PixelSums", "Terms", "ONE_TERM", "Item", "item_of", "window",
            "transforms", "slots", "slot_views",
            "boxed_operands", "k_slices", "loads_per_step", "load_step",
-           "epilogue_slice", "epilogue_scratch", "epilogue_width", "output_views"]
+           "epilogue_slice", "epilogue_scratch", "epilogue_width", "check_stored_columns",
+           "output_views"]
 
 
 class Pixels(NamedTuple):
@@ -40,8 +41,9 @@ class Pixels(NamedTuple):
     pixels [c, c + piece) of output row r of image n, (n, r) = divmod(q // pieces_per_row,
     OH), c = (q % pieces_per_row) · piece. A product's K slice s is tap s // blocks (kh, kw
     row-major) and channel block s % blocks of it (with parts, A's slice (tap, part, block)
-    as `Terms` lays parts out). Its box for piece q is x[n, r·stride_h + kh·dilation_h +
-    origin_h, c + (kw·dilation_w + origin_w) // stride_w + ..., plane, block_k channels]:
+    as `Terms` lays parts out). Its box for piece q is the view's [n, r·stride_h +
+    kh·dilation_h + origin_h, c + w // stride_w : + piece, plane of phase w % stride_w, block_k
+    channels], w = kw·dilation_w + origin_w:
     `origin` is minus the padding, so the padding is TMA's zeros (a negative start, or past
     the edge), as are rows past the last image and channels past a group's. Columns past OW
     are computed from real or zero pixels and dropped by TMA's store.
@@ -51,7 +53,7 @@ class Pixels(NamedTuple):
     start along a tiled dim to be a multiple of the tile, which a tap's column is not. The
     interpreter keeps a `RefUnion`'s views apart and takes a negative start from the end, so
     there x is padded at the top and left by XLA (`origin` 0) and the boxes land in the tiled
-    view (tests/test_conv2d_nhwc_probe.py has the probe of both)."""
+    view; the compiled path is proved by compiling (`kernels.conv2d.mosaic_gpu`'s docstring)."""
 
     out_hw: tuple[int, int]
     piece: int
@@ -61,7 +63,7 @@ class Pixels(NamedTuple):
     origin: tuple[int, int]
     groups: int
     parts: int
-    blocks: int  # K slices a tap (a part's)
+    blocks: int  # channel blocks (K slices) a tap, of each part
     swizzled_boxes: bool
 
     @property
@@ -149,22 +151,23 @@ class PixelSums(NamedTuple):
     image: Pixels
     taps: int  # KH·KW
     slice_pieces: int
+    span: int  # dY's channels a box: one swizzle span of its dtype
 
     def boxed(self) -> tuple[bool, bool]:
         return self.image.swizzled_boxes, self.image.swizzled_boxes
 
     def loads(self, plan: Plan) -> int:
-        """A box a piece and span of dY (16-bit: `weight_grad_in_place`), and of x."""
-        return self.slice_pieces * (plan.block_m * 2 // SWIZZLE + 1)
+        """A box a piece and span of dY, and a box a piece of x."""
+        return self.slice_pieces * (plan.block_m // self.span + 1)
 
     def load(self, item: Item, a_k, b_k, a_ref, b_ref, barrier, p: Problem, plan: Plan):
-        """The pieces of the item's split's K slice `a_k` (= `b_k`) of dY and of x."""
-        del b_k
+        """The pieces of K slice `a_k` (= `b_k`) of dY and of x."""
+        del b_k, p
         group, tap = item.batch // self.taps, item.batch % self.taps
-        span = SWIZZLE // jnp.dtype(p.a_dtype).itemsize
+        span = self.span
         channels = pl.ds(item.n_tile * plan.block_n, plan.block_n)
         for j in range(self.slice_pieces):
-            q = (item.k_first + a_k) * self.slice_pieces + j
+            q = a_k * self.slice_pieces + j
             n, r, c = self.image.pixel(q)
             rows = pl.ds(j * TMA_ROWS, TMA_ROWS)
             for t in range(plan.block_m // span):
@@ -239,20 +242,19 @@ def item_of(index, a_gmem, b_gmem, p: Problem, plan: Plan, terms: Terms | None =
     split, batch = out_index // p.num_batches, out_index % p.num_batches
     m_tile, n_tile = plgpu.planar_snake(tile, (m_tiles, n_tiles), 0, min(plan.group, m_tiles))
     rows, cols = pl.ds(m_tile * block_m, block_m), pl.ds(n_tile * block_n, block_n)
+    if isinstance(pixels, PixelSums):  # whole images: `load` picks each step's boxes
+        return Item(batch, out_index, m_tile, n_tile, a_gmem, b_gmem, split * per_split)
     ks = pl.ds(split * per_split * block_k, per_split * block_k)
-    a = a_gmem.at[batch_index(batch, p.out_batch, p.a_batch)]
     b = b_gmem.at[batch_index(batch, p.out_batch, p.b_batch)]
+    # `Pixels`: A is the whole image, whose boxes `Pixels.load` picks each step.
+    a = a_gmem if pixels is not None else a_gmem.at[batch_index(batch, p.out_batch, p.a_batch)]
     a_ks = b_ks = ks
     k_first = 0
     if terms is not None:  # split parts: all of K (`Terms`)
         a_ks = pl.ds(0, a.shape[-2 if p.transpose_a else -1])
         b_ks = pl.ds(0, b.shape[-1 if p.transpose_b else -2])
         k_first = split * per_split
-    if isinstance(pixels, PixelSums):  # whole images: `load` picks each step's boxes
-        return Item(batch, out_index, m_tile, n_tile, a_gmem, b_gmem, split * per_split)
-    if pixels is not None:  # the whole image: `Pixels.load` picks each step's boxes
-        a = a_gmem
-    else:
+    if pixels is None:
         a = a.at[a_ks, rows] if p.transpose_a else a.at[rows, a_ks]
     b = b.at[cols, b_ks] if p.transpose_b else b.at[b_ks, cols]
     return Item(batch, out_index, m_tile, n_tile, a, b, k_first)
@@ -307,7 +309,9 @@ def loads_per_step(pixels: Pixels | PixelSums | None, plan: Plan) -> int:
 def load_step(item: Item, a_k, b_k, a_ref, b_ref, barrier, p: Problem, plan: Plan,
               pixels: Pixels | PixelSums | None) -> None:
     """Copies A's K slice `a_k` of `item` and B's `b_k` into a slot (`a_ref`, `b_ref`: the
-    views TMA writes), every copy arriving on `barrier` (`loads_per_step` arrivals)."""
+    views TMA writes), every copy arriving on `barrier` (`loads_per_step` arrivals). A K
+    slice counts from the start of the item's views: `Item.k_first` plus the item's step
+    (a split's views of a matrix start at its K range, so its `k_first` is 0)."""
     if pixels is not None:
         pixels.load(item, a_k, b_k, a_ref, b_ref, barrier, p, plan)
         return
@@ -396,12 +400,33 @@ def epilogue_scratch(slots: int, rows: int, width: int, out_gmem, z_gmem, residu
     return scratch
 
 
-def epilogue_width(width: int, pixels: Pixels | PixelSums | None, *outputs) -> int:
-    """The epilogue's column slice: `width`, or with `pixels` at most one swizzle span of the
-    widest output (`epilogue_scratch`)."""
+def epilogue_width(width: int, block_n: int, pixels: Pixels | PixelSums | None,
+                   *outputs) -> int:
+    """The epilogue's column slice: `width`, or where `pixels` stores boxes from swizzle-only
+    views (`epilogue_scratch`), a row of one swizzle span of 32, 64 or 128 bytes of the widest
+    output that divides block_n, so that the tiled and the swizzle-only views are the same
+    bytes (`check_stored_columns` declines a block_n with none)."""
     if not _stores_boxes(pixels):
         return width
-    return min(width, SWIZZLE // max(jnp.dtype(o.dtype).itemsize for o in outputs if o is not None))
+    itemsize = max(jnp.dtype(o.dtype).itemsize for o in outputs if o is not None)
+    spans = [w for w in _spans(itemsize) if w <= width and block_n % w == 0]
+    if not spans:
+        raise AssertionError(f"no swizzle span of {block_n} columns (`check_stored_columns`)")
+    return spans[0]
+
+
+def _spans(itemsize: int) -> list[int]:
+    """Columns of a swizzle span of 128, 64 and 32 bytes."""
+    return [SWIZZLE // step // itemsize for step in (1, 2, 4)]
+
+
+def check_stored_columns(block_n: int, itemsize: int) -> None:
+    """Declines a tile of `block_n` columns whose NHWC stores no swizzle span divides
+    (`epilogue_width`): a multiple of 32 bytes of the output."""
+    if block_n % _spans(itemsize)[-1]:
+        raise ValueError(f"Mosaic GPU conv2d stores its output in column slices of 32, 64 or "
+                         f"128 bytes: block_n must be a multiple of {_spans(itemsize)[-1]}, "
+                         f"got {block_n}")
 
 
 def output_views(smem, pixels: Pixels | PixelSums | None):
