@@ -32,7 +32,7 @@ from kernels.conv2d.mosaic_gpu.config import (
     k_slice, output_channels, output_grad_operand, summed_depthwise, weight_grad_in_place,
     weight_grad_plan, weight_grad_problem, weight_grad_sums)
 from kernels.matmul.common import make_problem as matmul_problem
-from kernels.gemm.mosaic_gpu.launch import Terms, bfloat16_parts, launch, matmul
+from kernels.gemm.mosaic_gpu.launch import Terms, bfloat16_parts, gemm, launch
 from kernels.gemm.mosaic_gpu.tiles import ONE_TERM
 
 __all__ = ["conv", "weight_grad"]
@@ -48,22 +48,22 @@ def conv(x: jax.Array, w: jax.Array, bias: jax.Array | None, p: Problem, *,
         return depthwise.conv(x, w, bias, p, interpret=interpret)
     if summed_depthwise(p):
         return depthwise.summed_conv(x, w, bias, p, interpret=interpret)
-    gemm, pairs, plan = forward_problem(p), forward_terms(p), forward_plan(p, config)
+    kernel, pairs, plan = forward_problem(p), forward_terms(p), forward_plan(p, config)
     split = pairs != ONE_TERM  # Blackwell's float32: each operand's parts once (`Terms`)
     x_parts, w_parts = (bfloat16_parts(x), bfloat16_parts(w)) if split else ([x], [w])
     pixels = forward_pixels(p, len(x_parts), interpret)
     if plan.block_k != k_slice(p) or plan.splits != 1:
         raise AssertionError(f"the forward's K slices of {k_slice(p)} channels in {plan}")
-    a = image_operand(x_parts, p, gemm.a_dtype, interpret)
+    a = image_operand(x_parts, p, kernel.a_dtype, interpret)
 
     def weights(part):  # (G, O/G padded, KH·KW, C/G padded to whole K slices)
         b = part.reshape(p.kh * p.kw, p.cg, p.groups, p.og).transpose(2, 3, 0, 1)
-        return pad_to(b.astype(gemm.b_dtype), gemm.n, p.kh * p.kw, pixels.blocks * plan.block_k)
+        return pad_to(b.astype(kernel.b_dtype), kernel.n, p.kh * p.kw, pixels.blocks * plan.block_k)
 
     b = jnp.stack([weights(part) for part in w_parts], axis=3)  # parts side by side a tap
-    b = pad_to(b.reshape(p.groups, gemm.n, -1), gemm.n, len(w_parts) * gemm.k)
+    b = pad_to(b.reshape(p.groups, kernel.n, -1), kernel.n, len(w_parts) * kernel.k)
     channels = output_channels(p)
-    outs = launch(a, b, None if bias is None else bias.reshape(p.groups, p.og), None, gemm,
+    outs = launch(a, b, None if bias is None else bias.reshape(p.groups, p.og), None, kernel,
                   plan, len(pairs) * flops_and_bytes(p)[0], interpret, name="conv2d",
                   terms=Terms(pairs, pixels.blocks) if split else None, pixels=pixels,
                   out_shape=(p.n, p.oh, p.ow, p.groups, channels))
@@ -77,17 +77,17 @@ def weight_grad(x: jax.Array, dy: jax.Array, p: Problem, *, precision, interpret
         return depthwise.weight_grad(x, dy, p, interpret=interpret, dtype=dtype)
     flops = flops_and_bytes(p)[0]
     if weight_grad_in_place(p, dy.dtype, dtype):  # 16-bit: x and dY read in place
-        gemm = weight_grad_problem(p, dy.dtype, dtype)
+        kernel = weight_grad_problem(p, dy.dtype, dtype)
         dw = launch(output_grad_operand(dy, p), image_operand([x], p, x.dtype, interpret),
-                    None, None, gemm, weight_grad_plan(p, dy.dtype, dtype), flops, interpret,
+                    None, None, kernel, weight_grad_plan(p, dy.dtype, dtype), flops, interpret,
                     name="conv2d_weight_grad", pixels=weight_grad_sums(p, interpret))
         dw = dw[:, :p.og, :p.cg].reshape(p.groups, p.kh, p.kw, p.og, p.cg)
         return dw.transpose(1, 2, 4, 0, 3).reshape(p.kh, p.kw, p.cg, p.o).astype(dtype)
-    # Each tap's window of x copied by XLA, then K-major (TF32) or split by the matmul.
+    # Each tap's window of x copied by XLA, then K-major (TF32) or split by the engine's gemm.
     windows = _tap_windows(x, p)
     dy = dy.reshape(p.m, p.groups, p.og).transpose(1, 0, 2)[:, None]
-    dw = matmul(windows, dy, None, None, matmul_problem(windows, dy, True, False, dtype),
-                config=None, precision=precision, interpret=interpret)
+    dw = gemm(windows, dy, None, None, matmul_problem(windows, dy, True, False, dtype),
+              config=None, interpret=interpret)
     dw = dw.reshape(p.groups, p.kh, p.kw, p.cg, p.og).transpose(1, 2, 3, 0, 4)
     return dw.reshape(p.kh, p.kw, p.cg, p.o).astype(dtype)
 

@@ -2,7 +2,7 @@
 of matmul (`kernels.matmul.mosaic_gpu`) and conv2d (`kernels.conv2d.mosaic_gpu`): persistent
 and warp-specialized, with the epilogue fused; Hopper's wgmma kernel (sm_90a, `hopper.py`) or
 Blackwell's tcgen05 kernel (sm_100a, `blackwell.py`), picked for the program's GPU
-(`config.mma_of`), launched by `launch.py` (`matmul` lays a product's operands out; `launch`
+(`config.mma_of`), launched by `launch.py` (`gemm` lays a product's operands out; `launch`
 runs the kernel on operands laid out, or on NHWC images read in place, as conv2d's implicit
 GEMM does: `tiles.Pixels`, `tiles.PixelSums`).
 
@@ -40,6 +40,6 @@ float32 at HIGHEST precision, and the interpreter under `jax_enable_x64`. The in
 """
 
 from kernels.gemm.mosaic_gpu.config import check, resolve_config
-from kernels.gemm.mosaic_gpu.launch import matmul
+from kernels.gemm.mosaic_gpu.launch import gemm, launch
 
-__all__ = ["matmul", "check", "resolve_config"]
+__all__ = ["gemm", "launch", "check", "resolve_config"]

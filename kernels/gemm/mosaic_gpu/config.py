@@ -120,7 +120,7 @@ def epilogue_columns(mma: str, block_n: int) -> int:
 def epilogue_bytes(p: Problem, block_m: int, block_n: int, splits: int, mma: str) -> int:
     """Shared memory of the epilogue: for the tile's rows one column slice of the output
     (float32 partials when split), of z and of the residual (in the output's dtype:
-    `launch.matmul`)."""
+    `launch.gemm`)."""
     if splits > 1:
         per_element = 4
     else:

@@ -1,6 +1,8 @@
-"""The Mosaic GPU GEMM's launch (`matmul`: operands laid out, plan, split-K's sum; `launch`: the
-kernel on laid-out operands, which conv2d calls too) and the bfloat16 parts of Blackwell's
-float32 products; the kernels are `hopper.py` and `blackwell.py`."""
+"""The Mosaic GPU GEMM's launches: `gemm`, a product of arrays (operands laid out, plan,
+split-K's sum: matmul's forward and backward, conv2d's float32 weight gradient), and
+`launch`, the kernel on operands laid out or on NHWC images (conv2d's passes); and the
+bfloat16 parts of Blackwell's float32 products. The kernels are `hopper.py` and
+`blackwell.py`."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from kernels.gemm.mosaic_gpu.config import (TCGEN05, Plan, is_split, kernel_prob
 from kernels.gemm.mosaic_gpu.tiles import Pixels, PixelSums, Terms
 from kernels.matmul.common import MatmulConfig, Problem, flops_and_bytes, moved_bytes
 
-__all__ = ["matmul", "Terms", "Pixels", "PixelSums", "launch", "bfloat16_parts",
+__all__ = ["gemm", "Terms", "Pixels", "PixelSums", "launch", "bfloat16_parts",
            "split_parts"]
 
 
@@ -73,14 +75,14 @@ def _operands(a: jax.Array, b: jax.Array, p: Problem, plan: Plan
     return a, b, kernel, None
 
 
-def matmul(a: jax.Array, b: jax.Array, bias: jax.Array | None, residual: jax.Array | None,
-           p: Problem, *, config: MatmulConfig | None, precision,
-           interpret: bool | str) -> jax.Array | tuple[jax.Array, jax.Array]:
-    """`op(a) @ op(b)` with `p.epilogue`, for a problem that `check` accepted (or the backward
-    of one): out_batch + (M, N), and the pre-activation beside it where the epilogue saves it.
-    16-bit products are exact in float32; float32 runs as TF32 on Hopper, as split bfloat16
-    on Blackwell (`check` declines HIGHEST)."""
-    del precision  # `p.highest`: declined by `check`
+def gemm(a: jax.Array, b: jax.Array, bias: jax.Array | None, residual: jax.Array | None,
+         p: Problem, *, config: MatmulConfig | None, interpret: bool | str
+         ) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """`op(a) @ op(b)` of arrays with `p.epilogue`, for a problem that `check` accepted (or the
+    backward of one): the operands laid out as the kernel takes them (`_operands`), the
+    launch, and out_batch + (M, N) cut back from its tiles, with the pre-activation beside it
+    where the epilogue saves it. 16-bit products are exact in float32; float32 runs as TF32
+    on Hopper, as split bfloat16 on Blackwell (`check` declines HIGHEST)."""
     products = len(split_terms(p)) if is_split(p) else 1  # the MMAs the split parts take
     flops, (m, n) = products * flops_and_bytes(p)[0], (p.m, p.n)
     plan = plan_of(p, config)
