@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import re
 import sys
 import textwrap
@@ -162,6 +163,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="on a GPU or TPU, write the rows to bench/records/<device kind>.json "
                              "(the evidence kernels/defaults.py cites)")
     args = parser.parse_args(argv)
+    # Interpreted Mosaic GPU kernels need more threads in XLA's CPU thread pools than a small
+    # host has (`registry.MOSAIC_GPU_INTERPRETER_THREADS`; on 2 cores a jitted backward of
+    # several launches hung): set before jax starts its CPU client, as tests/conftest.py does.
+    os.environ.setdefault("PJRT_NPROC", str(registry.MOSAIC_GPU_INTERPRETER_THREADS))
     if not (args.no_design or args.design == "none"):
         # The design figures compile for GPUs and TPUs that are not here (Mosaic GPU's kernels
         # and XLA's own programs on compile-only H100s): set before jax starts its backends.
