@@ -11,21 +11,21 @@ import jax.numpy as jnp
 
 from kernels._blocks import require_floating
 from kernels._pallas import pl
-from kernels._pallas.mosaic_gpu import TMA_ALIGNMENT
+from kernels._pallas.mosaic_gpu import aligned_columns, pad_to
 from kernels.conv2d.common import Conv2dConfig, Problem
 from kernels.matmul.common import MatmulConfig, Problem as MatmulProblem
 from kernels.gemm.mosaic_gpu import config as gemm_config
 from kernels.gemm.mosaic_gpu import tiles
 from kernels.gemm.mosaic_gpu.tiles import ONE_TERM
 
-__all__ = ["k_slice", "image_channels", "output_channels", "forward_pixels", "image_operand",
-           "forward_problem", "forward_plan", "forward_terms", "forward_config",
+__all__ = ["round_up", "k_slice", "image_channels", "output_channels", "forward_pixels",
+           "image_operand", "forward_problem", "forward_plan", "forward_terms", "forward_config",
            "weight_grad_sums", "weight_grad_problem", "weight_grad_plan",
            "weight_grad_in_place", "output_grad_operand", "is_depthwise", "summed_depthwise",
            "check", "resolve_config", "WEIGHT_GRAD_PIXELS"]
 
 
-def _round_up(size: int, step: int) -> int:
+def round_up(size: int, step: int) -> int:
     return pl.cdiv(size, step) * step
 
 
@@ -46,10 +46,8 @@ def k_slice(p: Problem) -> int:
 def image_channels(p: Problem) -> int:
     """A group's channels as the forward's image operand holds them: C/G where TMA can box
     them in place (a K slice or more, rows a multiple of 16 bytes), else padded by XLA."""
-    block_k, itemsize = k_slice(p), jnp.dtype(forward_problem(p).a_dtype).itemsize
-    if p.cg >= block_k and p.cg * itemsize % TMA_ALIGNMENT == 0:
-        return p.cg
-    return _round_up(max(p.cg, block_k), TMA_ALIGNMENT // itemsize)
+    itemsize = jnp.dtype(forward_problem(p).a_dtype).itemsize
+    return aligned_columns(max(p.cg, k_slice(p)), itemsize)
 
 
 def output_channels(p: Problem) -> int:
@@ -58,7 +56,7 @@ def output_channels(p: Problem) -> int:
     padding cut off by XLA (a copy)."""
     itemsize = min(jnp.dtype(p.out_dtype).itemsize, jnp.dtype(p.epilogue.saved or p.out_dtype)
                    .itemsize)
-    return _round_up(p.og, TMA_ALIGNMENT // itemsize)
+    return aligned_columns(p.og, itemsize)
 
 
 def forward_pixels(p: Problem, parts: int, interpret: bool | str) -> tiles.Pixels:
@@ -69,7 +67,7 @@ def forward_pixels(p: Problem, parts: int, interpret: bool | str) -> tiles.Pixel
     (top, _), (left, _) = g.padding
     origin = ((max(top, 0) - top, max(left, 0) - left) if interpret else (-top, -left))
     return tiles.Pixels(
-        (p.oh, p.ow), min(_round_up(p.ow, gemm_config.TMA_ROWS), gemm_config.WG_ROWS),
+        (p.oh, p.ow), min(round_up(p.ow, gemm_config.TMA_ROWS), gemm_config.WG_ROWS),
         (p.kh, p.kw),
         g.stride, g.rhs_dilation, origin, p.groups, parts, pl.cdiv(p.cg, k_slice(p)),
         swizzled_boxes=not interpret)
@@ -85,7 +83,7 @@ def image_operand(parts: list[jax.Array], p: Problem, dtype, interpret: bool | s
     (top, _), (left, _) = g.padding
     pad_top, pad_left = (max(top, 0), max(left, 0)) if interpret else (0, 0)
     stride_w = g.stride[1]
-    width = _round_up(p.w + pad_left, stride_w)
+    width = round_up(p.w + pad_left, stride_w)
     channels = image_channels(p)
 
     def laid_out(part):
@@ -190,8 +188,7 @@ def output_grad_operand(dy: jax.Array, p: Problem) -> jax.Array:
     channels are not a multiple of 16 bytes (TMA's stride rule) one XLA copy padded with
     zeros."""
     dy = dy.reshape(p.n, p.oh, p.ow, p.groups, p.og)
-    step = TMA_ALIGNMENT // dy.dtype.itemsize
-    return jnp.pad(dy, ((0, 0),) * 4 + ((0, _round_up(p.og, step) - p.og),))
+    return pad_to(dy, aligned_columns(p.og, dy.dtype.itemsize))
 
 
 def resolve_config(p: Problem, config: Conv2dConfig | None) -> Conv2dConfig:

@@ -10,9 +10,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kernels._pallas import pl
 from kernels._pallas.mosaic_gpu import pad_to
 from kernels.conv2d.common import Problem
+from kernels.conv2d.mosaic_gpu.config import round_up
 from kernels.gemm.mosaic_gpu import config as gemm_config
 
 __all__ = ["TapRows", "tap_rows", "tap_rows_matrix", "ROW_BLOCK"]
@@ -63,15 +63,15 @@ class TapRows(NamedTuple):
     def num_rows(self) -> int:
         """Rows of the matrix: the stride phases, then zeros to a whole `ROW_BLOCK` and the
         largest shift."""
-        return _round_up(self.stride * self.phase_rows, ROW_BLOCK) + self.max_shift
+        return round_up(self.stride * self.phase_rows, ROW_BLOCK) + self.max_shift
 
 
 def tap_rows(p: Problem) -> TapRows:
     """The layout of `p`'s input (per group), for its output grid of OW rounded up to 8."""
     g = p.geometry
     rows = p.oh + (p.kh - 1) * g.rhs_dilation[0] // g.stride[0]
-    return TapRows(rows, _round_up(p.ow, gemm_config.TMA_ROWS), p.n,
-                   _round_up(p.kw * p.cg, gemm_config.TMA_COLUMNS), p.kh, g.rhs_dilation[0],
+    return TapRows(rows, round_up(p.ow, gemm_config.TMA_ROWS), p.n,
+                   round_up(p.kw * p.cg, gemm_config.TMA_COLUMNS), p.kh, g.rhs_dilation[0],
                    g.stride[0])
 
 
@@ -92,7 +92,3 @@ def tap_rows_matrix(x: jax.Array, p: Problem, layout: TapRows, dtype) -> jax.Arr
     x = x.transpose(5, 2, 0, 1, 3, 4, 6).reshape(p.groups, stride_h * layout.phase_rows,
                                                   p.kw * p.cg)
     return pad_to(x.astype(dtype), layout.num_rows, layout.width)
-
-
-def _round_up(size: int, step: int) -> int:
-    return pl.cdiv(size, step) * step

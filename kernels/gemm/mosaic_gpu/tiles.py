@@ -286,7 +286,8 @@ def slots(stages: int, block: tuple[int, int], dtype, boxed: bool):
 
 
 def slot_views(ring, boxed: bool):
-    """(the view TMA writes, the view the MMA reads) of `slots`' ring."""
+    """(the view TMA copies, the view the MMA or the registers use) of `slots`' ring or of
+    `epilogue_scratch`'s slices: the union's two views where `boxed`, else the ring twice."""
     return tuple(ring) if boxed else (ring, ring)
 
 
@@ -433,9 +434,7 @@ def output_views(smem, pixels: Pixels | PixelSums | None):
     """(the view TMA stores from, the view registers are stored to) of an output's slices
     from `epilogue_scratch` (None where there is no such output), as `epilogue_slice` takes
     them."""
-    if smem is None:
-        return None
-    return tuple(smem) if _stores_boxes(pixels) else (smem, smem)
+    return None if smem is None else slot_views(smem, _stores_boxes(pixels))
 
 
 def _stores_boxes(pixels) -> bool:
