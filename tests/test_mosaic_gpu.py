@@ -339,6 +339,17 @@ def _linear_store_cases() -> dict:
         "scatter-add pieces": (
             jax.grad(lambda t: kernels.gather(t, hot_ids, implementation="mosaic_gpu").sum()),
             [jnp.ones((4, 8))], 1, (1, 2, 1, 256)),
+        # Rows of 4 float32 (one piece stored a row, its 252 columns past the row included)
+        # and of 257 bfloat16 (two pieces): allocated in whole pieces, each row's stores
+        # inside it. On an H200 the unpadded rows lost whole rows to their neighbours' stores.
+        "scatter-add narrow rows": (
+            jax.grad(lambda t: kernels.gather(t, jnp.asarray([2, 9, 0, 0, 5]), axis=1,
+                                              implementation="mosaic_gpu").sum()),
+            [jnp.ones((3, 10, 4))], 1, (3, 10, 256)),
+        "scatter-add rows of two pieces": (
+            jax.grad(lambda t: kernels.gather(t, jnp.arange(7), implementation="mosaic_gpu")
+                     .astype(jnp.float32).sum()),
+            [jnp.ones((129, 257), bf16)], 1, (1, 129, 512)),
         # Blocks of one row of 300 columns: (1, PIECE) windows.
         "layer norm blocks of a row": (
             lambda x: kernels.layer_norm(x, implementation="mosaic_gpu",
@@ -353,6 +364,7 @@ def _linear_store_cases() -> dict:
 
 
 @pytest.mark.parametrize("case", ["gather one id", "scatter-add pieces",
+                                  "scatter-add narrow rows", "scatter-add rows of two pieces",
                                   "layer norm blocks of a row", "matmul split-K, N = 64"])
 def test_a_store_that_is_a_run_of_gmem_stays_in_its_rows(case):
     from kernels.compile import launches

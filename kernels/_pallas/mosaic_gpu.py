@@ -11,10 +11,12 @@ Rows by TMA
 -----------
 A block of `block_rows` rows is moved in pieces of `PIECE` columns (one TMA box each: a copy
 moves at most 256 elements along a dimension), each piece a dense (block_rows, PIECE) tile in
-shared memory. TMA zero-fills what it reads past the array's edges and drops what it writes
-past them, so a ragged last block of rows and a row that is not a multiple of `PIECE` need no
-mask on their loads and stores (a reduction still masks the padding where zeros would bias
-it). A GMEM row must be a multiple of 16 bytes (TMA's stride rule).
+shared memory. TMA zero-fills what it reads past the array's edges, so a ragged last block of
+rows and a row that is not a multiple of `PIECE` need no mask on their loads (a reduction
+still masks the padding where zeros would bias it). A store drops what falls past each edge
+only where it is a tensor copy: a window that is one run of GMEM is copied linearly, and its
+output is allocated in whole windows (`stored_shape`). A GMEM row must be a multiple of 16
+bytes (TMA's stride rule).
 """
 
 from __future__ import annotations
@@ -163,7 +165,8 @@ def smem(shape: tuple[int, ...], dtype: Any) -> Any:
 
 def piece_columns(piece: jax.Array, width: int = PIECE) -> Any:
     """Columns [piece·width, (piece + 1)·width), for a traced `piece` (jax checks a static
-    slice against the array's edge; TMA zero-fills reads past it and drops writes)."""
+    slice against the array's edge; TMA zero-fills reads past it, and a store past it needs
+    `stored_shape`)."""
     return pl.ds(piece * width, width)
 
 

@@ -27,8 +27,9 @@ run), and no CTA's walk grows with how often one id repeats. Numerics are proven
 GPU's interpreter, the resources by compiling for sm_90a and sm_100a (`python -m
 kernels.compile`). On an H100 (docs/design.md, section 6) the tests found two faults that
 neither shows, since fixed: rows landing in shared memory off `TMA_SMEM_ALIGNMENT`, and
-one-row stores running into the next rows (`stored_shape`). The kernels as they are now (whole
-rows by linear copies, runs of tiles, whole-row scatter-add) have not run on a device.
+one-row stores running into the next rows (`stored_shape`). On an H200 the forward passed its
+tests natively; the scatter-add zeroed whole rows where a row is not whole pieces (a piece's
+store ran into the next row), fixed by `BackwardPlan.stored_columns` and not rerun there.
 """
 
 from kernels.gather.mosaic_gpu.backward import scatter_add

@@ -125,7 +125,8 @@ class BackwardPlan(NamedTuple):
     the pieces kernel, one CTA per (b, piece of positions). Where the row is whole pieces
     (`whole`), a span is one linear copy and the spans' starts are clamped inside the row (the
     last may overlap the one before: the same sums written twice); else each piece is a copy of
-    its own, TMA zero-filling the columns past the row and dropping them from the stores."""
+    its own, TMA zero-filling the columns past the row on loads, and the gradient is allocated
+    `stored_columns` wide so that each piece's store stays in its row."""
 
     aligned: int
     num_pieces: int
@@ -174,6 +175,14 @@ class BackwardPlan(NamedTuple):
         """Columns of a row its spans move together (an overlapping last span moves some twice;
         columns past a ragged row are zero-filled, not moved)."""
         return self.spans * self.span_pieces * PIECE if self.whole else self.aligned
+
+    @property
+    def stored_columns(self) -> int:
+        """Columns of a gradient row as the kernel allocates it (the caller slices them): every
+        piece its spans store. A piece's store is one row, which Mosaic GPU issues as a linear
+        copy clamped only at the array's end (`stored_shape`): in a row of `aligned` columns
+        the piece past them would overwrite the next row's first columns."""
+        return self.partial_pieces * PIECE
 
     @property
     def smem_bytes(self) -> int:
