@@ -26,6 +26,8 @@ import argparse
 import dataclasses
 import datetime
 import importlib
+import importlib.abc
+import importlib.util
 import json
 import math
 import os
@@ -43,16 +45,18 @@ BUDGET_S = 480
 # truth's largest magnitude) is within SMOKE_FACTOR times XLA's own on the same device and
 # inputs, or SMOKE_FACTOR units of its dtype's rounding.
 SMOKE_FACTOR = 4
-# The chained timer's n (`harness.chained_seconds`): programs of CHAINED_CALLS and twice as
-# many calls, each call compiled, and compiling is most of this command's time (`--dry-run`).
-# Compiled here for a compile-only H100, the layer norm backward at 4096x8192 bfloat16 (triton,
-# mosaic_gpu, xla): one call alone 1.2-1.7 s, programs of 2 calls 1.3-1.8 s, 4 calls 1.6-2.4 s,
-# 8 calls 2.5-4.4 s; a fixed n also spares the one-call program the bench times to choose n.
-CHAINED_CALLS = 2
-# Timed runs per program: 2 calls of the shortest rows' kernels (3-10 us) differ by less than
-# a waited program's round-trip jitter (0.04-0.15 ms on an H100), which the median of this many
-# runs settles, for milliseconds of device time.
-REPEATS = 20
+# The chained timer's n (`harness.chained_seconds`, `chained_calls`): programs of n and 2n
+# calls, n such that the shorter lasts about CHAIN_SECONDS by the call's expected time, within
+# [2, MAX_CHAINED_CALLS]. Each call is compiled, and compiling is most of this command's time
+# (`--dry-run`): compiled here for a compile-only H100, the layer norm backward at 4096x8192
+# bfloat16 (triton, mosaic_gpu, xla): programs of 2 calls 1.3-1.8 s, 4 calls 1.6-2.4 s, 8 calls
+# 2.5-4.4 s. n = 2 for every row (the H200 run of bench/records/nvidia_h200.json) left rows of
+# 3-120 us off by tens of microseconds, some under their roofline floor: a waited program's
+# round trip varies by more than two such calls take.
+CHAIN_SECONDS = 0.0005
+MAX_CHAINED_CALLS = 8
+# Timed runs per program, the two programs' runs interleaved (`harness.chained_seconds`).
+REPEATS = 30
 # Host work per step that no compile time measured here covers (tracing, transfers, the
 # record's write): an allowance, not a device measurement.
 STEP_OVERHEAD_S = 1.0
@@ -234,12 +238,15 @@ def bench_cases(ops: list[str], shapes: str) -> list[Any]:
 
 def row_plan(cases: list[Any], implementations: list[str], recorded: list[dict],
              jax_version: str, record: Callable[[list[dict]], None],
-             repeats: int, chained: bool = True) -> list[Step]:
+             repeats: int, chained: bool = True,
+             stand_ins: list[dict] | None = None) -> list[Step]:
     """One step per case, ordered by `need`, then by op in turn (each op's first case before any
     op's second), each implementation's rows passed to `record` as they finish. `chained`: the
-    device's timer (a CPU's, `--allow-cpu`, waits per call)."""
+    device's timer (a CPU's, `--allow-cpu`, waits per call), its n from each call's expected
+    time in `stand_ins` (rows of this device kind and its generation; default `recorded`)."""
     from bench import harness
 
+    timed = recorded if stand_ins is None else stand_ins
     turn: dict[str, int] = {}
     steps = []
     for case in cases:
@@ -248,9 +255,11 @@ def row_plan(cases: list[Any], implementations: list[str], recorded: list[dict],
         def run(case=case):
             rows = []  # xla first: each kernel's row carries its ratio to xla's time
             for name in sorted(implementations, key=lambda name: name != "xla"):
+                calls = chained_calls(expected_seconds(case, name, timed)[0])
                 measured = harness.measure(case, [(name, False)], repeats, chained=chained,
-                                           calls=CHAINED_CALLS if chained else None)
+                                           calls=calls if chained else None)
                 for row in measured:
+                    row["calls"] = calls if chained else None
                     xla = rows[0]["median_ms"] if rows else None
                     row["vs_xla"] = row["median_ms"] / xla if xla and row["median_ms"] else (
                         1.0 if name == "xla" and row["median_ms"] else None)
@@ -326,6 +335,24 @@ def _recorded_seconds(rows: list[dict], op: str, shape: str, dtype: str,
     return times[-1] / 1e3 if times else None
 
 
+def expected_seconds(case: Any, implementation: str, recorded: list[dict]) -> tuple[float, str]:
+    """A call's expected device time and its source: its latest row in `recorded`, else
+    `UNRECORDED_FLOOR_FACTOR` times its H100 roofline floor (1 ms where it has none)."""
+    from bench import harness
+
+    seconds = _recorded_seconds(recorded, case.op, case.shape, case.dtype, implementation)
+    if seconds is not None:
+        return seconds, "recorded"
+    floor = harness.roofline_floor_us(case, "H100")
+    return (UNRECORDED_FLOOR_FACTOR * (floor or 1000.0) / 1e6,
+            f"{UNRECORDED_FLOOR_FACTOR}x roofline floor")
+
+
+def chained_calls(seconds: float) -> int:
+    """The chained timer's n for a call of `seconds` (`CHAIN_SECONDS`, `MAX_CHAINED_CALLS`)."""
+    return max(2, min(MAX_CHAINED_CALLS, math.ceil(CHAIN_SECONDS / seconds)))
+
+
 def _compile_seconds(fn: Callable[..., Any], args: list[Any]) -> float:
     """Seconds to compile `fn` here for a compile-only H100 (the kernels' compilers included)."""
     import jax
@@ -345,7 +372,7 @@ def _compile_seconds(fn: Callable[..., Any], args: list[Any]) -> float:
 def estimate(step: Step, case: Any, recorded: list[dict], repeats: int) -> None:
     """Sets `step.estimate_s` and `step.basis`. Compiles: the step's programs compiled here for
     a compile-only H100, as the device will compile them (a row's chained timer: programs of
-    `CHAINED_CALLS` and twice as many calls). Device time: a row's calls at its recorded
+    `chained_calls` and twice as many calls). Device time: a row's calls at its recorded
     median (this device kind's record, or one of the same generation's), else
     `UNRECORDED_FLOOR_FACTOR` times its roofline floor; a smoke's float64 truth timed on this
     host."""
@@ -369,23 +396,32 @@ def estimate(step: Step, case: Any, recorded: list[dict], repeats: int) -> None:
     sources = set()
     for name in step.implementations:
         fn = case.run(name, False)
-        seconds = _recorded_seconds(recorded, case.op, case.shape, case.dtype, name)
-        if seconds is None:
-            floor = harness.roofline_floor_us(case, "H100")
-            seconds = UNRECORDED_FLOOR_FACTOR * (floor or 1000.0) / 1e6
-            sources.add(f"{UNRECORDED_FLOOR_FACTOR}x roofline floor")
-        else:
-            sources.add("recorded")
-        compile_s += sum(_compile_seconds(harness.chain(fn, calls), list(case.args))
-                         for calls in (CHAINED_CALLS, 2 * CHAINED_CALLS))
+        seconds, source = expected_seconds(case, name, recorded)
+        sources.add(source)
+        calls = chained_calls(seconds)
+        compile_s += sum(_compile_seconds(harness.chain(fn, n), list(case.args))
+                         for n in (calls, 2 * calls))
         # Each program's warm-up and repeats (the error is the shorter warm-up's result).
-        device_s += seconds * (1 + repeats) * 3 * CHAINED_CALLS
+        device_s += seconds * (1 + repeats) * 3 * calls
     step.estimate_s = compile_s + device_s + STEP_OVERHEAD_S * len(step.implementations)
     step.basis = (f"compiled here {compile_s:.1f} s, device {device_s:.2f} s "
                   f"({', '.join(sorted(sources))})")
 
 
 # --- the command ---------------------------------------------------------------------------
+
+
+class _ReferenceFinder(importlib.abc.MetaPathFinder):
+    """Imports `kernels.reference` from the repository's `reference/`, as setup.py installs
+    it, where the package is not installed: a lent GPU runs this command in the bare working
+    tree. Consulted last, so an installed package's own mapping wins."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "kernels.reference":
+            return None
+        folder = Path(__file__).resolve().parent.parent / "reference"
+        return importlib.util.spec_from_file_location(
+            name, folder / "__init__.py", submodule_search_locations=[str(folder)])
 
 
 def _install_wheels(directory: str) -> None:
@@ -424,6 +460,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.wheels:
         _install_wheels(args.wheels)
+    if not any(isinstance(finder, _ReferenceFinder) for finder in sys.meta_path):
+        sys.meta_path.append(_ReferenceFinder())
     if args.dry_run:
         from kernels.compile import use_compile_only_devices
 
@@ -477,7 +515,8 @@ def main(argv: list[str] | None = None) -> int:
         cases = bench_cases(ops, "native" if on_device or args.dry_run else "cpu")
         setup_s = time.perf_counter() - built
         steps = row_plan(cases, implementations, recorded, jax.__version__, record,
-                         args.repeats, chained=on_device or args.dry_run)
+                         args.repeats, chained=on_device or args.dry_run,
+                         stand_ins=[row for rows in stand_ins.values() for row in rows])
         by_label = {(c.op, f"{c.shape} {c.dtype}"): c for c in cases}
         plan += [(step, by_label[(step.op, step.label)]) for step in steps]
     if args.dry_run:

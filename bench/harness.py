@@ -120,8 +120,10 @@ def chained_seconds(fn: Callable[..., Any], *args: Any, repeats: int, warmup: in
     for program in reversed(programs):  # the shorter program's result is the one kept
         for _ in range(max(1, warmup)):
             result = jax.block_until_ready(program(*args))
-    short, long = ([_waited_seconds(program, args) for _ in range(repeats)]
-                   for program in programs)
+    short, long = [], []
+    for _ in range(repeats):  # interleaved: a drift of the device's clocks reaches both alike
+        short.append(_waited_seconds(programs[0], args))
+        long.append(_waited_seconds(programs[1], args))
     difference = statistics.median(long) - statistics.median(short)
     return (difference / calls if difference > 0 else math.nan), result
 

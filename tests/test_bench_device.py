@@ -46,6 +46,21 @@ def test_rows_run_in_order_of_need_each_op_in_turn():
     assert device.need(cases[0], ["mosaic_gpu", "xla"], recorded, "0.12") == 0
 
 
+def test_a_short_call_is_chained_until_its_program_outlasts_the_round_trips_jitter():
+    """n per call: the shorter program lasts about CHAIN_SECONDS (a program of 2 calls of 3-120
+    us is shorter than a waited round trip's jitter), within [2, MAX_CHAINED_CALLS]; the
+    expected time is the call's latest row, else a multiple of its roofline floor."""
+    assert device.chained_calls(1e-3) == 2
+    assert device.chained_calls(device.CHAIN_SECONDS / 4) == 4
+    assert device.chained_calls(1e-6) == device.MAX_CHAINED_CALLS
+    case = types.SimpleNamespace(op="matmul", shape="a", dtype="bfloat16", flops=2e9, bytes=6e6)
+    row = {"op": "matmul", "shape": "a", "dtype": "bfloat16", "implementation": "xla",
+           "median_ms": 0.25}
+    assert device.expected_seconds(case, "xla", [row]) == (0.25e-3, "recorded")
+    seconds, source = device.expected_seconds(case, "triton", [row])
+    assert source.endswith("roofline floor") and 0 < seconds < 1e-4
+
+
 def test_merging_two_partial_records_keeps_every_row_with_its_run():
     legacy = {"device_kind": "NVIDIA H200", "jax": "0.11.2",
               "rows": [{"op": "matmul", "shape": "a", "implementation": "xla"}]}
@@ -86,6 +101,24 @@ def test_a_cpu_runs_it_only_as_a_dry_run_or_a_test(tmp_path):
         device.main(["--phases", "rows", "--ops", "gather"])
     with pytest.raises(SystemExit):
         device.main(["--allow-cpu", "--ops", "gather"])  # would write CPU rows to the records
+
+
+def test_it_runs_in_a_bare_working_tree(tmp_path):
+    """A lent GPU runs the command in the working tree with nothing installed: without the
+    site's packages' `.pth` hooks (`-S`, which drops an editable install's mapping), the
+    repository's `reference/` is still imported as `kernels.reference`, so the command gets as
+    far as finding no GPU here."""
+    import shutil
+    import site
+
+    for folder in ("kernels", "bench", "reference"):
+        shutil.copytree(ROOT / folder, tmp_path / folder,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    env = dict(subprocess_env(cpu_only=True),
+               PYTHONPATH=":".join([str(tmp_path), *site.getsitepackages()]))
+    proc = subprocess.run([sys.executable, "-S", "-m", "bench.device"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert "needs a GPU" in proc.stderr, proc.stderr[-2000:]
 
 
 @pytest.mark.timeout(300)
