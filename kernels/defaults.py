@@ -22,7 +22,9 @@ the rows named. Both runs used the chained timer, whose floor was 1.5 and 2.8 µ
 call (each run's "timer"); rows whose roofline floor is under it are marked
 `below_timer_floor` (the denoise blur, the 10000x100 standardization in the second run), and no
 entry relies on them. (The record it replaced used a pipelined timer whose floor was about
-37.5 µs.) No kernel has run on a TPU: the TPU entries are design judgements.
+37.5 µs.) An H200's record (`bench/records/nvidia_h200.json`) holds the device command's smoke
+and rows too coarsely timed to be evidence (its note), so H200s run `xla`. No kernel has run on
+a TPU: the TPU entries are design judgements.
 """
 
 from __future__ import annotations
