@@ -52,7 +52,9 @@ SMOKE_FACTOR = 4
 # bfloat16 (triton, mosaic_gpu, xla): programs of 2 calls 1.3-1.8 s, 4 calls 1.6-2.4 s, 8 calls
 # 2.5-4.4 s. n = 2 for every row (the H200 run of bench/records/nvidia_h200.json) left rows of
 # 3-120 us off by tens of microseconds, some under their roofline floor: a waited program's
-# round trip varies by more than two such calls take.
+# round trip varies by more than two such calls take. Calls under CHAIN_SECONDS /
+# MAX_CHAINED_CALLS (62 us) still get shorter programs, whose rows carry more of that jitter;
+# a row under its roofline floor is marked (`harness.mark_timer_floor`) and timed again.
 CHAIN_SECONDS = 0.0005
 MAX_CHAINED_CALLS = 8
 # Timed runs per program, the two programs' runs interleaved (`harness.chained_seconds`).
@@ -210,8 +212,9 @@ def smoke_plan(implementations: list[str]) -> list[Step]:
 
 def need(case, implementations: list[str], recorded: list[dict], jax_version: str) -> int:
     """How much the record needs `case` (lower first): 0 an implementation has no row for the
-    case's op and dtype on this device kind, 1 none at this shape, 2 only rows of another jax,
-    3 recorded."""
+    case's op and dtype on this device kind, 1 none at this shape (a row faster than its
+    roofline floor, `under_roofline_floor`, is the timer's error, not a time), 2 only rows of
+    another jax, 3 recorded."""
     def rank(name):
         same = [r for r in recorded if r["op"] == case.op and r["dtype"] == case.dtype
                 and r["implementation"] == name]
@@ -220,7 +223,10 @@ def need(case, implementations: list[str], recorded: list[dict], jax_version: st
         at_shape = [r for r in same if r["shape"] == case.shape]
         if not at_shape:
             return 1
-        return 3 if any(r.get("jax") == jax_version for r in at_shape) else 2
+        timed = [r for r in at_shape if not r.get("under_roofline_floor")]
+        if not timed:
+            return 1
+        return 3 if any(r.get("jax") == jax_version for r in timed) else 2
 
     return min(rank(name) for name in implementations)
 
@@ -327,6 +333,12 @@ def _stand_ins(device_kind: str, records: Path) -> list[str]:
                                               if kind.startswith(prefixes))]))
 
 
+def _timed_rows(stand_ins: dict[str, list[dict]]) -> list[dict]:
+    """The rows of `_stand_ins`'s device kinds, this device kind's last: a call's latest row
+    (`_recorded_seconds`) is then its own where it has one."""
+    return [row for rows in reversed(stand_ins.values()) for row in rows]
+
+
 def _recorded_seconds(rows: list[dict], op: str, shape: str, dtype: str,
                       implementation: str) -> float | None:
     times = [r["median_ms"] for r in rows if (r["op"], r["shape"], r["dtype"],
@@ -420,6 +432,8 @@ class _ReferenceFinder(importlib.abc.MetaPathFinder):
         if name != "kernels.reference":
             return None
         folder = Path(__file__).resolve().parent.parent / "reference"
+        if not (folder / "__init__.py").is_file():
+            return None
         return importlib.util.spec_from_file_location(
             name, folder / "__init__.py", submodule_search_locations=[str(folder)])
 
@@ -516,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
         setup_s = time.perf_counter() - built
         steps = row_plan(cases, implementations, recorded, jax.__version__, record,
                          args.repeats, chained=on_device or args.dry_run,
-                         stand_ins=[row for rows in stand_ins.values() for row in rows])
+                         stand_ins=_timed_rows(stand_ins))
         by_label = {(c.op, f"{c.shape} {c.dtype}"): c for c in cases}
         plan += [(step, by_label[(step.op, step.label)]) for step in steps]
     if args.dry_run:
@@ -535,7 +549,7 @@ def _print_plan(plan: list[tuple[Step, Any]], stand_ins: dict[str, list[dict]], 
     """Each step with its estimate (`estimate`) and the running total, from `setup_s` (the
     bench's cases built here, their expected values computed): the steps within the budget
     are this run's; the rest, a later run's (which the record's `need` then puts first)."""
-    recorded = [row for rows in stand_ins.values() for row in rows]
+    recorded = _timed_rows(stand_ins)
     this_run, later = setup_s, 0.0
     print(f"  0 setup: the bench's device cases built here in {setup_s:.1f} s", flush=True)
     for number, (step, case) in enumerate(plan, 1):

@@ -235,10 +235,15 @@ def mark_timer_floor(rows: list[dict], floor_us: float, device: str | None,
                      timer: str = "chained") -> None:
     """Sets each row's `below_timer_floor`: its roofline floor on `device` (this machine's) is
     under the floor of the timer that timed it (`timer`), so its time is the timer's own, not
-    the op's (None where either is unknown, or another timer timed the row: a host baseline)."""
+    the op's; and `under_roofline_floor`: its time is under its roofline floor, which no call
+    can be, so the time is the timer's error (each None where a figure is unknown, or another
+    timer timed the row: a host baseline)."""
     for row in rows:
         floor = row.get(f"floor_{device}_us") if device and row.get("timer") == timer else None
         row["below_timer_floor"] = None if floor is None else floor < floor_us
+        median = row.get("median_ms")
+        row["under_roofline_floor"] = (None if floor is None or median is None
+                                       or math.isnan(median) else median * 1e3 < floor)
 
 
 def roofline_floor_us(case: Case, device: str) -> float | None:

@@ -373,9 +373,13 @@ def test_chained_program_launches_every_kernel_on_an_h100():
 
 
 def test_rows_under_the_timer_floor_are_marked():
-    rows = [{"floor_H100_us": floor, "timer": timer} for floor, timer in
-            [(2.0, "chained"), (80.0, "chained"), (None, "chained"), (2.0, "waited")]]
+    """Under the timer's floor: the time is the timer's. Under the roofline floor: no call can
+    be that fast (the H200's Triton layer norm at 26 us against a 56 us floor)."""
+    rows = [{"floor_H100_us": floor, "timer": timer, "median_ms": ms} for floor, timer, ms in
+            [(2.0, "chained", 0.004), (80.0, "chained", 0.026), (None, "chained", 0.01),
+             (2.0, "waited", 0.001), (56.0, "chained", float("nan"))]]
     harness.mark_timer_floor(rows, 5.0, harness.roofline_device("NVIDIA H100 80GB HBM3"))
-    assert [r["below_timer_floor"] for r in rows] == [True, False, None, None]
+    assert [r["below_timer_floor"] for r in rows] == [True, False, None, None, False]
+    assert [r["under_roofline_floor"] for r in rows] == [False, True, None, None, None]
     assert harness.roofline_device("TPU v5 lite") == "TPU v5e"
     assert harness.roofline_device("cpu") is None

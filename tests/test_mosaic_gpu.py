@@ -350,6 +350,12 @@ def _linear_store_cases() -> dict:
             jax.grad(lambda t: kernels.gather(t, jnp.arange(7), implementation="mosaic_gpu")
                      .astype(jnp.float32).sum()),
             [jnp.ones((129, 257), bf16)], 1, (1, 129, 512)),
+        # Rows of 4100 float32: 17 pieces in spans of 9, the last span's 18th piece past the
+        # row, so each row is 18 pieces wide (whole windows of the row would be 17).
+        "scatter-add spans past the row": (
+            jax.grad(lambda t: kernels.gather(t, jnp.arange(5), implementation="mosaic_gpu")
+                     .sum()),
+            [jnp.ones((9, 4100))], 1, (1, 9, 4608)),
         # Blocks of one row of 300 columns: (1, PIECE) windows.
         "layer norm blocks of a row": (
             lambda x: kernels.layer_norm(x, implementation="mosaic_gpu",
@@ -365,6 +371,7 @@ def _linear_store_cases() -> dict:
 
 @pytest.mark.parametrize("case", ["gather one id", "scatter-add pieces",
                                   "scatter-add narrow rows", "scatter-add rows of two pieces",
+                                  "scatter-add spans past the row",
                                   "layer norm blocks of a row", "matmul split-K, N = 64"])
 def test_a_store_that_is_a_run_of_gmem_stays_in_its_rows(case):
     from kernels.compile import launches

@@ -306,13 +306,13 @@ def _pieces_cost(p: Problem, plan: BackwardPlan) -> tuple[int, int]:
 
 
 def _rows_cost(p: Problem, plan: BackwardPlan) -> tuple[int, int]:
-    """One add per cotangent element; every cotangent row read once, the partial rows read
-    once (their spans' `moved_columns`), the table gradient written once (its
-    `stored_columns` where rows are not whole pieces); the positions and the segment starts
-    once a span."""
+    """One add per cotangent element; every cotangent row read once (its spans'
+    `moved_columns`), the partial rows read once and the table gradient written once (every
+    piece their spans store: `stored_columns` where rows are not whole pieces); the positions
+    and the segment starts once a span."""
     rows, partials = p.batch * p.num_indices, p.batch * plan.pieces.count
     index_bytes = 4 * p.batch * plan.spans * (p.num_indices + 2 * (p.n + 1))
     moved = plan.moved_columns
     stored = moved if plan.whole else plan.stored_columns
     return rows * plan.aligned, ((rows * moved + p.batch * p.n * stored) * p.itemsize
-                                 + partials * moved * 4 + index_bytes)
+                                 + partials * stored * 4 + index_bytes)
