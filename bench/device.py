@@ -45,18 +45,13 @@ BUDGET_S = 480
 # truth's largest magnitude) is within SMOKE_FACTOR times XLA's own on the same device and
 # inputs, or SMOKE_FACTOR units of its dtype's rounding.
 SMOKE_FACTOR = 4
-# The chained timer's n (`harness.chained_seconds`, `chained_calls`): programs of n and 2n
-# calls, n such that the shorter lasts about CHAIN_SECONDS by the call's expected time, within
-# [2, MAX_CHAINED_CALLS]. Each call is compiled, and compiling is most of this command's time
-# (`--dry-run`): compiled here for a compile-only H100, the layer norm backward at 4096x8192
-# bfloat16 (triton, mosaic_gpu, xla): programs of 2 calls 1.3-1.8 s, 4 calls 1.6-2.4 s, 8 calls
-# 2.5-4.4 s. n = 2 for every row (the H200 run of bench/records/nvidia_h200.json) left rows of
-# 3-120 us off by tens of microseconds, some under their roofline floor: a waited program's
-# round trip varies by more than two such calls take. Calls under CHAIN_SECONDS /
-# MAX_CHAINED_CALLS (62 us) still get shorter programs, whose rows carry more of that jitter;
-# a row under its roofline floor is marked (`harness.mark_timer_floor`) and timed again.
-CHAIN_SECONDS = 0.0005
-MAX_CHAINED_CALLS = 8
+# The rows use the bench's chained timer as it is (`harness.chained_seconds`: n from one
+# waited call, so that the shorter program lasts about 2.5 ms; the calls a loop that compiles
+# one call whatever n). A fixed n = 2, which this command once used to spare compile time (the
+# H200 run of bench/records/nvidia_h200.json), left rows of 3-120 us off by tens of
+# microseconds, some under their roofline floor: a waited program's round trip varies by more
+# than two such calls take. A row under its roofline floor is marked
+# (`harness.mark_timer_floor`) and timed again.
 # Timed runs per program, the two programs' runs interleaved (`harness.chained_seconds`).
 REPEATS = 30
 # Host work per step that no compile time measured here covers (tracing, transfers, the
@@ -244,15 +239,12 @@ def bench_cases(ops: list[str], shapes: str) -> list[Any]:
 
 def row_plan(cases: list[Any], implementations: list[str], recorded: list[dict],
              jax_version: str, record: Callable[[list[dict]], None],
-             repeats: int, chained: bool = True,
-             stand_ins: list[dict] | None = None) -> list[Step]:
+             repeats: int, chained: bool = True) -> list[Step]:
     """One step per case, ordered by `need`, then by op in turn (each op's first case before any
     op's second), each implementation's rows passed to `record` as they finish. `chained`: the
-    device's timer (a CPU's, `--allow-cpu`, waits per call), its n from each call's expected
-    time in `stand_ins` (rows of this device kind and its generation; default `recorded`)."""
+    device's timer (a CPU's, `--allow-cpu`, waits per call)."""
     from bench import harness
 
-    timed = recorded if stand_ins is None else stand_ins
     turn: dict[str, int] = {}
     steps = []
     for case in cases:
@@ -261,11 +253,8 @@ def row_plan(cases: list[Any], implementations: list[str], recorded: list[dict],
         def run(case=case):
             rows = []  # xla first: each kernel's row carries its ratio to xla's time
             for name in sorted(implementations, key=lambda name: name != "xla"):
-                calls = chained_calls(expected_seconds(case, name, timed)[0])
-                measured = harness.measure(case, [(name, False)], repeats, chained=chained,
-                                           calls=calls if chained else None)
+                measured = harness.measure(case, [(name, False)], repeats, chained=chained)
                 for row in measured:
-                    row["calls"] = calls if chained else None
                     xla = rows[0]["median_ms"] if rows else None
                     row["vs_xla"] = row["median_ms"] / xla if xla and row["median_ms"] else (
                         1.0 if name == "xla" and row["median_ms"] else None)
@@ -360,11 +349,6 @@ def expected_seconds(case: Any, implementation: str, recorded: list[dict]) -> tu
             f"{UNRECORDED_FLOOR_FACTOR}x roofline floor")
 
 
-def chained_calls(seconds: float) -> int:
-    """The chained timer's n for a call of `seconds` (`CHAIN_SECONDS`, `MAX_CHAINED_CALLS`)."""
-    return max(2, min(MAX_CHAINED_CALLS, math.ceil(CHAIN_SECONDS / seconds)))
-
-
 def _compile_seconds(fn: Callable[..., Any], args: list[Any]) -> float:
     """Seconds to compile `fn` here for a compile-only H100 (the kernels' compilers included)."""
     import jax
@@ -383,11 +367,10 @@ def _compile_seconds(fn: Callable[..., Any], args: list[Any]) -> float:
 
 def estimate(step: Step, case: Any, recorded: list[dict], repeats: int) -> None:
     """Sets `step.estimate_s` and `step.basis`. Compiles: the step's programs compiled here for
-    a compile-only H100, as the device will compile them (a row's chained timer: programs of
-    `chained_calls` and twice as many calls). Device time: a row's calls at its recorded
-    median (this device kind's record, or one of the same generation's), else
-    `UNRECORDED_FLOOR_FACTOR` times its roofline floor; a smoke's float64 truth timed on this
-    host."""
+    a compile-only H100, as the device will compile them (a row's call alone, then the chained
+    timer's programs of n and 2n calls, n by `harness.chain_calls`). Device time: a row's
+    calls at its expected time (`expected_seconds`, from this device kind's record or one of
+    the same generation's); a smoke's float64 truth timed on this host."""
     import jax
     import jax.numpy as jnp
 
@@ -410,11 +393,12 @@ def estimate(step: Step, case: Any, recorded: list[dict], repeats: int) -> None:
         fn = case.run(name, False)
         seconds, source = expected_seconds(case, name, recorded)
         sources.add(source)
-        calls = chained_calls(seconds)
-        compile_s += sum(_compile_seconds(harness.chain(fn, n), list(case.args))
-                         for n in (calls, 2 * calls))
-        # Each program's warm-up and repeats (the error is the shorter warm-up's result).
-        device_s += seconds * (1 + repeats) * 3 * calls
+        calls = harness.chain_calls(seconds)
+        compile_s += sum(_compile_seconds(program, list(case.args)) for program in
+                         (fn, harness.chain(fn, calls), harness.chain(fn, 2 * calls)))
+        # `harness.median_seconds`'s 2 warm-ups: 3 waited calls choose n, then each program's
+        # 2 warm-ups and its repeats (the error is the shorter program's last warm-up result).
+        device_s += seconds * (3 + (2 + repeats) * 3 * calls)
     step.estimate_s = compile_s + device_s + STEP_OVERHEAD_S * len(step.implementations)
     step.basis = (f"compiled here {compile_s:.1f} s, device {device_s:.2f} s "
                   f"({', '.join(sorted(sources))})")
@@ -529,8 +513,7 @@ def main(argv: list[str] | None = None) -> int:
         cases = bench_cases(ops, "native" if on_device or args.dry_run else "cpu")
         setup_s = time.perf_counter() - built
         steps = row_plan(cases, implementations, recorded, jax.__version__, record,
-                         args.repeats, chained=on_device or args.dry_run,
-                         stand_ins=_timed_rows(stand_ins))
+                         args.repeats, chained=on_device or args.dry_run)
         by_label = {(c.op, f"{c.shape} {c.dtype}"): c for c in cases}
         plan += [(step, by_label[(step.op, step.label)]) for step in steps]
     if args.dry_run:

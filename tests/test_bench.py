@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
+from jax.sharding import SingleDeviceSharding
 
 from bench import harness
 from bench.__main__ import main, record_path
@@ -341,16 +341,18 @@ def test_design_figures_of_a_strided_convolution():
 
 def test_chained_program_holds_every_call_and_their_values():
     """The device timer's program (`harness.chain`): n calls that XLA neither merges nor
-    hoists, each result passed whole through an optimization barrier, and the links leave the
-    operands' values as they are (a CPU checks the method, never a timing)."""
+    hoists, the first and a loop of n - 1, each result passed whole through an optimization
+    barrier, and the links leave the operands' values as they are (a CPU checks the method,
+    never a timing)."""
     a, b = random((64, 32), jnp.float32, 1), random((32, 16), jnp.float32, 2)
     fn = jax.jit(lambda a, b: matmul(a, b, implementation="xla"))
     program = harness.chain(fn, 5)
     lowered = program.lower(a, b)
-    assert lowered.as_text().count("optimization_barrier") == 5
-    # After XLA's optimizations: five whole products, none merged, hoisted or narrowed to the
-    # element the link reads.
-    assert lowered.compile().as_text().count(" = f32[64,16]{1,0} dot(") == 5
+    assert lowered.as_text().count("optimization_barrier") == 2
+    # After XLA's optimizations: the first product and the loop's, neither hoisted out of the
+    # loop, merged or narrowed to the element the link reads.
+    compiled = lowered.compile().as_text()
+    assert compiled.count(" = f32[64,16]{1,0} dot(") == 2 and " while(" in compiled
     np.testing.assert_array_equal(np.asarray(program(a, b)), np.asarray(fn(a, b)))
     ids = jnp.asarray([3, 1, 4, 1, 5], jnp.int32)  # integer operands are linked too
     assert np.array_equal(harness.chain(lambda i: i * 2, 3)(ids), ids * 2)
@@ -358,18 +360,18 @@ def test_chained_program_holds_every_call_and_their_values():
 
 def test_chained_program_launches_every_kernel_on_an_h100():
     """Compiled by XLA's GPU compiler for an H100 (compile-only), the chained program of a
-    Triton kernel launches it once per call."""
+    Triton kernel launches it once, then in a loop whose trip count XLA knows (its GPU runtime
+    then runs the body n - 1 times with no predicate read back to the host)."""
     from kernels.compile import programs
 
-    mesh = programs.mesh_for("sm_90", 1, "one")
-    args = [jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=jax.NamedSharding(mesh, P()))
+    device = programs.devices("sm_90", 1)[0]
+    args = [jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=SingleDeviceSharding(device))
             for shape in ((256, 128), (128, 64))]
     fn = lambda a, b: matmul(a, b, implementation="triton", interpret=False)  # noqa: E731
-    report = programs.compile_program("chain", harness.chain(fn, 4), args, mesh,
-                                      target="sm_90", mesh_kind="one",
-                                      implementation="triton")
-    assert report.compiled, report.error
-    assert report.kernel_calls == 4
+    with jax.default_device(device):
+        text = harness.chain(fn, 4).lower(*args).compile().as_text()
+    assert text.count('custom_call_target="__gpu$xla.gpu.triton"') == 2
+    assert '"known_trip_count":{"n":"3"}' in text
 
 
 def test_rows_under_the_timer_floor_are_marked():

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import device
+from bench import device, harness
 from bench.__main__ import record_path
 from tests.support import subprocess_env
 
@@ -50,12 +50,13 @@ def test_rows_run_in_order_of_need_each_op_in_turn():
 
 
 def test_a_short_call_is_chained_until_its_program_outlasts_the_round_trips_jitter():
-    """n per call: the shorter program lasts about CHAIN_SECONDS (a program of 2 calls of 3-120
-    us is shorter than a waited round trip's jitter), within [2, MAX_CHAINED_CALLS]; the
-    expected time is the call's latest row, else a multiple of its roofline floor."""
-    assert device.chained_calls(1e-3) == 2
-    assert device.chained_calls(device.CHAIN_SECONDS / 4) == 4
-    assert device.chained_calls(1e-6) == device.MAX_CHAINED_CALLS
+    """n per call (`harness.chain_calls`): the shorter program lasts about 2.5 ms (a program
+    of 2 calls of 3-120 us is shorter than a waited round trip's jitter), within
+    [2, MAX_CHAINED_CALLS]; the expected time is the call's latest row, else a multiple of its
+    roofline floor."""
+    assert harness.chain_calls(1e-2) == 2
+    assert harness.chain_calls(1e-5) == 250
+    assert harness.chain_calls(1e-9) == harness.MAX_CHAINED_CALLS
     case = types.SimpleNamespace(op="matmul", shape="a", dtype="bfloat16", flops=2e9, bytes=6e6)
     row = {"op": "matmul", "shape": "a", "dtype": "bfloat16", "implementation": "xla",
            "median_ms": 0.25}
