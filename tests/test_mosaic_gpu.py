@@ -339,23 +339,6 @@ def _linear_store_cases() -> dict:
         "scatter-add pieces": (
             jax.grad(lambda t: kernels.gather(t, hot_ids, implementation="mosaic_gpu").sum()),
             [jnp.ones((4, 8))], 1, (1, 2, 1, 256)),
-        # Rows of 4 float32 (one piece stored a row, its 252 columns past the row included)
-        # and of 257 bfloat16 (two pieces): allocated in whole pieces, each row's stores
-        # inside it. On an H200 the unpadded rows lost whole rows to their neighbours' stores.
-        "scatter-add narrow rows": (
-            jax.grad(lambda t: kernels.gather(t, jnp.asarray([2, 9, 0, 0, 5]), axis=1,
-                                              implementation="mosaic_gpu").sum()),
-            [jnp.ones((3, 10, 4))], 1, (3, 10, 256)),
-        "scatter-add rows of two pieces": (
-            jax.grad(lambda t: kernels.gather(t, jnp.arange(7), implementation="mosaic_gpu")
-                     .astype(jnp.float32).sum()),
-            [jnp.ones((129, 257), bf16)], 1, (1, 129, 512)),
-        # Rows of 4100 float32: 17 pieces in spans of 9, the last span's 18th piece past the
-        # row, so each row is 18 pieces wide (whole windows of the row would be 17).
-        "scatter-add spans past the row": (
-            jax.grad(lambda t: kernels.gather(t, jnp.arange(5), implementation="mosaic_gpu")
-                     .sum()),
-            [jnp.ones((9, 4100))], 1, (1, 9, 4608)),
         # Blocks of one row of 300 columns: (1, PIECE) windows.
         "layer norm blocks of a row": (
             lambda x: kernels.layer_norm(x, implementation="mosaic_gpu",
@@ -369,9 +352,45 @@ def _linear_store_cases() -> dict:
     }
 
 
+def test_a_scatter_add_row_stores_its_pieces_and_its_tail():
+    """Each piece's store of a gradient row is one linear copy (`cp.async.bulk`), which nothing
+    clips at the row's end: compiled for sm_90a, a row of 4 float32 stores 16 bytes, a row of
+    264 bfloat16 (257 padded to 16 bytes) a piece of 512 bytes and its 16-byte tail, each a
+    constant (whole pieces past the row, clamped only at the array's end, zeroed the next rows
+    on an H200)."""
+    rows = _compiled(
+        "import json, os, re, tempfile\n"
+        "from kernels.compile import use_compile_only_devices; use_compile_only_devices()\n"
+        "import jax, jax.numpy as jnp, kernels\n"
+        "from kernels.compile.launches import launches, bind\n"
+        "from kernels.compile.mosaic_gpu import _dumped_to\n"
+        "from kernels.compile.programs import devices\n"
+        "from kernels._targets import TARGETS\n"
+        "device = devices('sm_90', 1)[0]\n"
+        "sharding = jax.sharding.SingleDeviceSharding(device)\n"
+        "ids = jnp.asarray([3, 3, -1, 2, 0, 5, 1], jnp.int32)\n"
+        "for shape, dtype, axis in [((3, 10, 4), jnp.float32, 1), ((129, 257), jnp.bfloat16, 0)]:\n"
+        "    fn = jax.grad(lambda t: kernels.gather(t, ids, axis=axis, implementation="
+        "'mosaic_gpu').astype(jnp.float32).sum())\n"
+        "    eqn = [e for e in launches(fn, jnp.ones(shape, dtype), target=TARGETS['sm_90'])\n"
+        "           if e.params['name'] == 'scatter_add_mosaic_gpu'][0]\n"
+        "    args = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=sharding)\n"
+        "            for v in eqn.invars]\n"
+        "    with tempfile.TemporaryDirectory() as folder:\n"
+        "        with _dumped_to(folder), jax.default_device(device):\n"
+        "            jax.jit(bind(eqn)).trace(*args).lower().compile()\n"
+        "        ptx = ''.join(open(os.path.join(folder, f)).read() for f in os.listdir(folder)\n"
+        "                      if f.endswith('.ptx'))\n"
+        "    sizes = []\n"
+        "    for reg in re.findall(r'cp\\.async\\.bulk\\.global\\.shared::cta\\.bulk_group '\n"
+        "                          r'\\[[^\\]]+\\], \\[[^\\]]+\\], (%r\\d+);', ptx):\n"
+        "        found = re.search(rf'mov\\.b32\\s+{reg}, (\\d+);', ptx)\n"
+        "        sizes.append(int(found[1]) if found else None)\n"
+        "    print(json.dumps({'shape': shape, 'sizes': sizes}))\n")
+    assert [sorted(set(r["sizes"])) for r in rows] == [[16], [16, 512]], rows
+
+
 @pytest.mark.parametrize("case", ["gather one id", "scatter-add pieces",
-                                  "scatter-add narrow rows", "scatter-add rows of two pieces",
-                                  "scatter-add spans past the row",
                                   "layer norm blocks of a row", "matmul split-K, N = 64"])
 def test_a_store_that_is_a_run_of_gmem_stays_in_its_rows(case):
     from kernels.compile import launches

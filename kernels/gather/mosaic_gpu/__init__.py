@@ -29,7 +29,7 @@ kernels.compile`). On an H100 (docs/design.md, section 6) the tests found two fa
 neither shows, since fixed: rows landing in shared memory off `TMA_SMEM_ALIGNMENT`, and
 one-row stores running into the next rows (`stored_shape`). On an H200 the forward passed its
 tests natively; the scatter-add zeroed whole rows where a row is not whole pieces (a piece's
-store ran into the next row), fixed by `BackwardPlan.stored_columns` and not rerun there.
+store ran into the next row); the last piece now stores only the row's `tail`, not rerun there.
 """
 
 from kernels.gather.mosaic_gpu.backward import scatter_add

@@ -29,11 +29,11 @@ float32 registers.
                 TMA: zero span -> dx[b, r, k]
 
 A span of a row of whole pieces (`BackwardPlan.whole`) is one linear copy, loads and stores
-alike; other rows move a piece a copy, TMA zero-filling the columns past the row on loads, and
-the gradient is allocated in whole pieces (`BackwardPlan.stored_columns`, sliced after the
-launch): a piece's store is one run of GMEM, which Mosaic GPU copies linearly, past the row's
-end into the next row's columns where the row is narrower (on an H200, such stores zeroed
-whole rows of other CTAs'). Every table row is written once a span, zeros included, by the CTA that
+alike; other rows move a piece a copy, TMA zero-filling the columns past the row on loads. A
+piece's store is one run of GMEM, which Mosaic GPU copies linearly, clamped only at the
+array's end, so the row's last piece stores only the row's `tail` columns and a span's pieces
+past the row store nothing (a whole piece there would overwrite the next row's first
+columns). Every table row is written once a span, zeros included, by the CTA that
 owns it; dropped indices sort past the last row and are never read. No atomics: each output
 element has one writer and a fixed summation order (the stable sort's), so every run gives the
 same bits. No row costs its owner more than its first `length` positions and its pieces'
@@ -74,8 +74,8 @@ _LAYOUT_ITEMSIZE = 4  # a span of float32 in registers: 2 values a thread a piec
 
 class _Span:
     """Span `span` of the rows of a GMEM ref, (batch, rows, num_pieces, PIECE) where the rows
-    are whole pieces (one linear copy a row), else (batch, rows, columns) (a copy a piece: a
-    load zero-fills past the row; a store needs the row `stored_columns` wide)."""
+    are whole pieces (one linear copy a row), else (batch, rows, aligned) (a copy a piece: a
+    load zero-fills past the row; a store stops at it)."""
 
     def __init__(self, plan: BackwardPlan, span, whole: bool):
         self.plan, self.whole = plan, whole
@@ -94,14 +94,26 @@ class _Span:
                                     slot.at[:, i], barrier)
 
     def store(self, slot, destination, batch, row) -> None:
-        """`slot` (a (1, span_pieces, PIECE) ref) into row `row` of `destination[batch]`."""
+        """`slot` (a (1, span_pieces, PIECE) ref) into row `row` of `destination[batch]`:
+        each piece inside the row whole, the last its `BackwardPlan.tail` columns (a store is
+        a linear copy that nothing clips at the row's end), none past the row."""
         if self.whole:
             plgpu.copy_smem_to_gmem(slot, destination.at[
                 batch, pl.ds(row, 1), pl.ds(self.first, self.plan.span_pieces)])
             return
+        last, tail = self.plan.num_pieces - 1, self.plan.tail
         for i in range(self.plan.span_pieces):
-            plgpu.copy_smem_to_gmem(slot.at[:, i], destination.at[
-                batch, pl.ds(row, 1), piece_columns(self.first + i)])
+            piece = self.first + i
+
+            @pl.when(piece < last)
+            def _():
+                plgpu.copy_smem_to_gmem(slot.at[:, i], destination.at[
+                    batch, pl.ds(row, 1), piece_columns(piece)])
+
+            @pl.when(piece == last)
+            def _():
+                plgpu.copy_smem_to_gmem(slot.at[:, i, pl.ds(0, tail)], destination.at[
+                    batch, pl.ds(row, 1), pl.ds(last * PIECE, tail)])
 
 
 class _Ring:
@@ -284,10 +296,9 @@ def scatter_add(g: jax.Array, plan: ScatterPlan, p: Problem, *, config: GatherCo
         scratch += _ring_scratch(schedule, partials.dtype, schedule.partial_slots, 1)
     else:  # every position is its row owner's
         operands = [plan.order, plan.row_starts, g]
-    row = g.shape[2:] if schedule.whole else (schedule.stored_columns,)
     dx = mosaic_gpu_call(
         functools.partial(_rows_body, p=p, plan=schedule),
-        out_shape=[jax.ShapeDtypeStruct((p.batch, p.n, *row), g.dtype)],
+        out_shape=[jax.ShapeDtypeStruct((p.batch, p.n, *g.shape[2:]), g.dtype)],
         grid=(schedule.programs,), grid_names=("blocks",), interpret=interpret,
         name="scatter_add_mosaic_gpu", scratch=scratch,
         flops_and_bytes=_rows_cost(p, schedule))(*operands)[0]
@@ -306,13 +317,12 @@ def _pieces_cost(p: Problem, plan: BackwardPlan) -> tuple[int, int]:
 
 
 def _rows_cost(p: Problem, plan: BackwardPlan) -> tuple[int, int]:
-    """One add per cotangent element; every cotangent row read once (its spans'
-    `moved_columns`), the partial rows read once and the table gradient written once (every
-    piece their spans store: `stored_columns` where rows are not whole pieces); the positions
-    and the segment starts once a span."""
+    """One add per cotangent element; every cotangent row read once and the table gradient
+    written once (their spans' `moved_columns`), the partial rows read once (every piece of
+    their spans); the positions and the segment starts once a span."""
     rows, partials = p.batch * p.num_indices, p.batch * plan.pieces.count
     index_bytes = 4 * p.batch * plan.spans * (p.num_indices + 2 * (p.n + 1))
     moved = plan.moved_columns
-    stored = moved if plan.whole else plan.stored_columns
-    return rows * plan.aligned, ((rows * moved + p.batch * p.n * stored) * p.itemsize
-                                 + partials * stored * 4 + index_bytes)
+    partial_columns = moved if plan.whole else plan.partial_pieces * PIECE
+    return rows * plan.aligned, ((rows + p.batch * p.n) * moved * p.itemsize
+                                 + partials * partial_columns * 4 + index_bytes)

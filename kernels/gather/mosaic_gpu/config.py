@@ -125,8 +125,8 @@ class BackwardPlan(NamedTuple):
     the pieces kernel, one CTA per (b, piece of positions). Where the row is whole pieces
     (`whole`), a span is one linear copy and the spans' starts are clamped inside the row (the
     last may overlap the one before: the same sums written twice); else each piece is a copy of
-    its own, TMA zero-filling the columns past the row on loads, and the gradient is allocated
-    `stored_columns` wide so that each piece's store stays in its row."""
+    its own, TMA zero-filling the columns past the row on loads, the row's last piece storing
+    only its `tail` columns."""
 
     aligned: int
     num_pieces: int
@@ -177,12 +177,11 @@ class BackwardPlan(NamedTuple):
         return self.spans * self.span_pieces * PIECE if self.whole else self.aligned
 
     @property
-    def stored_columns(self) -> int:
-        """Columns of a gradient row as the kernel allocates it (the caller slices them): every
-        piece its spans store. A piece's store is one row, which Mosaic GPU issues as a linear
-        copy clamped only at the array's end (`stored_shape`): in a row of `aligned` columns
-        the piece past them would overwrite the next row's first columns."""
-        return self.partial_pieces * PIECE
+    def tail(self) -> int:
+        """Columns of the row's last piece. A piece's store is one row, which Mosaic GPU
+        issues as a linear copy clamped only at the array's end (`stored_shape`): a whole
+        piece past the row's `aligned` columns would overwrite the next row's first ones."""
+        return self.aligned - (self.num_pieces - 1) * PIECE
 
     @property
     def smem_bytes(self) -> int:
