@@ -26,8 +26,6 @@ import argparse
 import dataclasses
 import datetime
 import importlib
-import importlib.abc
-import importlib.util
 import json
 import math
 import os
@@ -407,21 +405,6 @@ def estimate(step: Step, case: Any, recorded: list[dict], repeats: int) -> None:
 # --- the command ---------------------------------------------------------------------------
 
 
-class _ReferenceFinder(importlib.abc.MetaPathFinder):
-    """Imports `kernels.reference` from the repository's `reference/`, as setup.py installs
-    it, where the package is not installed: a lent GPU runs this command in the bare working
-    tree. Consulted last, so an installed package's own mapping wins."""
-
-    def find_spec(self, name, path=None, target=None):
-        if name != "kernels.reference":
-            return None
-        folder = Path(__file__).resolve().parent.parent / "reference"
-        if not (folder / "__init__.py").is_file():
-            return None
-        return importlib.util.spec_from_file_location(
-            name, folder / "__init__.py", submodule_search_locations=[str(folder)])
-
-
 def _install_wheels(directory: str) -> None:
     """Installs the wheels in `directory` offline (no index, no dependencies), then runs the
     command again without `--wheels` so the new jax is the one imported."""
@@ -458,8 +441,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.wheels:
         _install_wheels(args.wheels)
-    if not any(isinstance(finder, _ReferenceFinder) for finder in sys.meta_path):
-        sys.meta_path.append(_ReferenceFinder())
     if args.dry_run:
         from kernels.compile import use_compile_only_devices
 

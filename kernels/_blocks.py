@@ -83,6 +83,11 @@ def tensor_core_operand(tile: Any, dtype: Any, precision: Any) -> Any:
     return round_to_tf32(tile) if tensor_float32(dtype, precision) else tile
 
 
+def round_up(n: int, multiple: int) -> int:
+    """`n` rounded up to a whole number of `multiple`s."""
+    return -(-n // multiple) * multiple
+
+
 def next_power_of_2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 

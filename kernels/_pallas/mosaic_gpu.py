@@ -32,6 +32,7 @@ from jax.experimental.mosaic.gpu import TiledLayout
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels import _targets
+from kernels._blocks import round_up
 
 __all__ = ["WARPS", "LANES", "TMA_MAX_BOX", "PIECE", "TMA_ALIGNMENT", "TMA_SMEM_ALIGNMENT",
            "PALLAS_SMEM", "RESERVED_SMEM", "UNTILED", "smem_budget", "ctas_per_sm",
@@ -72,8 +73,7 @@ def ctas_per_sm(shared_bytes: int) -> int:
 def aligned_columns(columns: int, itemsize: int, alignment: int = TMA_ALIGNMENT) -> int:
     """`columns` rounded up to a multiple of `alignment` bytes: by default a GMEM row TMA can
     address; with `TMA_SMEM_ALIGNMENT`, a shared-memory row TMA can write."""
-    step = alignment // itemsize
-    return -(-columns // step) * step
+    return round_up(columns, alignment // itemsize)
 
 
 def stored_shape(shape: tuple[int, ...], window: tuple[int, int]) -> tuple[int, ...]:
@@ -94,8 +94,8 @@ def stored_shape(shape: tuple[int, ...], window: tuple[int, int]) -> tuple[int, 
     if block_rows > 1 and block_columns != columns:  # a tensor copy
         return tuple(shape)
     if math.prod(outer) > 1:
-        rows = pl.cdiv(rows, block_rows) * block_rows
-    return (*outer, rows, pl.cdiv(columns, block_columns) * block_columns)
+        rows = round_up(rows, block_rows)
+    return (*outer, rows, round_up(columns, block_columns))
 
 
 def pad_to(a: jax.Array, *sizes: int) -> jax.Array:

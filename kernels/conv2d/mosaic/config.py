@@ -11,19 +11,15 @@ import dataclasses
 import jax.numpy as jnp
 
 from kernels import _targets
-from kernels._blocks import LANES, require_floating, sublanes
+from kernels._blocks import LANES, require_floating, round_up, sublanes
 from kernels._epilogue import require_supported
 from kernels._pallas import pl
 from kernels.conv2d.common import Conv2dConfig, Problem
 
-__all__ = ["Layout", "round_up", "lane_channels", "resolve_config", "vmem_bytes", "check"]
+__all__ = ["Layout", "lane_channels", "resolve_config", "vmem_bytes", "check"]
 
 _MAX_CHANNEL_BLOCK = 512
 _TARGET_PIXELS = 512  # rows of the per-tap matmul a step aims for
-
-
-def round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 class Layout:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kernels._blocks import require_floating
+from kernels._blocks import require_floating, round_up
 from kernels._pallas import pl
 from kernels._pallas.mosaic_gpu import aligned_columns, pad_to
 from kernels.conv2d.common import Conv2dConfig, Problem
@@ -18,15 +18,11 @@ from kernels.gemm.mosaic_gpu import config as gemm_config
 from kernels.gemm.mosaic_gpu import tiles
 from kernels.gemm.mosaic_gpu.tiles import ONE_TERM
 
-__all__ = ["round_up", "k_slice", "image_channels", "output_channels", "forward_pixels",
-           "image_operand", "forward_problem", "forward_plan", "forward_terms", "forward_config",
+__all__ = ["k_slice", "image_channels", "output_channels", "forward_pixels", "image_operand",
+           "forward_problem", "forward_plan", "forward_terms", "forward_config",
            "weight_grad_sums", "weight_grad_problem", "weight_grad_plan",
            "weight_grad_in_place", "output_grad_operand", "is_depthwise", "summed_depthwise",
            "check", "resolve_config", "WEIGHT_GRAD_PIXELS"]
-
-
-def round_up(size: int, step: int) -> int:
-    return pl.cdiv(size, step) * step
 
 
 def _gemm_of(p: Problem, rows: int = 1, k: int = 1) -> MatmulProblem:
@@ -110,7 +106,7 @@ def _forward_gemm(p: Problem) -> MatmulProblem:
     channels in whole K slices."""
     block_k = k_slice(p)
     return _gemm_of(p, forward_pixels(p, 1, False).rows(p.n),
-                    p.kh * p.kw * pl.cdiv(p.cg, block_k) * block_k)
+                    p.kh * p.kw * round_up(p.cg, block_k))
 
 
 def forward_plan(p: Problem, config: Conv2dConfig | None) -> gemm_config.Plan:

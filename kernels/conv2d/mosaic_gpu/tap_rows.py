@@ -10,9 +10,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kernels._blocks import round_up
 from kernels._pallas.mosaic_gpu import pad_to
 from kernels.conv2d.common import Problem
-from kernels.conv2d.mosaic_gpu.config import round_up
 from kernels.gemm.mosaic_gpu import config as gemm_config
 
 __all__ = ["TapRows", "tap_rows", "tap_rows_matrix", "ROW_BLOCK"]

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from kernels import _targets
 from kernels._blocks import (MIN_PIPELINED_STEPS, fill_sms, is_positive_int, max_splits,
-                             nonempty_splits)
+                             nonempty_splits, round_up)
 from kernels._epilogue import require_supported
 from kernels._pallas import pl
 from kernels.matmul.common import MatmulConfig, Problem, flops_and_bytes, num_tiles
@@ -179,8 +179,8 @@ def kernel_problem(p: Problem) -> Problem:
         f32 = jnp.dtype(jnp.float32)
         p = p._replace(transpose_a=False, transpose_b=True, a_dtype=f32, b_dtype=f32)
     m_step = TMA_COLUMNS if p.transpose_a else TMA_ROWS
-    return p._replace(m=pl.cdiv(p.m, m_step) * m_step, n=pl.cdiv(p.n, TMA_COLUMNS) * TMA_COLUMNS,
-                      k=pl.cdiv(p.k, TMA_COLUMNS) * TMA_COLUMNS)
+    return p._replace(m=round_up(p.m, m_step), n=round_up(p.n, TMA_COLUMNS),
+                      k=round_up(p.k, TMA_COLUMNS))
 
 
 def _splits(p: Problem, tiles: int, num_k_blocks: int, asked: int | None) -> int:

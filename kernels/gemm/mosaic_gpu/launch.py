@@ -13,8 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels import _epilogue
-from kernels._blocks import round_to_tf32
-from kernels._pallas import pl
+from kernels._blocks import round_to_tf32, round_up
 from kernels._pallas.mosaic_gpu import mosaic_gpu_call, pad_to
 from kernels.gemm.mosaic_gpu import blackwell, hopper
 from kernels.gemm.mosaic_gpu.config import (TCGEN05, Plan, is_split, kernel_problem, plan_of,
@@ -136,7 +135,7 @@ def launch(a: jax.Array, b: jax.Array, bias: jax.Array | None, residual: jax.Arr
             residual = pad_to(residual, p.m, p.n)
         return _epilogue.apply_after_sum(summed, bias, residual, p.epilogue, p.out_dtype)
     if bias is not None:  # float32 whole tiles: the epilogue's vector loads stay in bounds
-        bias = pad_to(bias.astype(jnp.float32), pl.cdiv(p.n, plan.block_n) * plan.block_n)
+        bias = pad_to(bias.astype(jnp.float32), round_up(p.n, plan.block_n))
     if residual is not None:  # its values are the output dtype's (its dtype is in the
         # result's promotion; a broadcast one was widened for its gradient's sum only)
         residual = pad_to(residual.astype(p.out_dtype), p.m, p.n)
